@@ -1,0 +1,24 @@
+"""kvtier: a tiered KV-cache store for LLM inference.
+
+    tokens -> keys -> lookup -> load into the engine's pages -> compute the rest
+    engine pages -> save -> top tier -> (evicted) -> next tier down -> ... -> dropped
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, KvtierError,
+                           LayoutError, TransferError)
+from kvtier.handles import Transfer
+from kvtier.keys import BlockKeys, Keyer, Namespace
+from kvtier.layout import KVLayout, preset_layout
+from kvtier.stats import StoreStats, TierStats
+from kvtier.store import Hit, Store
+from kvtier.tiers import HostTier, Tier
+
+__all__ = [
+    "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
+    "HostTier", "Tier", "StoreStats", "TierStats",
+    "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
+    "TransferError",
+]

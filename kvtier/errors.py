@@ -1,0 +1,34 @@
+"""The library's exception types: every error kvtier raises on bad input is one of these.
+
+Each message says what was wrong and what to do about it, so a caller can act on it
+without reading kvtier's source.
+"""
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration value is malformed or out of range (capacity, policy name, ...)."""
+
+
+class LayoutError(KvtierError, ValueError):
+    """A tensor does not match the store's KV layout (dtype, shape, device, size)."""
+
+
+class CapacityError(KvtierError):
+    """A request cannot fit in a tier however much is evicted (e.g. a put larger than the tier)."""
+
+
+class KeyNotCachedError(KvtierError, LookupError):
+    """get() was asked for a block the store does not hold (call lookup() first)."""
+
+
+class ClosedError(KvtierError, RuntimeError):
+    """The store or tier was closed and cannot serve requests any more."""
+
+
+class TransferError(KvtierError, RuntimeError):
+    """A copy between memories failed; the blocks involved were not published."""

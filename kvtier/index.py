@@ -1,0 +1,387 @@
+"""The one owner of block metadata: which key lives in which tier and slot, who reads
+it, who pins it, and in which order each tier gives blocks up.
+
+It moves no bytes. The Store pairs it with tiers that hold payload; the hit-ratio
+replay drives it alone, through the same calls in the same order, so both see exactly
+the same hits, misses and evictions.
+
+A block is in exactly one tier. When a tier needs a slot, its policy picks a victim
+among blocks nobody reads, writes or pins there; the victim is demoted to the next tier
+down (a Move the store carries out before reusing the slot) or, from the last tier,
+dropped. A block being written is invisible to lookup until commit().
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+from kvtier.errors import CapacityError, ConfigError, KeyNotCachedError
+from kvtier.policies import BlockInfo, EvictionPolicy, make_policy
+
+Key = Hashable  # 16-byte keys in the store; trace block ids in the replay
+_UNPINNED = 1 << 30
+
+
+class Entry:
+    """Where one block is and who holds it."""
+
+    __slots__ = ("tier", "slot", "refs", "ready", "info")
+
+    def __init__(self, tier: int, slot: int, info: BlockInfo) -> None:
+        self.tier = tier
+        self.slot = slot
+        self.refs = 1          # the writer holds a new block until commit
+        self.ready = False
+        self.info = info
+
+
+@dataclass(slots=True)
+class Move:
+    """A block leaving (src_tier, src_slot): to (dst_tier, dst_slot), or dropped (dst_tier None)."""
+
+    key: Key
+    src_tier: int
+    src_slot: int
+    dst_tier: int | None
+    dst_slot: int = -1
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Slots given to a put's new blocks, and the moves to run before writing them."""
+
+    keys: list[Key] = field(default_factory=list)      # new blocks, tail-first
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index of each new block in the put
+    moves: list[Move] = field(default_factory=list)
+    present: int = 0        # blocks already cached (refreshed, not written)
+    rejected: int = 0       # blocks not admitted or with no room
+    tier: int = 0
+
+
+@dataclass(slots=True)
+class TierCounters:
+    inserted: int = 0       # new blocks written into this tier
+    hits: int = 0           # blocks served to readers from this tier
+    evicted: int = 0        # blocks that left this tier to make room
+    demoted_in: int = 0     # blocks that arrived from the tier above
+    dropped: int = 0        # blocks that left the store from this tier
+    rejected: int = 0       # new blocks refused (admission filter or no room)
+
+
+class TierState:
+    """Per-tier bookkeeping: capacity, free slots, policy, counters."""
+
+    def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        self.policy = policy
+        self.counters = TierCounters()
+        self.pinned = 0          # distinct keys pinned with this tier as their floor
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self.free)
+
+
+@dataclass(slots=True)
+class PinRecord:
+    keys: list[Key]
+    tier: int
+    expires: float
+
+
+class BlockIndex:
+    """Metadata of every cached block across an ordered list of tiers (0 = top)."""
+
+    def __init__(self, tiers: Sequence[tuple[str, int]],
+                 policy: str | EvictionPolicy | Sequence[str | EvictionPolicy] = "lru",
+                 block_tokens: int = 16, pin_budget: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic, allow_offline: bool = False) -> None:
+        if not tiers:
+            raise ConfigError("a store needs at least one tier")
+        if not 0.0 <= pin_budget <= 1.0:
+            raise ConfigError(f"pin_budget is a fraction of each tier's capacity in [0, 1], got {pin_budget}")
+        given = [policy] * len(tiers) if isinstance(policy, (str, EvictionPolicy)) else list(policy)
+        if len(given) != len(tiers):
+            raise ConfigError(f"got {len(given)} policies for {len(tiers)} tiers: give one or one per tier")
+        self.tiers = [TierState(n, c, p if isinstance(p, EvictionPolicy) else make_policy(p, c))
+                      for (n, c), p in zip(tiers, given)]
+        for t in self.tiers:
+            if t.policy.offline and not allow_offline:
+                raise ConfigError(f"policy {t.policy.name!r} needs the future: it is for trace replay only")
+        self.block_tokens = block_tokens
+        self.pin_budget = pin_budget
+        self.clock = clock
+        self.entries: dict[Key, Entry] = {}
+        # key -> tier of every readable block. Kept beside `entries` so lookup is one
+        # C-level map over the keys (a 128k-token prompt has 8,192 of them).
+        self.ready: dict[Key, int] = {}
+        self._pins: dict[str, PinRecord] = {}
+        self._pinners: dict[Key, dict[str, int]] = {}
+        self._floor: dict[Key, int] = {}     # key -> highest tier it must stay in or above
+        self._expiry: list[tuple[float, str]] = []
+
+    # -- lookup ----------------------------------------------------------------------
+    def lookup(self, keys: Sequence[Key]) -> tuple[int, list[int]]:
+        """Length of the longest cached prefix of `keys`, and the tier of each of its blocks."""
+        locs = list(map(self.ready.get, keys))
+        try:
+            n = locs.index(None)
+        except ValueError:
+            return len(locs), locs
+        del locs[n:]
+        return n, locs
+
+    # -- readers ---------------------------------------------------------------------
+    def acquire(self, keys: Sequence[Key]) -> list[tuple[int, int]]:
+        """Hold `keys` for reading (not evictable until release) and refresh them tail-first.
+
+        All or nothing: raises KeyNotCachedError, holding none, if any key is not readable.
+        """
+        self.expire_pins()
+        found = list(map(self.entries.get, keys))
+        for i, e in enumerate(found):
+            if e is None or not e.ready:
+                raise KeyNotCachedError(
+                    f"block {i} of the {len(keys)} requested is not cached: get() only the "
+                    "first lookup(keys).blocks keys, right after the lookup")
+        for e in found:
+            e.refs += 1
+            self.tiers[e.tier].counters.hits += 1
+        self._touch(keys[::-1])
+        return [(e.tier, e.slot) for e in found]
+
+    def release(self, keys: Sequence[Key]) -> None:
+        entries = self.entries
+        for k in keys:
+            entries[k].refs -= 1
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Refresh readable blocks among `keys` (prefix order) tail-first; others are ignored."""
+        self._touch([k for k in reversed(keys) if k in self.ready])
+
+    def _touch(self, keys: Sequence[Key]) -> None:
+        if not keys:
+            return
+        if len(self.tiers) == 1:
+            self.tiers[0].policy.touch(keys)
+            return
+        # Keep the order within each tier; tiers are independent orders.
+        ready = self.ready
+        groups: dict[int, list[Key]] = {}
+        for k in keys:
+            groups.setdefault(ready[k], []).append(k)
+        for t, ks in groups.items():
+            self.tiers[t].policy.touch(ks)
+
+    # -- writers ---------------------------------------------------------------------
+    def reserve(self, keys: Sequence[Key], *, prefix: Sequence[Key] | None = None,
+                start: int | None = None, parent: Key | None = None,
+                last_tokens: int | None = None) -> Reservation:
+        """Give slots in the top tier to the blocks of `keys` that are not cached yet.
+
+        Walks the blocks tail-first: a cached one is refreshed, a new one is offered to
+        the admission filter and given a slot (evicting as needed). Then the chain's
+        `prefix` (default: what `keys` remembers of its chain) is refreshed tail-first,
+        so after a put the root is the most recent block. New blocks stay invisible
+        until commit().
+        """
+        self.expire_pins()
+        top = self.tiers[0]
+        if len(keys) > top.capacity:
+            raise CapacityError(
+                f"a put of {len(keys)} blocks cannot fit in tier {top.name!r} of {top.capacity} blocks: "
+                "put fewer blocks at a time or give the tier more capacity")
+        if prefix is None:
+            prefix = keys.prefix() if hasattr(keys, "prefix") else []
+        if start is None:
+            start = getattr(keys, "start", len(prefix))
+        if parent is None:
+            parent = getattr(keys, "parent", None)
+        n = len(keys)
+        res = Reservation()
+        entries, ready, policy, bt = self.entries, self.ready, top.policy, self.block_tokens
+        run: list[Key] = []          # consecutive cached blocks, refreshed in one call
+        for i in range(n - 1, -1, -1):
+            k = keys[i]
+            if k in entries:
+                res.present += 1
+                if k in ready:
+                    run.append(k)
+                continue             # being written by another put: leave it to that one
+            if run:
+                self._touch(run)
+                run = []
+            tokens = last_tokens if (i == n - 1 and last_tokens is not None) else bt
+            info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, tokens, bt, start + n)
+            if not policy.admit(info):
+                res.rejected += 1
+                top.counters.rejected += 1
+                continue
+            slot = self._allocate(0, res.moves)
+            if slot is None:
+                res.rejected += 1
+                top.counters.rejected += 1
+                continue
+            entries[k] = Entry(0, slot, info)
+            policy.insert(info)
+            top.counters.inserted += 1
+            res.keys.append(k)
+            res.slots.append(slot)
+            res.positions.append(i)
+        if run:
+            self._touch(run)
+        if prefix:
+            self._touch([k for k in reversed(prefix) if k in ready])
+        return res
+
+    def commit(self, res: Reservation) -> None:
+        """The reserved blocks were written: make them readable."""
+        entries, ready = self.entries, self.ready
+        for k in res.keys:
+            e = entries[k]
+            e.refs -= 1
+            e.ready = True
+            ready[k] = e.tier
+
+    def abort(self, res: Reservation) -> None:
+        """The write failed: forget the reserved blocks and free their slots."""
+        for k in res.keys:
+            e = self.entries.pop(k)
+            t = self.tiers[e.tier]
+            t.policy.remove(k)
+            t.free.append(e.slot)
+
+    def discard(self, key: Key) -> bool:
+        """Drop a readable block nobody holds (e.g. its bytes failed verification)."""
+        e = self.entries.get(key)
+        if e is None or not e.ready or e.refs:
+            return False
+        t = self.tiers[e.tier]
+        t.policy.remove(key)
+        t.free.append(e.slot)
+        t.counters.dropped += 1
+        del self.entries[key]
+        del self.ready[key]
+        return True
+
+    def _evictable(self, key: Key, tier: int) -> bool:
+        e = self.entries[key]
+        if e.refs or not e.ready:
+            return False
+        floor = self._floor.get(key, _UNPINNED)
+        if floor == _UNPINNED:
+            return True
+        # A pinned block may move down to its floor tier, never below it or out.
+        return floor > tier and tier + 1 < len(self.tiers)
+
+    def _allocate(self, tier: int, moves: list[Move]) -> int | None:
+        """A free slot in `tier`, evicting (and demoting) a victim if needed; None if impossible."""
+        ts = self.tiers[tier]
+        if ts.free:
+            return ts.free.pop()
+        victim = ts.policy.victim(lambda k: self._evictable(k, tier))
+        if victim is None:
+            return None
+        e = self.entries[victim]
+        slot = e.slot
+        ts.policy.remove(victim)
+        ts.counters.evicted += 1
+        below = tier + 1
+        if below < len(self.tiers):
+            dst = self._allocate(below, moves)
+            if dst is not None:
+                # Write-back: the victim keeps existing one tier down.
+                moves.append(Move(victim, tier, slot, below, dst))
+                e.tier, e.slot = below, dst
+                self.ready[victim] = below
+                lower = self.tiers[below]
+                lower.policy.insert(e.info)
+                lower.counters.demoted_in += 1
+                return slot
+            if victim in self._floor:
+                # A pinned block found no room below: it stays where it is.
+                ts.policy.insert(e.info)
+                ts.counters.evicted -= 1
+                return None
+        moves.append(Move(victim, tier, slot, None))
+        ts.counters.dropped += 1
+        del self.entries[victim]
+        del self.ready[victim]
+        return slot
+
+    # -- pins ------------------------------------------------------------------------
+    def pin(self, session: str, keys: Sequence[Key], ttl: float, tier: int = 0) -> int:
+        """Keep `keys` in `tier` or above until `ttl` seconds pass or unpin(session).
+
+        Pins the longest prefix of `keys` that fits the tier's pinned budget and returns
+        its length. Keys not cached yet are protected once they arrive. Pinning a session
+        again replaces its previous pin.
+        """
+        if not 0 <= tier < len(self.tiers):
+            raise ConfigError(f"pin tier {tier} out of range: the store has {len(self.tiers)} tiers")
+        if ttl <= 0:
+            raise ConfigError(f"ttl must be positive seconds, got {ttl}")
+        self.unpin(session)
+        self.expire_pins()
+        ts = self.tiers[tier]
+        budget = int(self.pin_budget * ts.capacity)
+        pinned: list[Key] = []
+        for k in keys:
+            old = self._floor.get(k, _UNPINNED)
+            if old > tier:
+                if ts.pinned + 1 > budget:
+                    break
+                ts.pinned += 1
+                if old != _UNPINNED:
+                    self.tiers[old].pinned -= 1
+                self._floor[k] = tier
+            self._pinners.setdefault(k, {})[session] = tier
+            pinned.append(k)
+        expires = self.clock() + ttl
+        self._pins[session] = PinRecord(pinned, tier, expires)
+        heapq.heappush(self._expiry, (expires, session))
+        return len(pinned)
+
+    def unpin(self, session: str) -> int:
+        """Release a session's pin; returns how many keys it had pinned (0 if none)."""
+        rec = self._pins.pop(session, None)
+        if rec is None:
+            return 0
+        for k in rec.keys:
+            who = self._pinners[k]
+            del who[session]
+            old = self._floor[k]
+            new = min(who.values(), default=_UNPINNED)
+            if not who:
+                del self._pinners[k]
+            if new != old:
+                self.tiers[old].pinned -= 1
+                if new == _UNPINNED:
+                    del self._floor[k]
+                else:
+                    self.tiers[new].pinned += 1
+                    self._floor[k] = new
+        return len(rec.keys)
+
+    def expire_pins(self) -> None:
+        """Drop pins whose TTL has passed."""
+        exp = self._expiry
+        if not exp or exp[0][0] > self.clock():
+            return
+        now = self.clock()
+        while exp and exp[0][0] <= now:
+            expires, session = heapq.heappop(exp)
+            rec = self._pins.get(session)
+            if rec is not None and rec.expires == expires:   # not re-pinned since
+                self.unpin(session)
+
+    def pinned_keys(self) -> int:
+        return len(self._floor)
+
+    def sessions(self) -> dict[str, PinRecord]:
+        return dict(self._pins)

@@ -1,0 +1,73 @@
+"""The interface every eviction/admission policy implements.
+
+Policies see metadata only, never payload: the store and the hit-ratio replay
+(`kvtier bench hit-ratio`) drive the very same objects, so a replayed hit ratio is the
+one the store gets. One policy instance governs one tier.
+
+The index calls a policy in a fixed order, which the replay reproduces exactly:
+- `touch(keys)` with a request's cached blocks tail-first (deepest block first), so a
+  recency policy ends with the prefix's root as most recent: leaves go before roots;
+- `admit(info)` then `insert(info)` for each new block, also tail-first;
+- `victim(evictable)` when the tier needs a slot, then `remove(key)` for the block
+  that leaves (also called when a block leaves for any other reason).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+Key = bytes
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    """What a policy may know about a block when it is inserted."""
+
+    key: Key
+    parent: Key | None      # the previous block's key in its chain (None: unknown)
+    depth: int              # index of the block in its prompt (0 = root)
+    tokens: int             # tokens in the block (< block_tokens only for traces' partial blocks)
+    block_tokens: int       # full block size
+    request_blocks: int     # blocks in the request that brought it (0: unknown)
+
+    @property
+    def partial(self) -> bool:
+        return self.tokens < self.block_tokens
+
+
+class EvictionPolicy(ABC):
+    """Chooses which block a tier gives up, and (optionally) which new blocks it admits."""
+
+    name: ClassVar[str]
+    #: True for policies that need the future (Belady): replay only, never a live store.
+    offline: ClassVar[bool] = False
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+
+    def admit(self, info: BlockInfo) -> bool:
+        """Whether a new block is cached at all. Default: admit everything."""
+        return True
+
+    @abstractmethod
+    def insert(self, info: BlockInfo) -> None:
+        """A new block entered the tier."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Cached blocks were used, in the order given (the index passes them tail-first)."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """A block left the tier (evicted, moved or dropped); forget it."""
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """The block to evict next among those `evictable` accepts, or None if there is none.
+
+        Must not change state: the index calls remove() on the block it then evicts.
+        """
+
+    def __len__(self) -> int:  # pragma: no cover - optional
+        raise NotImplementedError

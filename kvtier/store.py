@@ -1,0 +1,264 @@
+"""The tiered store an engine calls: keys, lookup, get, put, pin, stats.
+
+    tokens -> keys() -> lookup() -> get() into the engine's buffers
+    engine buffers -> put() -> top tier -> (evicted) -> next tier down -> ... -> dropped
+
+Decisions (which slot, which victim, who may be evicted) belong to the BlockIndex;
+bytes live in the tiers; this class ties the two together under one lock and copies
+bytes outside it. A block being read is held (never evicted or overwritten); a block
+being written is invisible until its bytes are all in place.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.handles import Transfer
+from kvtier.index import BlockIndex, Move
+from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
+from kvtier.layout import KVLayout
+from kvtier.payload import as_rows
+from kvtier.policies import DEFAULT_POLICY
+from kvtier.stats import StoreCounters, StoreStats, TierStats
+from kvtier.tiers.base import Tier
+
+
+@dataclass
+class Hit:
+    """The answer of lookup(): the longest cached prefix and where each of its blocks lives."""
+
+    blocks: int
+    block_tokens: int
+    tiers: list[int]          # tier index of each hit block (0 = top)
+    tier_names: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+    def by_tier(self) -> dict[str, int]:
+        """How many of the hit blocks each tier holds."""
+        counts = {name: 0 for name in self.tier_names}
+        for t in self.tiers:
+            counts[self.tier_names[t]] += 1
+        return counts
+
+
+class Store:
+    """A KV-cache store over an ordered list of tiers (fastest first)."""
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
+                 policy: str = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
+                 io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
+        if not isinstance(namespace, Namespace):
+            raise ConfigError("namespace must be a kvtier.Namespace(model=..., revision=..., salt=b'')")
+        if isinstance(tiers, Tier) or not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise ConfigError("tiers must be a non-empty list of tiers, fastest first, e.g. [kvtier.HostTier(capacity='8GiB')]")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}: pass name=... to tell them apart")
+        if hash not in HASHES:
+            raise ConfigError(f"unknown hash {hash!r}; choose one of {', '.join(HASHES)}")
+        if io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
+        self.layout = layout
+        self.namespace = namespace
+        self.tiers = list(tiers)
+        self.keyer = Keyer(namespace, layout, hash)
+        for t in self.tiers:
+            t.bind(layout.block_bytes)
+        self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
+                                layout.block_tokens, pin_budget, clock)
+        self.counters = StoreCounters()
+        self._lock = threading.Lock()
+        self._io_threads = io_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- tokens -> keys -> lookup ----------------------------------------------------
+    def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
+        """Chained keys of the full blocks of `tokens` (continuing `parent` if given)."""
+        return self.keyer(tokens, parent)
+
+    def lookup(self, keys: Sequence[bytes]) -> Hit:
+        """The longest cached prefix of `keys` and the tier of each block; moves no data."""
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            n, locs = self.index.lookup(keys)
+            c = self.counters
+            c.lookups += 1
+            c.lookup_blocks += len(keys)
+            c.lookup_hit_blocks += n
+        return Hit(n, self.layout.block_tokens, locs, [t.name for t in self.tiers])
+
+    # -- load ------------------------------------------------------------------------
+    def get(self, keys: Sequence[bytes], out: object, *, blocking: bool = True) -> Transfer:
+        """Copy the blocks of `keys` into `out` ([n, block_bytes] uint8, [n, *block_shape], or a list).
+
+        Every key must be cached (get what lookup() returned). With blocking=False the
+        copy runs on an I/O thread; wait() on the handle before reading `out`.
+        """
+        self._check_keys(keys)
+        rows = as_rows(out, len(keys), self.layout, "out", writable=True)
+        with self._lock:
+            self._check_open()
+            locs = self.index.acquire(keys)
+            c = self.counters
+            c.gets += 1
+            c.get_blocks += len(keys)
+            c.get_bytes += len(keys) * self.layout.block_bytes
+
+        def load() -> None:
+            try:
+                if len(self.tiers) == 1:
+                    self.tiers[0].read([s for _, s in locs], rows)
+                else:
+                    for t, slots, idx in _group(locs):
+                        self.tiers[t].read(slots, [rows[i] for i in idx])
+            finally:
+                with self._lock:
+                    self.index.release(keys)
+
+        return self._run("get", load, len(keys), len(keys) * self.layout.block_bytes, blocking)
+
+    # -- save ------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: object, *, blocking: bool = True) -> Transfer:
+        """Store blocks under `keys` (prefix order). Cached ones are refreshed, not rewritten.
+
+        Blocks become visible to lookup() once written; with blocking=False the copy
+        runs on an I/O thread and `blocks` must stay unchanged until wait() returns.
+        """
+        self._check_keys(keys)
+        rows = as_rows(blocks, len(keys), self.layout, "blocks")
+        with self._lock:
+            self._check_open()
+            res = self.index.reserve(keys)
+            self._move(res.moves)
+            c = self.counters
+            c.puts += 1
+            c.put_present += res.present
+            c.put_rejected += res.rejected
+        nbytes = len(res.keys) * self.layout.block_bytes
+        if not res.keys:
+            return Transfer("put", 0, 0, res.present, res.rejected)
+        srcs = [rows[i] for i in res.positions]
+        top = self.tiers[0]
+
+        def save() -> None:
+            try:
+                top.write(res.slots, srcs)
+            except BaseException:
+                with self._lock:
+                    self.index.abort(res)
+                raise
+            with self._lock:
+                self.index.commit(res)
+                self.counters.put_blocks += len(res.keys)
+                self.counters.put_bytes += nbytes
+
+        t = self._run("put", save, len(res.keys), nbytes, blocking)
+        t.present, t.rejected = res.present, res.rejected
+        return t
+
+    def _move(self, moves: list[Move]) -> None:
+        """Carry out demotions chosen by the index (under the lock, before slots are reused)."""
+        for m in moves:
+            if m.dst_tier is not None:
+                self.tiers[m.dst_tier].write([m.dst_slot], [self.tiers[m.src_tier].block(m.src_slot)])
+
+    def _run(self, op: str, work: Callable[[], None], blocks: int, nbytes: int, blocking: bool) -> Transfer:
+        if blocking:
+            work()
+            return Transfer(op, blocks, nbytes)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-io")
+        return Transfer(op, blocks, nbytes, _future=self._executor.submit(work))
+
+    # -- pins ------------------------------------------------------------------------
+    def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str = 0) -> int:
+        """Keep a session's blocks in `tier` (name or index) or above for `ttl` seconds.
+
+        Pins the longest prefix of `keys` that fits the tier's pinned budget
+        (pin_budget x capacity) and returns how many blocks that is. Keys not cached
+        yet are protected when they arrive. Pinning a session again replaces its pin.
+        """
+        if not isinstance(session, str) or not session:
+            raise ConfigError("session must be a non-empty string")
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self.index.pin(session, keys, float(ttl), self._tier_index(tier))
+
+    def unpin(self, session: str) -> int:
+        """Release a session's pin; returns how many blocks it held (0 if none)."""
+        with self._lock:
+            return self.index.unpin(session)
+
+    def _tier_index(self, tier: int | str) -> int:
+        if isinstance(tier, str):
+            for i, t in enumerate(self.tiers):
+                if t.name == tier:
+                    return i
+            raise ConfigError(f"no tier named {tier!r}; tiers are {[t.name for t in self.tiers]}")
+        return tier
+
+    # -- stats and lifetime -------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """Counters for the store and each tier (hits, evictions, bytes, pinned bytes)."""
+        with self._lock:
+            self.index.expire_pins()
+            tiers = []
+            for t, s in zip(self.tiers, self.index.tiers):
+                c = s.counters
+                tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
+                                       c.evicted, c.demoted_in, c.dropped, c.rejected, s.pinned, t.info()))
+            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.sessions()))
+
+    def close(self) -> None:
+        """Finish pending transfers and release every tier's memory."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self.tiers:
+                t.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this store is closed; create a new Store")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> None:
+        if isinstance(keys, BlockKeys):
+            return   # made by Keyer: already the right type and size
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise LayoutError("keys must be a list of 16-byte block keys, e.g. from store.keys(tokens)")
+        for i, k in enumerate(keys):
+            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+                raise LayoutError(f"keys[{i}] is not a {KEY_BYTES}-byte block key: use store.keys(tokens)")
+
+
+def _group(locs: list[tuple[int, int]]) -> list[tuple[int, list[int], list[int]]]:
+    """(tier, slots, positions) for each tier that holds some of `locs`."""
+    by: dict[int, tuple[list[int], list[int]]] = {}
+    for i, (t, s) in enumerate(locs):
+        slots, idx = by.setdefault(t, ([], []))
+        slots.append(s)
+        idx.append(i)
+    return [(t, slots, idx) for t, (slots, idx) in by.items()]

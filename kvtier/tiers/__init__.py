@@ -1,0 +1,5 @@
+"""Tiers: fixed-size slot pools holding whole blocks, from fastest to largest."""
+from kvtier.tiers.base import Tier
+from kvtier.tiers.host import HostTier
+
+__all__ = ["Tier", "HostTier"]

@@ -1,0 +1,73 @@
+"""What every tier is: a fixed number of equal slots holding whole blocks' bytes.
+
+A tier knows nothing about keys: the BlockIndex decides which block goes in which slot;
+a tier only moves bytes in and out of slots. Payload arrives as rows: 1-D uint8 numpy
+views of exactly one block each (see kvtier/payload.py).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.units import format_bytes, parse_bytes
+
+
+class Tier(ABC):
+    """A slot pool. Construct with a capacity; the store binds it to a block size."""
+
+    kind: str = "tier"
+
+    def __init__(self, capacity: int | str | None = None, *, blocks: int | None = None,
+                 name: str | None = None) -> None:
+        if (capacity is None) == (blocks is None):
+            raise ConfigError(f"{type(self).__name__} needs exactly one of capacity (bytes, e.g. '8GiB') or blocks=N")
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
+            raise ConfigError(f"blocks must be a positive int, got {blocks!r}")
+        self.capacity_bytes = None if capacity is None else parse_bytes(capacity)
+        self.capacity_spec = blocks
+        self.name = name or self.kind
+        self.block_bytes = 0
+        self.capacity_blocks = 0
+
+    def bind(self, block_bytes: int) -> int:
+        """Size the tier for blocks of `block_bytes`, allocate it, and return its slot count."""
+        if self.block_bytes:
+            raise ConfigError(f"tier {self.name!r} is already in use by a store: give each store its own tiers")
+        if self.capacity_spec is not None:
+            n = self.capacity_spec
+        else:
+            assert self.capacity_bytes is not None
+            n = self.capacity_bytes // block_bytes
+            if n == 0:
+                raise CapacityError(
+                    f"tier {self.name!r}: capacity {format_bytes(self.capacity_bytes)} is smaller than one "
+                    f"block ({block_bytes} bytes = {format_bytes(block_bytes)}); give it at least that much")
+        self.block_bytes = block_bytes
+        self.capacity_blocks = n
+        self._allocate(n, block_bytes)
+        return n
+
+    @abstractmethod
+    def _allocate(self, slots: int, block_bytes: int) -> None: ...
+
+    @abstractmethod
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        """Copy rows[i] into slots[i]."""
+
+    @abstractmethod
+    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        """Copy slots[i] into rows[i]."""
+
+    @abstractmethod
+    def block(self, slot: int) -> np.ndarray:
+        """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
+
+    def info(self) -> dict[str, Any]:
+        """Static facts for stats (memory kind, pinned or not, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Release the tier's memory or files."""

@@ -1,0 +1,52 @@
+"""Host-memory tier: one page-aligned (pinned when CUDA is here) allocation cut into slots."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvtier.tiers.base import Tier
+from kvtier.tiers.memory import HostBuffer, allocate_host
+
+
+class HostTier(Tier):
+    """Blocks in host RAM. `HostTier(capacity="8GiB")` or `HostTier(blocks=1024)`."""
+
+    kind = "host"
+
+    def __init__(self, capacity: int | str | None = None, *, blocks: int | None = None,
+                 name: str | None = None, pin: bool | None = None) -> None:
+        super().__init__(capacity, blocks=blocks, name=name)
+        self.pin = pin
+        self._buf: HostBuffer | None = None
+        self.slots: np.ndarray | None = None   # [capacity_blocks, block_bytes] view of the pool
+
+    def _allocate(self, slots: int, block_bytes: int) -> None:
+        self._buf = allocate_host(slots * block_bytes, self.pin)
+        self.slots = self._buf.array[: slots * block_bytes].reshape(slots, block_bytes)
+
+    # Speed: numpy row assignment is a plain memcpy (about raw speed even for 64 KiB
+    # rows here), where torch.index_copy_ ran ~9x slower.
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        pool = self.slots
+        for s, row in zip(slots, rows):
+            pool[s] = row
+
+    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        pool = self.slots
+        for s, row in zip(slots, rows):
+            row[...] = pool[s]
+
+    def block(self, slot: int) -> np.ndarray:
+        return self.slots[slot]
+
+    def info(self) -> dict[str, Any]:
+        if self._buf is None:
+            return {"memory": "unallocated"}
+        return {"memory": self._buf.memory, "memory_note": self._buf.note, "allocated_bytes": self._buf.nbytes}
+
+    def close(self) -> None:
+        self.slots = None
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None
