@@ -1,0 +1,34 @@
+"""Shared fixtures: small layouts and stores, one torch thread, the real traces' folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "traces"
+
+
+@pytest.fixture
+def layout() -> kvtier.KVLayout:
+    """A tiny MHA layout: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x fp16 = 512 B/block."""
+    return kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)
+
+
+@pytest.fixture
+def ns() -> kvtier.Namespace:
+    return kvtier.Namespace(model="test-model", revision="r1")
+
+
+def payload(keys: list[bytes], block_bytes: int) -> torch.Tensor:
+    """Bytes derived from each key only, so any load can be checked exactly."""
+    out = torch.empty(len(keys), block_bytes, dtype=torch.uint8)
+    for i, k in enumerate(keys):
+        row = torch.frombuffer(bytearray(k * (block_bytes // 16 + 1)), dtype=torch.uint8)
+        out[i] = row[:block_bytes]
+    return out

@@ -1,0 +1,42 @@
+"""The `kvtier` command as a user runs it: subprocesses, real output."""
+import json
+import subprocess
+import sys
+
+
+def kvtier(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_demo_runs_and_verifies_loads():
+    r = kvtier("demo", "--sessions", "2", "--turns", "3", "--capacity", "256MiB", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "every load verified" in r.stdout
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["counters"]["lookup_hit_blocks"] > 0 and stats["counters"]["gets"] > 0
+
+
+def test_bench_lookup_json():
+    r = kvtier("bench", "lookup", "--tokens", "8192", "--repeat", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["blocks"] == 512 and row["baseline_ms"] > 0 and row["total_ms"] > 0
+    assert abs(row["ratio"] - row["baseline_ms"] / row["total_ms"]) < 1e-9
+
+
+def test_bench_tiers_json_fields():
+    r = kvtier("bench", "tiers", "--block-bytes", "64KiB,1MiB", "--total", "8MiB", "--repeat", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["op"], x["block_bytes"]) for x in rows] == [("put", 65536), ("get", 65536), ("put", 1 << 20), ("get", 1 << 20)]
+    for x in rows:
+        assert set(x) >= {"tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"}
+        assert x["gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 1e-9
+
+
+def test_errors_are_one_line_with_a_hint():
+    r = kvtier("demo", "--capacity", "lots")
+    assert r.returncode == 2
+    assert r.stderr.startswith("kvtier: error: cannot parse size 'lots'") and "Traceback" not in r.stderr
+    r = kvtier("demo", "--layout", "gpt-9")
+    assert r.returncode == 2 and "kimi-k2" in r.stderr

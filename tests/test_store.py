@@ -1,0 +1,306 @@
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, LayoutError)
+from tests.conftest import payload
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(layout, ns, blocks=16, **kw) -> kvtier.Store:
+    return kvtier.Store(layout, [kvtier.HostTier(blocks=blocks)], ns, **kw)
+
+
+def test_put_lookup_get_round_trip(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(30)))            # 7 full blocks, 2 tokens left over
+    assert len(keys) == 7 and store.lookup(keys).blocks == 0
+    data = payload(keys, layout.block_bytes)
+    t = store.put(keys, data)
+    assert (t.blocks, t.nbytes, t.present) == (7, 7 * layout.block_bytes, 0)
+    hit = store.lookup(keys)
+    assert (hit.blocks, hit.tokens, hit.by_tier()) == (7, 28, {"host": 7})
+    out = torch.zeros(7, layout.block_bytes, dtype=torch.uint8)
+    store.get(keys, out).wait()
+    assert torch.equal(out, data)
+
+
+def test_layout_dtype_tensors_and_lists_are_accepted(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(12)))
+    blocks = torch.randn(3, *layout.block_shape, dtype=torch.float16)
+    store.put(keys, blocks)
+    out = torch.empty_like(blocks)
+    store.get(keys, out)
+    assert torch.equal(out, blocks)
+    outs = [torch.empty(layout.block_shape, dtype=torch.float16) for _ in range(3)]
+    store.get(keys, outs)
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+
+
+def test_lookup_stops_at_the_first_missing_block(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(40)))
+    store.put(keys[:3], payload(keys[:3], layout.block_bytes))
+    store.put(keys[4:6], payload(keys[4:6], layout.block_bytes))
+    assert store.lookup(keys).blocks == 3
+    other = store.keys([999] + list(range(1, 40)))   # differs in block 0: shares nothing
+    assert store.lookup(other).blocks == 0
+
+
+def test_put_of_cached_blocks_only_refreshes(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(16)))
+    store.put(keys, payload(keys, layout.block_bytes))
+    t = store.put(keys, torch.zeros(4, layout.block_bytes, dtype=torch.uint8))
+    assert (t.blocks, t.present) == (0, 4)
+    out = torch.zeros(4, layout.block_bytes, dtype=torch.uint8)
+    store.get(keys, out)
+    assert torch.equal(out, payload(keys, layout.block_bytes))   # not overwritten
+
+
+def test_leaf_first_lru_eviction(layout, ns):
+    store = make(layout, ns, blocks=6)
+    a = store.keys([1] * 16)            # 4 blocks
+    b = store.keys([2] * 12)            # 3 blocks: evicts one of a's
+    store.put(a, payload(a, layout.block_bytes))
+    store.put(b, payload(b, layout.block_bytes))
+    # a's deepest block went first: its prefix of 3 is still whole.
+    assert store.lookup(a).blocks == 3
+    assert store.lookup(b).blocks == 3
+    s = store.stats().tiers[0]
+    assert (s.used_blocks, s.evicted, s.dropped, s.inserted) == (6, 1, 1, 7)
+
+
+def test_get_refreshes_recency(layout, ns):
+    store = make(layout, ns, blocks=4)
+    a, b = store.keys([1] * 8), store.keys([2] * 8)
+    store.put(a, payload(a, layout.block_bytes))
+    store.put(b, payload(b, layout.block_bytes))
+    store.get(a, torch.empty(2, layout.block_bytes, dtype=torch.uint8))   # a is now most recent
+    c = store.keys([3] * 8)
+    store.put(c, payload(c, layout.block_bytes))
+    assert store.lookup(a).blocks == 2 and store.lookup(b).blocks == 0
+
+
+def test_get_of_uncached_keys_raises_and_holds_nothing(layout, ns):
+    store = make(layout, ns, blocks=4)
+    keys = store.keys(list(range(16)))
+    store.put(keys[:2], payload(keys[:2], layout.block_bytes))
+    with pytest.raises(KeyNotCachedError, match="block 2 of the 4"):
+        store.get(keys, torch.empty(4, layout.block_bytes, dtype=torch.uint8))
+    # Nothing stayed held: both blocks can still be evicted.
+    other = store.keys([7] * 16)
+    store.put(other, payload(other, layout.block_bytes))
+    assert store.lookup(keys).blocks == 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.zeros(3, 512, dtype=torch.float32), "dtype"),
+    (torch.zeros(2, 512, dtype=torch.uint8), "shape"),
+    (torch.zeros(3, 500, dtype=torch.uint8), "512 bytes"),
+    (torch.zeros(512, 3, dtype=torch.uint8).t(), "contiguous"),
+    (torch.zeros(3, 512, dtype=torch.uint8, device="meta"), "meta"),
+    ([torch.zeros(512, dtype=torch.uint8)] * 2, "2 blocks but 3"),
+    ("not a tensor", "must be a tensor"),
+])
+def test_put_rejects_bad_blocks_before_touching_the_store(layout, ns, bad, match):
+    store = make(layout, ns)
+    keys = store.keys(list(range(12)))
+    with pytest.raises(LayoutError, match=match):
+        store.put(keys, bad)
+    assert store.lookup(keys).blocks == 0 and store.stats().tiers[0].used_blocks == 0
+
+
+def test_get_rejects_read_only_and_bad_out(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(8)))
+    store.put(keys, payload(keys, layout.block_bytes))
+    ro = np.zeros((2, layout.block_bytes), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(LayoutError, match="read-only"):
+        store.get(keys, ro)
+    with pytest.raises(LayoutError, match="dtype"):
+        store.get(keys, torch.zeros(2, 256, dtype=torch.int16))
+
+
+def test_bad_keys_and_config(layout, ns):
+    store = make(layout, ns)
+    with pytest.raises(LayoutError, match="16-byte"):
+        store.lookup([b"short"])
+    with pytest.raises(LayoutError, match="list of 16-byte"):
+        store.lookup(b"0123456789abcdef")
+    with pytest.raises(ConfigError, match="unknown policy"):
+        make(layout, ns, policy="nope")
+    with pytest.raises(ConfigError, match="non-empty list"):
+        kvtier.Store(layout, kvtier.HostTier(blocks=4), ns)
+    with pytest.raises(ConfigError, match="unique"):
+        kvtier.Store(layout, [kvtier.HostTier(blocks=4), kvtier.HostTier(blocks=4)], ns)
+    with pytest.raises(ConfigError, match="exactly one"):
+        kvtier.HostTier()
+    with pytest.raises(ConfigError, match="Namespace"):
+        kvtier.Store(layout, [kvtier.HostTier(blocks=4)], "model")
+
+
+def test_capacity_smaller_than_one_block(layout, ns):
+    with pytest.raises(CapacityError, match="smaller than one block"):
+        kvtier.Store(layout, [kvtier.HostTier(capacity="100B")], ns)
+
+
+def test_put_larger_than_the_tier(layout, ns):
+    store = make(layout, ns, blocks=3)
+    keys = store.keys(list(range(16)))
+    with pytest.raises(CapacityError, match="4 blocks cannot fit"):
+        store.put(keys, payload(keys, layout.block_bytes))
+    assert store.lookup(keys).blocks == 0
+
+
+def test_a_tier_serves_one_store(layout, ns):
+    tier = kvtier.HostTier(blocks=4)
+    kvtier.Store(layout, [tier], ns)
+    with pytest.raises(ConfigError, match="already in use"):
+        kvtier.Store(layout, [tier], ns)
+
+
+def test_pins_survive_pressure_until_their_ttl(layout, ns):
+    clock = Clock()
+    store = make(layout, ns, blocks=8, clock=clock)
+    sess = store.keys([5] * 16)                 # 4 blocks, the whole pin budget (0.5 x 8)
+    store.put(sess, payload(sess, layout.block_bytes))
+    assert store.pin("s1", sess, ttl=60) == 4
+    assert store.stats().tiers[0].pinned_bytes == 4 * layout.block_bytes
+    for i in range(10):                         # heavy pressure from other prompts
+        k = store.keys([100 + i] * 16)
+        store.put(k, payload(k, layout.block_bytes))
+    assert store.lookup(sess).blocks == 4
+    clock.now = 61                               # TTL over: the pin lapses
+    k = store.keys([999] * 16)
+    store.put(k, payload(k, layout.block_bytes))
+    k = store.keys([998] * 16)
+    store.put(k, payload(k, layout.block_bytes))
+    assert store.lookup(sess).blocks == 0
+    assert store.stats().pinned_sessions == 0
+
+
+def test_pin_budget_and_unpin(layout, ns):
+    store = make(layout, ns, blocks=8)          # budget: 4 pinned blocks
+    a, b = store.keys([1] * 12), store.keys([2] * 12)
+    assert store.pin("a", a, ttl=60) == 3       # not cached yet: protected when they arrive
+    assert store.pin("b", b, ttl=60) == 1       # only one more fits
+    assert store.pin("b2", a, ttl=60) == 3      # shared blocks cost the budget once
+    assert store.stats().tiers[0].pinned_blocks == 4
+    assert store.unpin("a") == 3 and store.stats().tiers[0].pinned_blocks == 4   # still pinned by b2
+    assert store.unpin("b2") == 3 and store.unpin("b") == 1
+    assert store.stats().tiers[0].pinned_blocks == 0 and store.unpin("nobody") == 0
+    with pytest.raises(ConfigError, match="ttl"):
+        store.pin("c", a, ttl=0)
+
+
+def test_pinned_blocks_arriving_later_are_protected(layout, ns):
+    store = make(layout, ns, blocks=6)
+    sess = store.keys([5] * 12)
+    store.pin("s", sess, ttl=600)
+    store.put(sess, payload(sess, layout.block_bytes))
+    for i in range(5):
+        k = store.keys([50 + i] * 12)
+        store.put(k, payload(k, layout.block_bytes))
+    assert store.lookup(sess).blocks == 3
+    # Every unpinned slot is full of others and the rest is pinned: a put larger than
+    # what can be freed stores what fits and reports the rest.
+    t = store.put(store.keys([77] * 16), torch.zeros(4, layout.block_bytes, dtype=torch.uint8))
+    assert (t.blocks, t.rejected) == (3, 1)
+
+
+def test_two_tiers_demote_on_eviction(layout, ns):
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=4, name="fast"), kvtier.HostTier(blocks=8, name="big")], ns)
+    a, b = store.keys([1] * 16), store.keys([2] * 16)
+    store.put(a, payload(a, layout.block_bytes))
+    store.put(b, payload(b, layout.block_bytes))      # a moves down to "big"
+    hit = store.lookup(a)
+    assert hit.blocks == 4 and hit.by_tier() == {"fast": 0, "big": 4}
+    out = torch.zeros(4, layout.block_bytes, dtype=torch.uint8)
+    store.get(a, out)
+    assert torch.equal(out, payload(a, layout.block_bytes))   # bytes survived the move
+    s = store.stats()
+    assert s.tier("fast").evicted == 4 and s.tier("big").demoted_in == 4 and s.tier("big").dropped == 0
+
+
+def test_pin_to_a_tier_keeps_the_block_there(layout, ns):
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=8, name="fast"), kvtier.HostTier(blocks=8, name="big")], ns)
+    a = store.keys([1] * 16)
+    store.put(a, payload(a, layout.block_bytes))
+    store.pin("s", a, ttl=600, tier="fast")
+    for i in range(4):
+        k = store.keys([10 + i] * 16)
+        store.put(k, payload(k, layout.block_bytes))
+    assert store.lookup(a).by_tier() == {"fast": 4, "big": 0}
+    with pytest.raises(ConfigError, match="no tier named"):
+        store.pin("t", a, ttl=1, tier="disk")
+
+
+def test_non_blocking_put_and_get(layout, ns):
+    store = make(layout, ns, blocks=64)
+    keys = store.keys(list(range(64 * 4)))
+    data = payload(keys, layout.block_bytes)
+    t = store.put(keys, data, blocking=False)
+    assert t.wait() is t and t.done() and store.lookup(keys).blocks == 64
+    out = torch.zeros_like(data)
+    g = store.get(keys, out, blocking=False)
+    g.wait(timeout=10)
+    assert torch.equal(out, data)
+    store.close()
+    with pytest.raises(ClosedError):
+        store.lookup(keys)
+
+
+def test_concurrent_threads_never_read_wrong_bytes(layout, ns):
+    store = make(layout, ns, blocks=24)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        rng = np.random.default_rng(w)
+        for _ in range(60):
+            toks = [int(rng.integers(0, 6))] * 4 + rng.integers(0, 3, 12).tolist()
+            keys = store.keys(toks)
+            hit = store.lookup(keys)
+            if hit.blocks:
+                out = torch.empty(hit.blocks, layout.block_bytes, dtype=torch.uint8)
+                try:
+                    store.get(keys[:hit.blocks], out)
+                except KeyNotCachedError:
+                    continue          # evicted between lookup and get by another thread: a miss
+                if not torch.equal(out, payload(keys[:hit.blocks], layout.block_bytes)):
+                    errors.append("wrong bytes")
+            store.put(keys[hit.blocks:], payload(keys[hit.blocks:], layout.block_bytes))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.stats().tiers[0].used_blocks <= 24
+
+
+def test_stats_count_lookups_and_bytes(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys(list(range(16)))
+    store.lookup(keys)
+    store.put(keys, payload(keys, layout.block_bytes))
+    store.lookup(keys)
+    st = store.stats()
+    assert (st.counters.lookups, st.counters.lookup_blocks, st.counters.lookup_hit_blocks) == (2, 8, 4)
+    assert st.hit_ratio == 0.5 and st.counters.put_bytes == 4 * layout.block_bytes
+    d = st.as_dict()
+    assert d["tiers"][0]["used_bytes"] == 4 * layout.block_bytes
+    assert d["tiers"][0]["info"]["memory"] in ("pinned", "pageable")
