@@ -93,6 +93,29 @@ def test_get_refreshes_recency(layout, ns):
     assert store.lookup(a).blocks == 2 and store.lookup(b).blocks == 0
 
 
+def test_get_refreshes_tail_first_so_leaves_go_before_roots(layout, ns):
+    store = make(layout, ns, blocks=6)
+    a, x = store.keys([1] * 16), store.keys([2] * 8)        # 4 + 2 blocks: full
+    store.put(a, payload(a, layout.block_bytes))
+    store.put(x, payload(x, layout.block_bytes))
+    store.get(a, torch.empty(4, layout.block_bytes, dtype=torch.uint8))
+    y = store.keys([3] * 12)                                 # 3 victims: x's two, then a's leaf
+    store.put(y, payload(y, layout.block_bytes))
+    assert store.lookup(a).blocks == 3 and store.lookup(x).blocks == 0
+
+
+def test_put_of_a_suffix_refreshes_the_chain_prefix(layout, ns):
+    store = make(layout, ns, blocks=8)
+    longer = store.keys([1] * 24)                            # 6 blocks; its first 4 are put first
+    store.put(longer[:4], payload(longer[:4], layout.block_bytes))
+    x = store.keys([2] * 8)
+    store.put(x, payload(x, layout.block_bytes))
+    store.put(longer[4:], payload(longer[4:], layout.block_bytes))   # the next turn's new blocks
+    y = store.keys([3] * 12)                                 # 3 victims: x's two, then the leaf
+    store.put(y, payload(y, layout.block_bytes))
+    assert store.lookup(longer).blocks == 5
+
+
 def test_get_of_uncached_keys_raises_and_holds_nothing(layout, ns):
     store = make(layout, ns, blocks=4)
     keys = store.keys(list(range(16)))
