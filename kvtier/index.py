@@ -284,30 +284,30 @@ class BlockIndex:
         ts = self.tiers[tier]
         if ts.free:
             return ts.free.pop()
-        victim = ts.policy.victim(lambda k: self._evictable(k, tier))
-        if victim is None:
-            return None
+        below = tier + 1
+        stuck: set[Key] = set()   # pinned victims that found no room below
+        while True:
+            victim = ts.policy.victim(lambda k: k not in stuck and self._evictable(k, tier))
+            if victim is None:
+                return None
+            dst = self._allocate(below, moves) if below < len(self.tiers) else None
+            if dst is None and victim in self._floor:
+                stuck.add(victim)   # a pinned block may move down but never out: try the next
+                continue
+            break
         e = self.entries[victim]
         slot = e.slot
         ts.policy.remove(victim)
         ts.counters.evicted += 1
-        below = tier + 1
-        if below < len(self.tiers):
-            dst = self._allocate(below, moves)
-            if dst is not None:
-                # Write-back: the victim keeps existing one tier down.
-                moves.append(Move(victim, tier, slot, below, dst))
-                e.tier, e.slot = below, dst
-                self.ready[victim] = below
-                lower = self.tiers[below]
-                lower.policy.insert(e.info)
-                lower.counters.demoted_in += 1
-                return slot
-            if victim in self._floor:
-                # A pinned block found no room below: it stays where it is.
-                ts.policy.insert(e.info)
-                ts.counters.evicted -= 1
-                return None
+        if dst is not None:
+            # Write-back: the victim keeps existing one tier down.
+            moves.append(Move(victim, tier, slot, below, dst))
+            e.tier, e.slot = below, dst
+            self.ready[victim] = below
+            lower = self.tiers[below]
+            lower.policy.insert(e.info)
+            lower.counters.demoted_in += 1
+            return slot
         moves.append(Move(victim, tier, slot, None))
         ts.counters.dropped += 1
         del self.entries[victim]
@@ -332,6 +332,8 @@ class BlockIndex:
         budget = int(self.pin_budget * ts.capacity)
         pinned: list[Key] = []
         for k in keys:
+            if session in self._pinners.get(k, ()):
+                continue            # a key listed twice is pinned once
             old = self._floor.get(k, _UNPINNED)
             if old > tier:
                 if ts.pinned + 1 > budget:
