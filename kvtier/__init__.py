@@ -8,7 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, KvtierError,
-                           LayoutError, TransferError)
+                           LayoutError, TraceError, TransferError)
 from kvtier.handles import Transfer
 from kvtier.keys import BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
@@ -20,5 +20,5 @@ __all__ = [
     "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
     "HostTier", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
-    "TransferError",
+    "TransferError", "TraceError",
 ]

@@ -32,3 +32,13 @@ class ClosedError(KvtierError, RuntimeError):
 
 class TransferError(KvtierError, RuntimeError):
     """A copy between memories failed; the blocks involved were not published."""
+
+
+class TraceError(ConfigError):
+    """A trace file is missing, empty, of an unknown format, or has a malformed line."""
+
+    def __init__(self, path: str, line: int | None, problem: str) -> None:
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {problem}")
+        self.path = path
+        self.line = line

@@ -46,6 +46,10 @@ class EvictionPolicy(ABC):
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
 
+    def begin_request(self, i: int) -> None:
+        """The replay is about to serve request i. A no-op except for policies that follow
+        the trace (Belady); the live store never calls it."""
+
     def admit(self, info: BlockInfo) -> bool:
         """Whether a new block is cached at all. Default: admit everything."""
         return True

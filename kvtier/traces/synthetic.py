@@ -1,0 +1,151 @@
+"""A deterministic generator of agentic request traces.
+
+What agent traffic looks like to a prefix cache: a few system prompts and tool-definition
+sets shared by every session (Zipf-popular), then multi-turn sessions whose conversation
+grows each turn (user message, often a tool result, and the previous reply appended), so
+turn k+1 reuses all of turn k's prompt. Sessions arrive as a Poisson process and think
+between turns, so sessions interleave in time. Everything is drawn from one seeded
+numpy Generator: the same config gives the same tokens, keys and file on every machine.
+
+`python -m kvtier.traces.synthetic OUT.jsonl [--format tokens|mooncake]` writes a trace
+in either JSONL format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.keys import chain_keys, token_bytes
+from kvtier.traces.model import Request, Trace
+from kvtier.traces.mooncake import mooncake_record
+from kvtier.traces.tokens import TRACE_SEED, token_record
+
+
+@dataclass(frozen=True)
+class AgenticConfig:
+    """Knobs of the agentic generator (defaults: ~1,600 requests, ~30k unique 512-token blocks)."""
+
+    seed: int = 0
+    sessions: int = 200
+    system_prompts: int = 4          # distinct system prompts (shared by all sessions)
+    tool_sets: int = 6               # distinct tool-definition sets
+    mean_turns: float = 8.0          # turns per session (geometric)
+    max_context: int = 65_536        # a session ends when its prompt would exceed this
+    session_rate: float = 0.4        # session arrivals per second (Poisson)
+    think_s: float = 15.0            # mean seconds between a reply and the next turn
+    tool_prob: float = 0.6           # chance a turn carries a tool result
+    vocab: int = 100_000
+    block_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "seed" and not v > 0 and f.name != "tool_prob":
+                raise ConfigError(f"AgenticConfig.{f.name} must be positive, got {v}")
+        if not 0.0 <= self.tool_prob <= 1.0:
+            raise ConfigError(f"AgenticConfig.tool_prob is a probability in [0, 1], got {self.tool_prob}")
+
+
+@dataclass(slots=True)
+class SyntheticRequest:
+    timestamp: float                 # ms
+    session: str
+    tokens: np.ndarray               # uint32 prompt (a view of the session's history)
+    output_length: int
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, rng.lognormal(np.log(median), sigma))))
+
+
+def generate(cfg: AgenticConfig = AgenticConfig()) -> list[SyntheticRequest]:
+    """Every request of the trace, in timestamp order (ties keep session order)."""
+    rng = np.random.default_rng(cfg.seed)
+    words = lambda n: rng.integers(0, cfg.vocab, size=n, dtype=np.uint32)  # noqa: E731
+    systems = [words(_lognormal(rng, 1500, 0.5, 200, 6000)) for _ in range(cfg.system_prompts)]
+    tools = [words(_lognormal(rng, 2500, 0.6, 300, 12000)) for _ in range(cfg.tool_sets)]
+    zipf = lambda k: np.arange(1, k + 1) ** -1.1 / np.sum(np.arange(1, k + 1) ** -1.1)  # noqa: E731
+    p_sys, p_tool = zipf(cfg.system_prompts), zipf(cfg.tool_sets)
+    out: list[SyntheticRequest] = []
+    t0 = 0.0
+    for s in range(cfg.sessions):
+        t0 += rng.exponential(1000.0 / cfg.session_rate)
+        sid = f"s{cfg.seed}-{s}"
+        parts = [systems[rng.choice(cfg.system_prompts, p=p_sys)], tools[rng.choice(cfg.tool_sets, p=p_tool)]]
+        turns = int(rng.geometric(1.0 / cfg.mean_turns))
+        t = t0
+        for _ in range(turns):
+            parts.append(words(_lognormal(rng, 150, 1.0, 5, 4000)))             # user message
+            if rng.random() < cfg.tool_prob:
+                parts.append(words(_lognormal(rng, 1200, 1.0, 20, 16000)))      # tool result
+            prompt = np.concatenate(parts)
+            if len(prompt) > cfg.max_context:
+                break
+            reply = _lognormal(rng, 250, 0.8, 1, 4000)
+            out.append(SyntheticRequest(t, sid, prompt, reply))
+            parts = [prompt, words(reply)]                                      # reply joins the history
+            t += reply * 20.0 + rng.exponential(cfg.think_s * 1000.0)           # ~50 tok/s decode + think
+    out.sort(key=lambda r: r.timestamp)  # stable: equal times keep generation order
+    return out
+
+
+def synthetic_trace(cfg: AgenticConfig = AgenticConfig(), name: str | None = None) -> Trace:
+    """The generated trace keyed like a token-level trace file (full blocks, kvtier keys)."""
+    reqs = [Request(keys=list(chain_keys(r.tokens, cfg.block_tokens, TRACE_SEED)), input_length=len(r.tokens),
+                    output_length=r.output_length, timestamp=r.timestamp, session=r.session)
+            for r in generate(cfg)]
+    return Trace(name=name or f"agentic-seed{cfg.seed}", requests=reqs,
+                 block_tokens=cfg.block_tokens, format="synthetic")
+
+
+def mooncake_requests(reqs: list[SyntheticRequest], block_tokens: int) -> Iterator[Request]:
+    """Requests with Mooncake-style dense ids: one per block, the partial last one included."""
+    ids: dict[bytes, int] = {}
+    for r in reqs:
+        keys = list(chain_keys(r.tokens, block_tokens, TRACE_SEED))
+        rem = len(r.tokens) % block_tokens
+        if rem:  # the partial tail gets an id too, chained like any block
+            tail = token_bytes(r.tokens[len(r.tokens) - rem:])
+            keys.append(xxhash.xxh3_128_digest((keys[-1] if keys else TRACE_SEED) + tail))
+        hids = [ids.setdefault(k, len(ids)) for k in keys]
+        yield Request(keys=hids, input_length=len(r.tokens), output_length=r.output_length,
+                      timestamp=r.timestamp, session=r.session, last_tokens=rem or None)
+
+
+def write_trace(path: str, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tokens") -> int:
+    """Write a generated trace as JSONL ("tokens" or "mooncake"); returns the request count."""
+    reqs = generate(cfg)
+    with open(path, "w", encoding="utf-8") as f:
+        if fmt == "tokens":
+            for r in reqs:
+                f.write(json.dumps(token_record(r.tokens, r.timestamp, r.output_length, r.session)) + "\n")
+        elif fmt == "mooncake":
+            for m in mooncake_requests(reqs, cfg.block_tokens):
+                f.write(json.dumps(mooncake_record(m)) + "\n")
+        else:
+            raise ConfigError(f"unknown trace format {fmt!r}: choose 'tokens' or 'mooncake'")
+    return len(reqs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.traces.synthetic", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="JSONL file to write")
+    p.add_argument("--format", choices=("tokens", "mooncake"), default="tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sessions", type=int, default=AgenticConfig.sessions)
+    p.add_argument("--block-tokens", type=int, default=512)
+    a = p.parse_args(argv)
+    n = write_trace(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=a.block_tokens), a.format)
+    print(f"wrote {n} requests to {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
