@@ -77,7 +77,9 @@ class TierState:
     def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
         self.name = name
         self.capacity = capacity
-        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        # pop() hands out the highest free slot first: a chain inserted tail-first then
+        # fills ascending slots, which the host tier copies as one range.
+        self.free = list(range(capacity))
         self.policy = policy
         self.counters = TierCounters()
         self.pinned = 0          # distinct keys pinned with this tier as their floor

@@ -121,7 +121,7 @@ class Store:
                     self.tiers[0].read([s for _, s in locs], rows)
                 else:
                     for t, slots, idx in _group(locs):
-                        self.tiers[t].read(slots, [rows[i] for i in idx])
+                        self.tiers[t].read(slots, rows, idx)
             finally:
                 with self._lock:
                     self.index.release(keys)
@@ -148,12 +148,11 @@ class Store:
         nbytes = len(res.keys) * self.layout.block_bytes
         if not res.keys:
             return Transfer("put", 0, 0, res.present, res.rejected)
-        srcs = [rows[i] for i in res.positions]
         top = self.tiers[0]
 
         def save() -> None:
             try:
-                top.write(res.slots, srcs)
+                top.write(res.slots, rows, res.positions)
             except BaseException:
                 with self._lock:
                     self.index.abort(res)

@@ -1,13 +1,13 @@
 """What every tier is: a fixed number of equal slots holding whole blocks' bytes.
 
 A tier knows nothing about keys: the BlockIndex decides which block goes in which slot;
-a tier only moves bytes in and out of slots. Payload arrives as rows: 1-D uint8 numpy
-views of exactly one block each (see kvtier/payload.py).
+a tier only moves bytes in and out of slots. Payload arrives as rows: a 2-D uint8 numpy
+array of one block per row, or a list of 1-D one-block views (see kvtier/payload.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -54,12 +54,14 @@ class Tier(ABC):
     def _allocate(self, slots: int, block_bytes: int) -> None: ...
 
     @abstractmethod
-    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
-        """Copy rows[i] into slots[i]."""
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
+              idx: Sequence[int] | None = None) -> None:
+        """Copy rows[idx[j]] (rows[j] without idx) into slots[j]."""
 
     @abstractmethod
-    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
-        """Copy slots[i] into rows[i]."""
+    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
+             idx: Sequence[int] | None = None) -> None:
+        """Copy slots[j] into rows[idx[j]] (rows[j] without idx)."""
 
     @abstractmethod
     def block(self, slot: int) -> np.ndarray:
@@ -71,3 +73,26 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release the tier's memory or files."""
+
+
+def copy_runs(slots: Sequence[int], idx: Sequence[int] | None, mergeable: bool) -> Iterator[tuple[int, int, int]]:
+    """(first slot, first row, length) of each run where slots and rows both step by +1
+    or both by -1, as ascending ranges; single pairs when the rows cannot be sliced."""
+    rows = range(len(slots)) if idx is None else idx
+    if not mergeable:
+        for s, i in zip(slots, rows):
+            yield s, i, 1
+        return
+    n = len(slots)
+    j = 0
+    while j < n:
+        s0, i0, k = slots[j], rows[j], 1
+        if j + 1 < n:
+            d = slots[j + 1] - s0
+            if d in (1, -1) and rows[j + 1] - i0 == d:
+                while j + k < n and slots[j + k] - slots[j + k - 1] == d and rows[j + k] - rows[j + k - 1] == d:
+                    k += 1
+                if d == -1:
+                    s0, i0 = s0 - k + 1, i0 - k + 1
+        yield s0, i0, k
+        j += k
