@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(res.to_json()), flush=True)
             rows.append(res)
     if not args.json:
-        print(f"{'trace':<22} {'router':<12} {'nodes':>5} {'blocks/node':>11} {'prefix hit':>10} {'max/mean load':>13}")
-        for x in rows:
-            print(f"{x.trace:<22} {x.router:<12} {x.nodes:>5} {x.capacity_blocks:>11,} "
-                  f"{x.prefix_hit_ratio:>10.4f} {x.load_imbalance:>13.3f}")
+        from kvtier.bench.common import print_table
+        print_table("Cluster: prefix hit ratio and load balance by router",
+                    ["trace", "router", "nodes", "blocks/node", "prefix hit", "max/mean load"],
+                    [[x.trace, x.router, str(x.nodes), f"{x.capacity_blocks:,}", f"{x.prefix_hit_ratio:.4f}",
+                      f"{x.load_imbalance:.3f}"] for x in rows], left=2)
     return 0

@@ -32,21 +32,29 @@ def emit(rows: Sequence[dict[str, Any]], as_json: bool, title: str, columns: Seq
         for r in rows:
             print(json.dumps(r), flush=True)
         return
+    print_table(title, columns, [[_fmt(r.get(c)) for c in columns] for r in rows])
+
+
+def print_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 0) -> None:
+    """A table for a person: rich when installed, plain columns otherwise. The first
+    `left` columns are left-aligned (names), the rest right-aligned (numbers)."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         print(title)
-        print("  ".join(columns))
-        for r in rows:
-            print("  ".join(_fmt(r.get(c)) for c in columns))
+        for row in [head, *rows]:
+            print("  ".join(str(x).ljust(w) if i < left else str(x).rjust(w)
+                            for i, (x, w) in enumerate(zip(row, widths))))
         return
     table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in rows:
-        table.add_row(*(_fmt(r.get(c)) for c in columns))
-    Console(file=sys.stdout).print(table)
+    for i, h in enumerate(head):
+        table.add_column(h, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*row)
+    # Piped output has no terminal width: don't squeeze the table into 80 columns.
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def _fmt(v: object) -> str:

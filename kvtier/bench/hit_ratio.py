@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(results: list, block_bytes: int | None) -> None:
+    from kvtier.bench.common import print_table
     from kvtier.units import format_bytes
 
     head = ["trace", "policy", "capacity", "blocks", "fraction", "prefix hit", "token hit", "evictions"]
@@ -134,17 +135,4 @@ def _print_table(results: list, block_bytes: int | None) -> None:
         if block_bytes:
             row.insert(4, format_bytes(r.capacity_blocks * block_bytes))
         rows.append(row)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-        for row in [head, *rows]:
-            print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
-        return
-    t = Table(title="Prefix hit ratio by policy and capacity (Belady = offline bound)")
-    for i, h in enumerate(head):
-        t.add_column(h, justify="left" if i < 2 else "right")
-    for row in rows:
-        t.add_row(*row)
-    Console().print(t)
+    print_table("Prefix hit ratio by policy and capacity (Belady = offline bound)", head, rows, left=2)
