@@ -219,7 +219,7 @@ class BlockIndex:
                 self._touch(run)
                 run = []
             tokens = last_tokens if (i == n - 1 and last_tokens is not None) else bt
-            info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, tokens, bt, start + n)
+            info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, tokens, bt, start + n, start)
             if not policy.admit(info):
                 res.rejected += 1
                 top.counters.rejected += 1

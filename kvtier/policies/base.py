@@ -30,6 +30,7 @@ class BlockInfo:
     tokens: int             # tokens in the block (< block_tokens only for traces' partial blocks)
     block_tokens: int       # full block size
     request_blocks: int     # blocks in the request that brought it (0: unknown)
+    prefix_blocks: int = 0  # that request's cached prefix when it arrived (its first new block's depth)
 
     @property
     def partial(self) -> bool:
