@@ -14,11 +14,11 @@ from kvtier.keys import BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
 from kvtier.stats import StoreStats, TierStats
 from kvtier.store import Hit, Store
-from kvtier.tiers import HostTier, Tier
+from kvtier.tiers import DiskTier, HostTier, Tier
 
 __all__ = [
     "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
-    "HostTier", "Tier", "StoreStats", "TierStats",
+    "HostTier", "DiskTier", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
     "TransferError", "TraceError",
 ]

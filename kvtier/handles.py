@@ -11,11 +11,12 @@ from kvtier.errors import TransferError
 class Transfer:
     """A load (get) or save (put) of blocks. `wait()` blocks until the bytes have moved."""
 
-    op: str                  # "get" or "put"
+    op: str                  # "get", "put" or "prefetch"
     blocks: int              # blocks moved (for put: newly written)
     nbytes: int
     present: int = 0         # put: blocks already cached (only refreshed)
     rejected: int = 0        # put: blocks not stored (admission or no room)
+    loaded: int = 0          # get: leading blocks loaded and verified; recompute from here
     _future: Future | None = field(default=None, repr=False)
 
     def done(self) -> bool:

@@ -5,10 +5,12 @@ It moves no bytes. The Store pairs it with tiers that hold payload; the hit-rati
 replay drives it alone, through the same calls in the same order, so both see exactly
 the same hits, misses and evictions.
 
-A block is in exactly one tier. When a tier needs a slot, its policy picks a victim
-among blocks nobody reads, writes or pins there; the victim is demoted to the next tier
-down (a Move the store carries out before reusing the slot) or, from the last tier,
-dropped. A block being written is invisible to lookup until commit().
+A block has a primary copy in the fastest tier that holds it, and may have copies in
+lower tiers (a disk copy written through, or left behind by a promotion). When a tier
+needs a slot, its policy picks a victim among blocks nobody reads, writes or pins there:
+a copy that exists elsewhere too is simply dropped; a block's only copy is demoted to the
+next tier down (a Move the store carries out before reusing the slot) or, from the last
+tier, dropped. A block or copy being written is invisible until commit().
 """
 from __future__ import annotations
 
@@ -27,19 +29,26 @@ _UNPINNED = 1 << 30
 class Entry:
     """Where one block is and who holds it."""
 
-    __slots__ = ("tier", "slot", "refs", "ready", "info")
+    __slots__ = ("tier", "slot", "refs", "ready", "info", "copies")
 
     def __init__(self, tier: int, slot: int, info: BlockInfo) -> None:
-        self.tier = tier
+        self.tier = tier       # the primary (fastest) copy
         self.slot = slot
         self.refs = 1          # the writer holds a new block until commit
         self.ready = False
         self.info = info
+        self.copies: dict[int, int] | None = None   # lower tier -> slot of further copies
+
+    def slot_in(self, tier: int) -> int | None:
+        """The block's slot in `tier`, or None if it has no copy there."""
+        if tier == self.tier:
+            return self.slot
+        return self.copies.get(tier) if self.copies else None
 
 
 @dataclass(slots=True)
 class Move:
-    """A block leaving (src_tier, src_slot): to (dst_tier, dst_slot), or dropped (dst_tier None)."""
+    """A copy leaving (src_tier, src_slot): to (dst_tier, dst_slot), or dropped (dst_tier None)."""
 
     key: Key
     src_tier: int
@@ -59,6 +68,7 @@ class Reservation:
     present: int = 0        # blocks already cached (refreshed, not written)
     rejected: int = 0       # blocks not admitted or with no room
     tier: int = 0
+    copy: bool = False      # copies of cached blocks into `tier` (not new blocks)
 
 
 @dataclass(slots=True)
@@ -242,8 +252,22 @@ class BlockIndex:
         return res
 
     def commit(self, res: Reservation) -> None:
-        """The reserved blocks were written: make them readable."""
+        """The reserved blocks (or copies) were written: make them readable."""
         entries, ready = self.entries, self.ready
+        if res.copy:
+            t = res.tier
+            for k, slot in zip(res.keys, res.slots):
+                e = entries[k]
+                e.refs -= 1
+                if e.copies is None:
+                    e.copies = {}
+                if t < e.tier:      # the new copy is faster: it becomes the primary
+                    e.copies[e.tier] = e.slot
+                    e.tier, e.slot = t, slot
+                    ready[k] = t
+                else:
+                    e.copies[t] = slot
+            return
         for k in res.keys:
             e = entries[k]
             e.refs -= 1
@@ -251,35 +275,128 @@ class BlockIndex:
             ready[k] = e.tier
 
     def abort(self, res: Reservation) -> None:
-        """The write failed: forget the reserved blocks and free their slots."""
-        for k in res.keys:
-            e = self.entries.pop(k)
-            t = self.tiers[e.tier]
+        """The write failed: forget the reserved blocks (or copies) and free their slots."""
+        t = self.tiers[res.tier]
+        for k, slot in zip(res.keys, res.slots):
             t.policy.remove(k)
-            t.free.append(e.slot)
+            t.free.append(slot)
+            if res.copy:
+                self.entries[k].refs -= 1
+            else:
+                del self.entries[k]
 
-    def discard(self, key: Key) -> bool:
-        """Drop a readable block nobody holds (e.g. its bytes failed verification)."""
+    def reserve_copies(self, keys: Sequence[Key], tier: int) -> Reservation:
+        """Give slots in `tier` to copies of cached blocks that have none there.
+
+        Used to promote blocks up (a disk hit copied into host memory) and to write
+        blocks down (write-through, flush). The blocks are held until commit() or abort().
+        Blocks not readable, or already in `tier`, are skipped (counted as present).
+        """
+        self.expire_pins()
+        res = Reservation(tier=tier, copy=True)
+        ts = self.tiers[tier]
+        for i, k in enumerate(keys):
+            e = self.entries.get(k)
+            if e is None or not e.ready or e.slot_in(tier) is not None:
+                res.present += 1
+                continue
+            e.refs += 1             # held: not evictable while its copy is written
+            slot = self._allocate(tier, res.moves)
+            if slot is None:
+                e.refs -= 1
+                res.rejected += 1
+                ts.counters.rejected += 1
+                continue
+            ts.policy.insert(e.info)
+            ts.counters.inserted += 1
+            res.keys.append(k)
+            res.slots.append(slot)
+            res.positions.append(i)
+        return res
+
+    def discard(self, key: Key, tier: int | None = None) -> Move | None:
+        """Drop one copy of a block nobody holds (default: its primary), e.g. because its
+        bytes failed verification. Returns the dropped copy, or None if it was not dropped."""
         e = self.entries.get(key)
         if e is None or not e.ready or e.refs:
-            return False
-        t = self.tiers[e.tier]
-        t.policy.remove(key)
-        t.free.append(e.slot)
-        t.counters.dropped += 1
-        del self.entries[key]
-        del self.ready[key]
-        return True
+            return None
+        t = e.tier if tier is None else tier
+        slot = e.slot_in(t)
+        if slot is None:
+            return None
+        ts = self.tiers[t]
+        ts.policy.remove(key)
+        ts.free.append(slot)
+        ts.counters.dropped += 1
+        self._drop_copy(key, e, t)
+        return Move(key, t, slot, None)
+
+    def _drop_copy(self, key: Key, e: Entry, tier: int) -> None:
+        """Forget `e`'s copy in `tier` (its slot is already free or reused)."""
+        if tier != e.tier:
+            del e.copies[tier]          # type: ignore[union-attr]
+        elif e.copies:
+            nxt = min(e.copies)         # the next fastest copy becomes the primary
+            e.tier, e.slot = nxt, e.copies.pop(nxt)
+            self.ready[key] = nxt
+        else:
+            del self.entries[key]
+            del self.ready[key]
+
+    def adopt(self, tier: int, items: Sequence[tuple[Key, int, BlockInfo]]) -> int:
+        """Register blocks a persistent tier already holds (after a restart), oldest first.
+
+        Returns how many were adopted; slots already in use are skipped.
+        """
+        ts = self.tiers[tier]
+        free = set(ts.free)
+        n = 0
+        for key, slot, info in items:
+            if slot not in free:
+                continue
+            free.discard(slot)
+            e = self.entries.get(key)
+            if e is None:
+                e = Entry(tier, slot, info)
+                e.refs, e.ready = 0, True
+                self.entries[key] = e
+                self.ready[key] = tier
+            elif e.slot_in(tier) is None:
+                if e.copies is None:
+                    e.copies = {}
+                e.copies[tier] = slot
+            else:
+                free.add(slot)
+                continue
+            ts.policy.insert(info)
+            n += 1
+        ts.free = sorted(free)
+        return n
+
+    def without_copy(self, tier: int) -> list[Key]:
+        """Readable blocks with no copy in `tier` or below it (what a flush must write down)."""
+        out = []
+        for k, e in self.entries.items():
+            if e.ready and e.tier < tier and not (e.copies and max(e.copies) >= tier):
+                out.append(k)
+        return out
 
     def _evictable(self, key: Key, tier: int) -> bool:
         e = self.entries[key]
         if e.refs or not e.ready:
             return False
         floor = self._floor.get(key, _UNPINNED)
-        if floor == _UNPINNED:
+        if floor == _UNPINNED or self._has_other_copy(e, tier, floor):
             return True
-        # A pinned block may move down to its floor tier, never below it or out.
+        # A pinned block's only copy within its floor may move down to the floor, never out.
         return floor > tier and tier + 1 < len(self.tiers)
+
+    @staticmethod
+    def _has_other_copy(e: Entry, tier: int, floor: int) -> bool:
+        """Whether `e` has a copy outside `tier`, in `floor` or above."""
+        if e.tier != tier and e.tier <= floor:
+            return True
+        return bool(e.copies) and any(t != tier and t <= floor for t in e.copies)  # type: ignore[union-attr]
 
     def _allocate(self, tier: int, moves: list[Move]) -> int | None:
         """A free slot in `tier`, evicting (and demoting) a victim if needed; None if impossible."""
@@ -292,17 +409,21 @@ class BlockIndex:
             victim = ts.policy.victim(lambda k: k not in stuck and self._evictable(k, tier))
             if victim is None:
                 return None
+            e = self.entries[victim]
+            if self._has_other_copy(e, tier, self._floor.get(victim, _UNPINNED)):
+                dst = None          # another copy stays readable: drop this one, no I/O
+                break
             dst = self._allocate(below, moves) if below < len(self.tiers) else None
             if dst is None and victim in self._floor:
                 stuck.add(victim)   # a pinned block may move down but never out: try the next
                 continue
             break
-        e = self.entries[victim]
-        slot = e.slot
+        slot = e.slot_in(tier)
+        assert slot is not None
         ts.policy.remove(victim)
         ts.counters.evicted += 1
         if dst is not None:
-            # Write-back: the victim keeps existing one tier down.
+            # Write-back: the block's only copy moves one tier down.
             moves.append(Move(victim, tier, slot, below, dst))
             e.tier, e.slot = below, dst
             self.ready[victim] = below
@@ -312,8 +433,7 @@ class BlockIndex:
             return slot
         moves.append(Move(victim, tier, slot, None))
         ts.counters.dropped += 1
-        del self.entries[victim]
-        del self.ready[victim]
+        self._drop_copy(victim, e, tier)
         return slot
 
     # -- pins ------------------------------------------------------------------------

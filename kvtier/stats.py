@@ -47,6 +47,7 @@ class StoreCounters:
     put_present: int = 0         # already cached (refreshed only)
     put_rejected: int = 0
     put_bytes: int = 0
+    corrupt_blocks: int = 0      # blocks that failed verification on read (misses, dropped)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class StoreStats:
     counters: StoreCounters
     tiers: list[TierStats]
     pinned_sessions: int
+    recovered_blocks: int = 0    # blocks found in persistent tiers when the store opened
 
     @property
     def hit_ratio(self) -> float:

@@ -6,10 +6,13 @@
 Decisions (which slot, which victim, who may be evicted) belong to the BlockIndex;
 bytes live in the tiers; this class ties the two together under one lock and copies
 bytes outside it. A block being read is held (never evicted or overwritten); a block
-being written is invisible until its bytes are all in place.
+being written is invisible until its bytes are all in place. Blocks read from a tier
+that verifies (disk) and fail verification are misses: the get reports how many leading
+blocks it loaded, and the bad copies are dropped.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +27,10 @@ from kvtier.layout import KVLayout
 from kvtier.payload import as_rows
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.stats import StoreCounters, StoreStats, TierStats
+from kvtier.policies.base import BlockInfo
 from kvtier.tiers.base import Tier
+
+log = logging.getLogger("kvtier.store")
 
 
 @dataclass
@@ -53,6 +59,7 @@ class Store:
 
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
                  policy: str = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
+                 write_through: bool = False, promote: bool = True,
                  io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
@@ -71,10 +78,28 @@ class Store:
         self.namespace = namespace
         self.tiers = list(tiers)
         self.keyer = Keyer(namespace, layout, hash)
-        for t in self.tiers:
-            t.bind(layout.block_bytes)
+        self.write_through = write_through
+        self.promote = promote
+        identity = {"layout": layout.to_dict(), "namespace_seed": self.keyer.seed.hex(),
+                    "namespace": {"model": namespace.model, "revision": namespace.revision,
+                                  "shard": namespace.shard}, "hash": hash}
+        bound: list[Tier] = []
+        try:
+            for t in self.tiers:
+                t.bind(layout.block_bytes, identity)
+                bound.append(t)
+        except BaseException:
+            for t in bound:
+                t.close()
+            raise
         self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
                                 layout.block_tokens, pin_budget, clock)
+        bt = layout.block_tokens
+        self.recovered = 0   # blocks found in persistent tiers when the store opened
+        for i, t in enumerate(self.tiers):
+            if t.persistent:
+                items = [(k, slot, BlockInfo(k, None, 0, bt, bt, 0)) for k, slot in t.recover()]
+                self.recovered += self.index.adopt(i, items)
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._io_threads = io_threads
@@ -115,18 +140,29 @@ class Store:
             c.get_blocks += len(keys)
             c.get_bytes += len(keys) * self.layout.block_bytes
 
+        transfer = Transfer("get", len(keys), len(keys) * self.layout.block_bytes, loaded=len(keys))
+
         def load() -> None:
+            bad: list[tuple[int, int]] = []          # (position, tier) of blocks that failed
             try:
                 if len(self.tiers) == 1:
-                    self.tiers[0].read([s for _, s in locs], rows)
+                    bad = [(j, 0) for j in self.tiers[0].read([s for _, s in locs], rows, keys=keys)]
                 else:
                     for t, slots, idx in _group(locs):
-                        self.tiers[t].read(slots, rows, idx)
+                        got = self.tiers[t].read(slots, rows, idx, [keys[i] for i in idx])
+                        bad += [(idx[j], t) for j in got]
             finally:
                 with self._lock:
                     self.index.release(keys)
+            if bad:
+                transfer.loaded = min(j for j, _ in bad)
+                self._discard([(keys[j], t) for j, t in bad])
+            if self.promote and len(self.tiers) > 1:
+                lower = [i for i in range(transfer.loaded) if locs[i][0] > 0]
+                if lower:
+                    self._copy_into(0, [keys[i] for i in lower], rows, lower)
 
-        return self._run("get", load, len(keys), len(keys) * self.layout.block_bytes, blocking)
+        return self._run(transfer, load, blocking)
 
     # -- save ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: object, *, blocking: bool = True) -> Transfer:
@@ -152,7 +188,7 @@ class Store:
 
         def save() -> None:
             try:
-                top.write(res.slots, rows, res.positions)
+                top.write(res.slots, rows, res.positions, res.keys)
             except BaseException:
                 with self._lock:
                     self.index.abort(res)
@@ -162,23 +198,100 @@ class Store:
                 self.counters.put_blocks += len(res.keys)
                 self.counters.put_bytes += nbytes
 
-        t = self._run("put", save, len(res.keys), nbytes, blocking)
-        t.present, t.rejected = res.present, res.rejected
-        return t
+            if self.write_through:
+                for i, tier in enumerate(self.tiers):
+                    if i > 0 and tier.persistent:
+                        self._copy_into(i, res.keys, rows, res.positions)
+
+        return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
 
     def _move(self, moves: list[Move]) -> None:
-        """Carry out demotions chosen by the index (under the lock, before slots are reused)."""
+        """Carry out demotions and drops chosen by the index (under the lock, before slots are reused)."""
         for m in moves:
+            src = self.tiers[m.src_tier]
             if m.dst_tier is not None:
-                self.tiers[m.dst_tier].write([m.dst_slot], [self.tiers[m.src_tier].block(m.src_slot)])
+                self.tiers[m.dst_tier].write([m.dst_slot], [src.block(m.src_slot)], keys=[m.key])
+            src.release([m.src_slot], [m.key])
 
-    def _run(self, op: str, work: Callable[[], None], blocks: int, nbytes: int, blocking: bool) -> Transfer:
+    def _discard(self, bad: list[tuple[bytes, int]]) -> None:
+        """Drop copies whose bytes failed verification: they are misses from now on."""
+        with self._lock:
+            for key, tier in bad:
+                m = self.index.discard(key, tier)
+                if m is not None:
+                    self.tiers[tier].release([m.src_slot], [key])
+            self.counters.corrupt_blocks += len(bad)
+
+    def _copy_into(self, tier: int, keys: list[bytes], rows: object, positions: list[int]) -> int:
+        """Give cached blocks a copy in `tier`, from `rows[positions[j]]` (their bytes)."""
+        with self._lock:
+            res = self.index.reserve_copies(keys, tier)
+            self._move(res.moves)
+        if not res.keys:
+            return 0
+        try:
+            self.tiers[tier].write(res.slots, rows, [positions[j] for j in res.positions], res.keys)
+        except BaseException:
+            with self._lock:
+                self.index.abort(res)
+            raise
+        with self._lock:
+            self.index.commit(res)
+        return len(res.keys)
+
+    def _run(self, transfer: Transfer, work: Callable[[], None], blocking: bool) -> Transfer:
         if blocking:
             work()
-            return Transfer(op, blocks, nbytes)
+            return transfer
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-io")
-        return Transfer(op, blocks, nbytes, _future=self._executor.submit(work))
+        transfer._future = self._executor.submit(work)
+        return transfer
+
+    # -- tiers: prefetch and durability ---------------------------------------------------
+    def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:
+        """Copy the cached blocks of `keys` that live in lower tiers up into the top tier,
+        so a later get() is served from memory. Runs on an I/O thread by default."""
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            n, locs = self.index.lookup(keys)
+            lower = [k for k, t in zip(keys[:n], locs) if t > 0]
+        bb = self.layout.block_bytes
+        transfer = Transfer("prefetch", len(lower), len(lower) * bb, loaded=len(lower))
+
+        def fetch() -> None:
+            import numpy as np
+            if not lower:
+                return
+            staging = np.empty((len(lower), bb), dtype=np.uint8)
+            got = self.get(lower, staging, blocking=True)   # verifies, and promotes what it read
+            transfer.loaded = got.loaded
+
+        return self._run(transfer, fetch, blocking)
+
+    def flush(self) -> None:
+        """Make every completed put durable in the persistent tiers (write-back blocks that
+        have no copy there yet, then sync). Without a persistent tier this does nothing."""
+        for i, tier in enumerate(self.tiers):
+            if not tier.persistent:
+                continue
+            with self._lock:
+                self._check_open()
+                keys = self.index.without_copy(i)
+                res = self.index.reserve_copies(keys, i)
+                self._move(res.moves)
+                srcs = [self.tiers[self.index.entries[k].tier].block(self.index.entries[k].slot) for k in res.keys]
+            if res.keys:
+                try:
+                    tier.write(res.slots, srcs, None, res.keys)
+                except BaseException:
+                    with self._lock:
+                        self.index.abort(res)
+                    raise
+                with self._lock:
+                    self.index.commit(res)
+            tier.flush()
 
     # -- pins ------------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str = 0) -> int:
@@ -218,13 +331,16 @@ class Store:
                 c = s.counters
                 tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
                                        c.evicted, c.demoted_in, c.dropped, c.rejected, s.pinned, t.info()))
-            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.sessions()))
+            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.sessions()),
+                              self.recovered)
 
     def close(self) -> None:
-        """Finish pending transfers and release every tier's memory."""
+        """Finish pending transfers, flush persistent tiers, and release every tier."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if not self._closed:
+            self.flush()
         with self._lock:
             if self._closed:
                 return

@@ -244,18 +244,33 @@ def test_pinned_blocks_arriving_later_are_protected(layout, ns):
     assert (t.blocks, t.rejected) == (3, 1)
 
 
-def test_two_tiers_demote_on_eviction(layout, ns):
-    store = kvtier.Store(layout, [kvtier.HostTier(blocks=4, name="fast"), kvtier.HostTier(blocks=8, name="big")], ns)
+@pytest.mark.parametrize("promote", [False, True])
+def test_two_tiers_demote_on_eviction(layout, ns, promote):
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=4, name="fast"), kvtier.HostTier(blocks=8, name="big")], ns,
+                         promote=promote)
     a, b = store.keys([1] * 16), store.keys([2] * 16)
     store.put(a, payload(a, layout.block_bytes))
     store.put(b, payload(b, layout.block_bytes))      # a moves down to "big"
     hit = store.lookup(a)
     assert hit.blocks == 4 and hit.by_tier() == {"fast": 0, "big": 4}
     out = torch.zeros(4, layout.block_bytes, dtype=torch.uint8)
-    store.get(a, out)
-    assert torch.equal(out, payload(a, layout.block_bytes))   # bytes survived the move
+    t = store.get(a, out)
+    assert t.loaded == 4 and torch.equal(out, payload(a, layout.block_bytes))   # bytes survived the move
     s = store.stats()
-    assert s.tier("fast").evicted == 4 and s.tier("big").demoted_in == 4 and s.tier("big").dropped == 0
+    if not promote:
+        assert store.lookup(a).by_tier() == {"fast": 0, "big": 4}
+        assert s.tier("fast").evicted == 4 and s.tier("big").demoted_in == 4 and s.tier("big").dropped == 0
+    else:
+        # The hit was copied up (its copy below stays); b went down to make room.
+        assert store.lookup(a).by_tier() == {"fast": 4, "big": 0}
+        assert store.lookup(b).by_tier() == {"fast": 0, "big": 4}
+        assert s.tier("fast").evicted == 8 and s.tier("big").demoted_in == 8
+        assert s.tier("big").used_blocks == 8           # a's copies and b
+        c = store.keys([3] * 16)
+        store.put(c, payload(c, layout.block_bytes))  # a leaves "fast": its copy below is kept, no I/O
+        assert store.lookup(a).by_tier() == {"fast": 0, "big": 4}
+        store.get(a, out)
+        assert torch.equal(out, payload(a, layout.block_bytes))
 
 
 def test_pin_to_a_tier_keeps_the_block_there(layout, ns):

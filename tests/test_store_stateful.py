@@ -338,11 +338,13 @@ class StoreMachine(RuleBasedStateMachine):
             assert t.inserted - t.dropped == t.used_blocks
             assert t.evicted == t.dropped and t.demoted_in == 0
         else:
+            # A copy leaving t0 either moves down (t1.demoted_in) or is dropped; t0 also
+            # gains copies promoted up from t1 (counted in t0.inserted).
             t0, t1 = s.tiers
             assert t0.demoted_in == 0
-            assert t0.inserted - t0.evicted == t0.used_blocks
-            assert t1.demoted_in == t0.evicted - t0.dropped
-            assert t1.demoted_in - t1.evicted == t1.used_blocks
+            assert t0.evicted == t1.demoted_in + t0.dropped
+            assert t0.inserted - t1.demoted_in - t0.dropped == t0.used_blocks
+            assert t1.demoted_in - t1.dropped == t1.used_blocks
             assert t1.evicted == t1.dropped and t1.inserted == 0
 
         # Pins: sessions and per-tier pinned counts match the model.
@@ -370,9 +372,9 @@ class StoreMachine(RuleBasedStateMachine):
             if hit.blocks:
                 readable[k] = hit.tiers[0]
         assert len(readable) <= sum(self.caps)
+        copies = self.peek(readable, quiet)
         if quiet:
-            assert len(readable) == sum(t.used_blocks for t in s.tiers)
-        self.peek(readable)
+            assert copies == sum(t.used_blocks for t in s.tiers)
 
         # Pinned blocks that arrived stay readable, in their floor tier or above.
         for k in list(self.prot):
@@ -383,22 +385,27 @@ class StoreMachine(RuleBasedStateMachine):
                 assert k in readable, "a pinned block left the store before its TTL"
                 assert readable[k] <= self.prot[k], "a pinned block moved below its floor tier"
             if k in readable:
-                # No promotion exists: a block pinned while below its floor stays where it is.
+                # A block pinned while below its floor may only move up (promotion).
                 self.prot[k] = max(f, readable[k])
 
-    def peek(self, readable: dict[bytes, int]) -> None:
-        """White-box: read each readable block's slot without touching LRU order."""
+    def peek(self, readable: dict[bytes, int], quiet: bool) -> int:
+        """White-box: read every copy of each readable block without touching LRU order;
+        returns how many copies the index holds in all."""
         store = self.store
         with store._lock:
             idx = store.index
             assert set(idx.ready) <= self.ever, "the index holds a readable key that was never put"
             for k, tier in readable.items():
                 e = idx.entries.get(k)
-                # Pending transfers only commit (make blocks readable), never evict.
+                if not quiet and (e is None or e.tier != tier):
+                    continue   # a pending get's promotion may evict or move blocks meanwhile
                 assert e is not None and e.ready, "lookup reported a block the index does not hold"
                 assert e.tier == tier
-                assert np.array_equal(np.asarray(store.tiers[e.tier].block(e.slot)), payload_row(k)), \
-                    "a readable block's slot does not hold the bytes put under its key"
+                for t, slot in [(e.tier, e.slot), *(e.copies or {}).items()]:
+                    assert t >= e.tier, "a copy above the block's primary tier"
+                    assert np.array_equal(np.asarray(store.tiers[t].block(slot)), payload_row(k)), \
+                        "a slot of a readable block does not hold the bytes put under its key"
+            return sum(1 + len(e.copies or {}) for e in idx.entries.values() if e.ready)
 
 
 StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,

@@ -1,6 +1,6 @@
 """Eviction and admission policies, selectable by name in the store and the CLI.
 
-Names: "lru" (leaf-first LRU), "lfu", "s3fifo", "arc", each optionally followed by an
+Names: "lru" (leaf-first LRU), "lfu", "s3fifo", "arc", "reuse" (reuse-protected LRU), each optionally followed by an
 admission filter, "+nopartial" (e.g. "arc+nopartial"). "recommended" is DEFAULT_POLICY.
 Belady ("belady") needs the trace's future: kvtier.sim builds it for replays only.
 """
@@ -14,6 +14,7 @@ from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import BlockInfo, EvictionPolicy
 from kvtier.policies.lfu import LFUPolicy
 from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.reuse import ReusePolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
 PolicyFactory = Callable[[int], EvictionPolicy]
@@ -24,6 +25,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "lfu": LFUPolicy,
     "s3fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
+    "reuse": ReusePolicy,
 }
 for _base in list(POLICIES):
     for _rule, _cls in FILTERS.items():
@@ -63,5 +65,5 @@ def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
 
 
 __all__ = ["AdmissionFilter", "ARCPolicy", "BlockInfo", "DEFAULT_POLICY", "EvictionPolicy", "FILTERS",
-           "LFUPolicy", "LRUPolicy", "NoPartial", "POLICIES", "S3FIFOPolicy", "make_policy",
+           "LFUPolicy", "LRUPolicy", "NoPartial", "POLICIES", "ReusePolicy", "S3FIFOPolicy", "make_policy",
            "register_policy"]

@@ -1,5 +1,6 @@
 """Tiers: fixed-size slot pools holding whole blocks, from fastest to largest."""
 from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 
-__all__ = ["Tier", "HostTier"]
+__all__ = ["Tier", "HostTier", "DiskTier"]

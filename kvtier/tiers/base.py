@@ -19,6 +19,8 @@ class Tier(ABC):
     """A slot pool. Construct with a capacity; the store binds it to a block size."""
 
     kind: str = "tier"
+    #: True for tiers whose blocks survive a restart (the store adopts them when it opens).
+    persistent: bool = False
 
     def __init__(self, capacity: int | str | None = None, *, blocks: int | None = None,
                  name: str | None = None) -> None:
@@ -32,8 +34,11 @@ class Tier(ABC):
         self.block_bytes = 0
         self.capacity_blocks = 0
 
-    def bind(self, block_bytes: int) -> int:
-        """Size the tier for blocks of `block_bytes`, allocate it, and return its slot count."""
+    def bind(self, block_bytes: int, identity: dict[str, Any] | None = None) -> int:
+        """Size the tier for blocks of `block_bytes`, allocate it, and return its slot count.
+
+        `identity` (layout and namespace) lets a persistent tier refuse blocks of another store.
+        """
         if self.block_bytes:
             raise ConfigError(f"tier {self.name!r} is already in use by a store: give each store its own tiers")
         if self.capacity_spec is not None:
@@ -55,17 +60,30 @@ class Tier(ABC):
 
     @abstractmethod
     def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-              idx: Sequence[int] | None = None) -> None:
-        """Copy rows[idx[j]] (rows[j] without idx) into slots[j]."""
+              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
+        """Copy rows[idx[j]] (rows[j] without idx) into slots[j]; keys[j] is that block's key."""
 
     @abstractmethod
     def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-             idx: Sequence[int] | None = None) -> None:
-        """Copy slots[j] into rows[idx[j]] (rows[j] without idx)."""
+             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
+        """Copy slots[j] into rows[idx[j]] (rows[j] without idx).
+
+        Returns the positions j whose bytes failed verification (always empty for memory).
+        """
 
     @abstractmethod
     def block(self, slot: int) -> np.ndarray:
         """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
+
+    def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """These blocks left the tier (a persistent tier forgets their records)."""
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of the blocks a persistent tier already holds, least recent first."""
+        return []
+
+    def flush(self) -> None:
+        """Make every completed write durable (persistent tiers)."""
 
     def info(self) -> dict[str, Any]:
         """Static facts for stats (memory kind, pinned or not, ...)."""

@@ -31,7 +31,7 @@ class HostTier(Tier):
     # so that a chain put tail-first fills ascending slots: a put and a later get of
     # the same prefix are then a few large copies instead of one per block.
     def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-              idx: Sequence[int] | None = None) -> None:
+              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
         pool = self.slots
         for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
             if n == 1:
@@ -40,13 +40,14 @@ class HostTier(Tier):
                 pool[s:s + n] = rows[i:i + n]
 
     def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-             idx: Sequence[int] | None = None) -> None:
+             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
         pool = self.slots
         for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
             if n == 1:
                 rows[i][...] = pool[s]
             else:
                 rows[i:i + n] = pool[s:s + n]
+        return []
 
     def block(self, slot: int) -> np.ndarray:
         return self.slots[slot]

@@ -1,0 +1,407 @@
+"""NVMe tier: a preallocated slab file cut into 4 KiB-aligned slots, with an LMDB index.
+
+    PATH/slab.bin     capacity x slot_bytes, written and read with O_DIRECT
+    PATH/index.lmdb   meta (layout, namespace, sizes) and one record per block:
+                      key -> [slot, xxh3-64 checksum, created, last access]
+    PATH/lock         flock: one process at a time
+
+Crash safety: a block's record is committed only after its bytes are written, and every
+read is verified against the record's checksum, so a torn write, a slot reused before a
+deletion was committed, a flipped byte or a truncated file reads as a miss, never as
+wrong KV. Records are committed per write batch without fsync (a killed process loses
+nothing committed); flush() makes everything durable against power loss too.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+import xxhash
+
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.errors import TransferError
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger("kvtier.disk")
+
+ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers aligned to this
+DISK_FORMAT = 1
+STAGING_BYTES = 8 << 20         # per I/O thread: bytes moved per syscall at most
+MAX_IOV = 512                   # buffers per preadv/pwritev (the kernel allows 1024)
+_META = b"meta"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _aligned(a: np.ndarray) -> bool:
+    return a.ctypes.data % ALIGN == 0
+
+
+class DiskTier(Tier):
+    """Blocks on local disk, surviving restarts. `DiskTier("/nvme/kv", capacity="200GiB")`."""
+
+    kind = "disk"
+    persistent = True
+
+    def __init__(self, path: str | os.PathLike, capacity: int | str | None = None, *,
+                 blocks: int | None = None, name: str | None = None, direct: bool | None = None,
+                 io_threads: int = 4, read_only: bool = False) -> None:
+        super().__init__(capacity, blocks=blocks, name=name)
+        if io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
+        self.path = Path(path)
+        self.want_direct = direct
+        self.io_threads = io_threads
+        self.read_only = read_only
+        self.direct = False
+        self.io_note = ""
+        self.slot_bytes = 0
+        self.identity: dict[str, Any] = {}
+        self._records: dict[int, tuple[bytes, int]] = {}   # slot -> (key, checksum)
+        self._access: dict[int, float] = {}                # slot -> last access, written at flush
+        self._deleted: list[bytes] = []                    # keys whose records go at the next commit
+        self._fd = -1
+        self._lock_fd = -1
+        self._env: lmdb.Environment | None = None
+        self._db = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._staging: list[mmap.mmap] = []
+        self.corrupt = 0          # blocks that failed verification (stats)
+
+    # -- opening -------------------------------------------------------------------
+    def bind(self, block_bytes: int, identity: dict[str, Any] | None = None) -> int:
+        self.identity = dict(identity or {})
+        return super().bind(block_bytes)
+
+    def _allocate(self, slots: int, block_bytes: int) -> None:
+        self.slot_bytes = _round_up(block_bytes, ALIGN)
+        if self.read_only and not (self.path / "index.lmdb").is_dir():
+            raise ConfigError(f"{self.path} holds no kvtier disk tier (no index.lmdb there)")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create disk tier directory {self.path}: {e.strerror}") from None
+        if not self.path.is_dir():
+            raise ConfigError(f"disk tier path {self.path} exists and is not a directory")
+        try:
+            self._take_lock()
+            self._open_index()
+            self._check_meta(slots, block_bytes)
+            self._open_slab(slots)
+            self._load_records(slots)
+        except BaseException:
+            self._release_handles()   # a failed open leaves no lock or handle behind
+            raise
+        self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.name}")
+        chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
+        self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
+        self._chunk_slots = min(MAX_IOV, chunk // self.slot_bytes)
+        self._free_staging = list(range(self.io_threads))
+
+    def _take_lock(self) -> None:
+        if self.read_only:
+            return
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise ConfigError(f"disk tier {self.path} is in use by another process; give each "
+                              "store its own directory (or open it read_only=True to inspect)") from None
+
+    def _open_index(self) -> None:
+        try:
+            self._env = lmdb.open(str(self.path / "index.lmdb"), map_size=1 << 36, max_dbs=4,
+                                  subdir=True, sync=False, metasync=False, readonly=self.read_only,
+                                  lock=not self.read_only)
+        except lmdb.Error as e:
+            raise ConfigError(f"cannot open the disk tier index in {self.path}: {e}") from None
+        self._meta_db = self._env.open_db(_META, create=not self.read_only)
+        self._db = self._env.open_db(b"blocks", create=not self.read_only)
+
+    def _check_meta(self, slots: int, block_bytes: int) -> None:
+        with self._env.begin(db=self._meta_db) as txn:
+            raw = txn.get(b"meta")
+        want = {"format": DISK_FORMAT, "block_bytes": block_bytes, "slot_bytes": self.slot_bytes,
+                **self.identity}
+        if raw is None:
+            if self.read_only:
+                raise ConfigError(f"{self.path} holds no kvtier disk tier")
+            with self._env.begin(db=self._meta_db, write=True) as txn:
+                txn.put(b"meta", msgpack.packb({**want, "capacity_blocks": slots, "created": time.time()}))
+            return
+        have = msgpack.unpackb(raw)
+        for field in (*self.identity, "format", "block_bytes", "slot_bytes"):
+            if have.get(field) != want.get(field):
+                raise ConfigError(
+                    f"disk tier {self.path} was written with another {field} ({have.get(field)!r}, this "
+                    f"store has {want.get(field)!r}): its blocks cannot be used here. Point the store at "
+                    "another directory, or open this one with DiskTier(path, read_only=True) to inspect it")
+        if not self.read_only and have.get("capacity_blocks") != slots:
+            with self._env.begin(db=self._meta_db, write=True) as txn:
+                txn.put(b"meta", msgpack.packb({**have, "capacity_blocks": slots}))
+
+    def _open_slab(self, slots: int) -> None:
+        slab = self.path / "slab.bin"
+        flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
+        want_direct = self.want_direct is not False
+        fd = -1
+        if want_direct:
+            try:
+                fd = os.open(slab, flags | os.O_DIRECT, 0o644)
+                self.direct, self.io_note = True, "O_DIRECT"
+            except OSError as e:
+                if self.want_direct:
+                    raise ConfigError(f"O_DIRECT refused for {slab}: {e.strerror}; use direct=None or False") from None
+                self.io_note = f"buffered: O_DIRECT refused ({e.strerror})"
+        if fd < 0:
+            fd = os.open(slab, flags, 0o644)
+            self.io_note = self.io_note or "buffered (direct=False)"
+        self._fd = fd
+        self._found_bytes = os.fstat(fd).st_size   # before resizing: records past it are lost
+        size = slots * self.slot_bytes
+        if self.read_only:
+            return
+        try:
+            if os.fstat(fd).st_size < size:
+                os.posix_fallocate(fd, 0, size)
+            elif os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG):
+                why = "not enough free space" if e.errno == errno.ENOSPC else "a file too large for the filesystem"
+                raise CapacityError(f"{why} in {self.path} for {size} bytes of disk tier: "
+                                    "free some space or give the tier less capacity") from None
+            raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
+
+    def _load_records(self, slots: int) -> None:
+        """Read every record; drop those the slab can no longer hold (shrunk or truncated)."""
+        size = min(self._found_bytes, os.fstat(self._fd).st_size)
+        stale = []
+        with self._env.begin(db=self._db) as txn:
+            for key, raw in txn.cursor():
+                slot, checksum, _created, last = msgpack.unpackb(raw)
+                if slot >= slots or (slot + 1) * self.slot_bytes > size or slot in self._records:
+                    stale.append(key)
+                    continue
+                self._records[slot] = (bytes(key), checksum)
+                self._access[slot] = last
+        if stale and not self.read_only:
+            log.warning("disk tier %s: %d records point past the slab (resized or truncated); dropped",
+                        self.path, len(stale))
+            with self._env.begin(db=self._db, write=True) as txn:
+                for k in stale:
+                    txn.delete(k)
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of every block the directory holds, least recently used first."""
+        order = sorted(self._records, key=lambda s: self._access.get(s, 0.0))
+        return [(self._records[s][0], s) for s in order]
+
+    # -- moving bytes ----------------------------------------------------------------
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
+              keys: Sequence[bytes] | None = None) -> None:
+        if keys is None:
+            raise ConfigError("the disk tier needs the blocks' keys to write them")
+        if self.read_only:
+            raise ConfigError(f"disk tier {self.path} was opened read-only")
+        order = list(range(len(slots))) if idx is None else list(idx)
+        sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in order]
+        self._parallel(self._write_run, slots, rows, order)
+        now = time.time()
+        with self._env.begin(db=self._db, write=True) as txn:
+            for k in self._deleted:
+                txn.delete(k)
+            self._deleted.clear()
+            for j, (s, k) in enumerate(zip(slots, keys)):
+                old = self._records.get(s)
+                if old is not None and old[0] != k:
+                    txn.delete(old[0])
+                txn.put(k, msgpack.packb([s, sums[j], now, now]))
+                self._records[s] = (k, sums[j])
+                self._access[s] = now
+
+    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
+             keys: Sequence[bytes] | None = None) -> list[int]:
+        """Copy and verify; returns the positions j whose block failed verification."""
+        order = list(range(len(slots))) if idx is None else list(idx)
+        bad: list[int] = []
+        for part in self._parallel(self._read_run, slots, rows, order):
+            bad.extend(part)
+        now = time.time()
+        for j, s in enumerate(slots):
+            rec = self._records.get(s)
+            if keys is not None and rec is not None and rec[0] != keys[j] and j not in bad:
+                bad.append(j)
+            self._access[s] = now
+        for j in bad:
+            self.corrupt += 1
+            key = keys[j].hex() if keys is not None else "?"
+            log.warning("disk tier %s: block %s in slot %d failed verification; treated as a miss",
+                        self.path, key, slots[j])
+        return sorted(set(bad))
+
+    def _parallel(self, fn, slots: Sequence[int], rows: Sequence[np.ndarray], order: list[int]) -> list[Any]:
+        """Split the copy into runs of consecutive slots and run them on the I/O threads."""
+        runs: list[tuple[list[int], int]] = []   # (positions j, first slot)
+        for s, j, n in _runs_by_slot(slots):
+            for c in range(0, n, self._chunk_slots):
+                m = min(self._chunk_slots, n - c)
+                runs.append((list(range(j + c, j + c + m)), s + c))
+        if len(runs) == 1 or self._pool is None:
+            return [fn(0, js, s0, slots, rows, order) for js, s0 in runs]
+        futures = [self._pool.submit(fn, None, js, s0, slots, rows, order) for js, s0 in runs]
+        return [f.result() for f in futures]
+
+    def _staging_buffer(self, fixed: int | None) -> tuple[int, mmap.mmap]:
+        if fixed is not None:
+            return fixed, self._staging[fixed]
+        i = self._free_staging.pop()   # list.pop is atomic under the GIL
+        return i, self._staging[i]
+
+    def _write_run(self, fixed: int | None, js: list[int], s0: int, slots, rows, order) -> None:
+        sb, bb = self.slot_bytes, self.block_bytes
+        n = len(js)
+        srcs = [rows[order[j]] for j in js]
+        if self.direct and sb == bb and all(_aligned(r) for r in srcs):
+            _pwritev_all(self._fd, srcs, s0 * sb)          # straight from the caller's memory
+            return
+        i, buf = self._staging_buffer(fixed)
+        try:
+            view = np.frombuffer(buf, dtype=np.uint8, count=n * sb).reshape(n, sb)
+            for r, src in enumerate(srcs):
+                view[r, :bb] = src
+            _pwritev_all(self._fd, [memoryview(buf)[: n * sb]], s0 * sb)
+        finally:
+            if fixed is None:
+                self._free_staging.append(i)
+
+    def _read_run(self, fixed: int | None, js: list[int], s0: int, slots, rows, order) -> list[int]:
+        sb, bb = self.slot_bytes, self.block_bytes
+        n = len(js)
+        dsts = [rows[order[j]] for j in js]
+        bad = []
+        i, buf = self._staging_buffer(fixed)
+        try:
+            direct_ok = self.direct and sb == bb and all(_aligned(d) and d.flags.c_contiguous for d in dsts)
+            targets = [memoryview(d).cast("B") for d in dsts] if direct_ok else [memoryview(buf)[: n * sb]]
+            got = _preadv_all(self._fd, targets, s0 * sb)
+            view = None if direct_ok else np.frombuffer(buf, dtype=np.uint8, count=n * sb).reshape(n, sb)
+            for r, j in enumerate(js):
+                rec = self._records.get(s0 + r)
+                if got < (r + 1) * sb or rec is None:
+                    bad.append(j)
+                    continue
+                data = dsts[r] if direct_ok else view[r, :bb]
+                if xxhash.xxh3_64_intdigest(data) != rec[1]:
+                    bad.append(j)
+                    continue
+                if not direct_ok:
+                    dsts[r][...] = data
+        finally:
+            if fixed is None:
+                self._free_staging.append(i)
+        return bad
+
+    def block(self, slot: int) -> np.ndarray:
+        out = np.empty(self.block_bytes, dtype=np.uint8)
+        rec = self._records.get(slot)
+        if self.read([slot], [out], keys=[rec[0]] if rec else None):
+            raise ConfigError(f"disk tier {self.path}: slot {slot} failed verification")
+        return out
+
+    def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """These blocks left the tier: their records go at the next commit."""
+        for s in slots:
+            rec = self._records.pop(s, None)
+            self._access.pop(s, None)
+            if rec is not None:
+                self._deleted.append(rec[0])
+
+    def flush(self) -> None:
+        """Make every completed write durable: data, then the index, synced to the device."""
+        if self._env is None or self.read_only:
+            return
+        os.fdatasync(self._fd)
+        with self._env.begin(db=self._db, write=True) as txn:
+            for k in self._deleted:
+                txn.delete(k)
+            self._deleted.clear()
+            for s, last in self._access.items():
+                rec = self._records.get(s)
+                if rec is not None:
+                    raw = txn.get(rec[0])
+                    if raw is not None:
+                        v = msgpack.unpackb(raw)
+                        if v[3] != last:
+                            v[3] = last
+                            txn.put(rec[0], msgpack.packb(v))
+        self._env.sync(True)
+
+    def info(self) -> dict[str, Any]:
+        return {"path": str(self.path), "io": self.io_note, "slot_bytes": self.slot_bytes,
+                "persistent": True, "corrupt_blocks": self.corrupt}
+
+    def close(self) -> None:
+        if self._env is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._release_handles()
+
+    def _release_handles(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)    # closing the descriptor drops the flock
+            self._lock_fd = -1
+        for b in self._staging:
+            b.close()
+        self._staging = []
+
+
+def _runs_by_slot(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs (first slot, first position, length) where slots ascend by one, in the given order."""
+    runs = []
+    j = 0
+    n = len(slots)
+    while j < n:
+        k = 1
+        while j + k < n and slots[j + k] == slots[j] + k:
+            k += 1
+        runs.append((slots[j], j, k))
+        j += k
+    return runs
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    total = sum(memoryview(b).nbytes for b in bufs)
+    done = os.pwritev(fd, bufs, offset)
+    if done != total:   # regular files only write short when the device is full
+        raise TransferError(f"short write to the disk tier ({done} of {total} bytes): is the device full?")
+
+
+def _preadv_all(fd: int, bufs: list, offset: int) -> int:
+    """Bytes read; fewer than asked means the file ends early (a truncated slab)."""
+    return os.preadv(fd, bufs, offset)

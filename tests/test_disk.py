@@ -1,0 +1,222 @@
+"""The disk tier: persistent, crash-safe, and never returns bytes that fail verification."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.errors import CapacityError, ConfigError
+from tests.conftest import REPO, payload
+
+# 8 KiB blocks: a multiple of 4 KiB, so O_DIRECT goes straight from/to page-aligned memory.
+LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
+ODD = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)  # 512 B
+NS = kvtier.Namespace("disk-test", "r1")
+
+
+def open_store(path: Path, layout=LAYOUT, host=4, disk=64, ns=NS, **kw) -> kvtier.Store:
+    return kvtier.Store(layout, [kvtier.HostTier(blocks=host), kvtier.DiskTier(path, blocks=disk)], ns, **kw)
+
+
+def chains(store: kvtier.Store, n: int, blocks: int = 4) -> list[kvtier.BlockKeys]:
+    bt = store.layout.block_tokens
+    return [store.keys([1000 + i] * (blocks * bt)) for i in range(n)]
+
+
+def read(store: kvtier.Store, keys) -> tuple[int, torch.Tensor]:
+    out = torch.zeros(len(keys), store.layout.block_bytes, dtype=torch.uint8)
+    return store.get(keys, out).loaded, out
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, ODD], ids=["aligned", "unaligned"])
+def test_evicted_blocks_are_served_from_disk_byte_exact(tmp_path, layout):
+    store = open_store(tmp_path / "kv", layout=layout, promote=False)
+    cs = chains(store, 6)
+    for k in cs:
+        store.put(k, payload(k, layout.block_bytes))
+    assert store.lookup(cs[0]).by_tier() == {"host": 0, "disk": 4}
+    for k in cs:
+        loaded, out = read(store, k)
+        assert loaded == 4 and torch.equal(out, payload(k, layout.block_bytes))
+    info = store.stats().tier("disk").info
+    assert info["persistent"] and info["slot_bytes"] % 4096 == 0
+    store.close()
+
+
+def test_a_disk_hit_is_promoted_and_prefetch_warms_the_host(tmp_path):
+    store = open_store(tmp_path / "kv", host=8)
+    a, b, c = chains(store, 3)
+    for k in (a, b, c):
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    assert store.lookup(a).by_tier() == {"host": 0, "disk": 4}
+    read(store, a)
+    assert store.lookup(a).by_tier() == {"host": 4, "disk": 0}
+    assert store.lookup(b).by_tier() == {"host": 0, "disk": 4}
+    t = store.prefetch(b).wait()
+    assert t.loaded == 4 and store.lookup(b).by_tier() == {"host": 4, "disk": 0}
+    store.close()
+
+
+def test_restart_finds_yesterdays_prefixes(tmp_path):
+    store = open_store(tmp_path / "kv")
+    cs = chains(store, 5)
+    for k in cs:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.close()                       # flushes: host-only blocks are written down too
+    again = open_store(tmp_path / "kv")
+    assert again.stats().recovered_blocks == 20
+    for k in cs:
+        assert again.lookup(k).by_tier() == {"host": 0, "disk": 4}
+        loaded, out = read(again, k)
+        assert loaded == 4 and torch.equal(out, payload(k, LAYOUT.block_bytes))
+    again.close()
+
+
+def test_write_through_keeps_a_disk_copy_of_every_put(tmp_path):
+    store = open_store(tmp_path / "kv", write_through=True)
+    a = chains(store, 1)[0]
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    assert store.stats().tier("disk").used_blocks == 4 and store.lookup(a).by_tier() == {"host": 4, "disk": 0}
+    b = chains(store, 2)[1]
+    store.put(b, payload(b, LAYOUT.block_bytes))     # a's host copies go: no demotion I/O needed
+    s = store.stats()
+    assert s.tier("disk").demoted_in == 0 and s.tier("disk").used_blocks == 8
+    assert store.lookup(a).by_tier() == {"host": 0, "disk": 4}
+    loaded, out = read(store, a)
+    assert loaded == 4 and torch.equal(out, payload(a, LAYOUT.block_bytes))
+    store.close()
+
+
+def test_another_layout_or_namespace_is_refused(tmp_path):
+    open_store(tmp_path / "kv").close()
+    with pytest.raises(ConfigError, match="another layout.*read_only=True"):
+        open_store(tmp_path / "kv", layout=ODD)
+    with pytest.raises(ConfigError, match="another namespace"):
+        open_store(tmp_path / "kv", ns=kvtier.Namespace("other-model"))
+    open_store(tmp_path / "kv").close()   # the right store still opens it
+
+
+def test_one_process_at_a_time(tmp_path):
+    s = open_store(tmp_path / "kv")
+    with pytest.raises(ConfigError, match="in use by another process"):
+        open_store(tmp_path / "kv")
+    s.close()
+
+
+def test_flipped_bytes_are_misses_not_data(tmp_path):
+    store = open_store(tmp_path / "kv", promote=False)
+    cs = chains(store, 4)
+    for k in cs:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.flush()
+    victim = cs[0]
+    slot = store.index.entries[victim[2]].slot
+    with open(tmp_path / "kv" / "slab.bin", "r+b") as f:     # flip one byte of block 2
+        f.seek(slot * 8192 + 100)
+        b = f.read(1)
+        f.seek(slot * 8192 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    loaded, out = read(store, victim)
+    assert loaded == 2                                     # blocks 0-1 good; recompute from 2
+    assert torch.equal(out[:2], payload(victim[:2], LAYOUT.block_bytes))
+    assert store.lookup(victim).blocks == 2                # the bad copy is gone
+    st = store.stats()
+    assert st.counters.corrupt_blocks == 1 and st.tier("disk").info["corrupt_blocks"] == 1
+    loaded, _ = read(store, cs[1])                         # the store keeps serving
+    assert loaded == 4
+    store.close()
+
+
+def test_truncated_slab_reopens_and_serves_what_is_left(tmp_path):
+    store = open_store(tmp_path / "kv", host=4, disk=32)
+    cs = chains(store, 6)
+    for k in cs:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.close()
+    os.truncate(tmp_path / "kv" / "slab.bin", 10 * 8192)   # by hand, behind the store's back
+    again = open_store(tmp_path / "kv", host=4, disk=32)
+    assert 0 < again.stats().recovered_blocks <= 10
+    for k in cs:
+        n = again.lookup(k).blocks
+        loaded, out = read(again, k[:n])
+        assert loaded == n and torch.equal(out, payload(k[:n], LAYOUT.block_bytes))
+    again.close()
+
+
+def test_bad_paths_and_sizes(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory|cannot create"):
+        open_store(tmp_path / "file")
+    with pytest.raises(CapacityError, match="free space|too large"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "big", capacity="900TiB")], NS)
+    with pytest.raises(ConfigError, match="holds no kvtier disk tier"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "empty", blocks=4, read_only=True)], NS)
+
+
+def test_buffered_io_when_asked(tmp_path):
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4), kvtier.DiskTier(tmp_path / "kv", blocks=16, direct=False)], NS,
+                         promote=False)
+    a, b = chains(store, 2)
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    store.put(b, payload(b, LAYOUT.block_bytes))      # a goes to disk
+    assert store.stats().tier("disk").info["io"].startswith("buffered")
+    loaded, out = read(store, a)
+    assert loaded == 4 and torch.equal(out, payload(a, LAYOUT.block_bytes))
+    store.close()
+
+
+WRITER = r'''
+import sys, time, torch, kvtier
+sys.path.insert(0, {repo!r})
+from tests.conftest import payload
+layout = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
+store = kvtier.Store(layout, [kvtier.HostTier(blocks=8), kvtier.DiskTier({path!r}, blocks=1024)],
+                     kvtier.Namespace("disk-test", "r1"), write_through={wt})
+for i in range({start}, {start} + 40):   # the disk holds every round's blocks: nothing is evicted
+    keys = store.keys([i] * 32)
+    store.put(keys, payload(keys, layout.block_bytes))
+    if i % 3 == 0:
+        store.flush()
+        print(i, flush=True)              # every put up to i is durable now
+time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_kill_9_mid_stream_loses_nothing_flushed(tmp_path, write_through):
+    path = tmp_path / "kv"
+    start = 0
+    for round_ in range(4):
+        code = WRITER.format(repo=str(REPO), path=str(path), wt=write_through, start=start)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        flushed = []
+        deadline = time.monotonic() + 60
+        while len(flushed) < 3 + 2 * round_ and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            flushed.append(int(line))
+        time.sleep(0.002 * round_)      # land the kill at different points of a put
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert flushed, "the writer never flushed"
+        store = open_store(path, host=8, disk=1024)
+        # Every chain put before the last completed flush reads back exactly ...
+        for i in range(0 if round_ == 0 else start, flushed[-1] + 1):
+            keys = store.keys([i] * 32)
+            assert store.lookup(keys).blocks == 4, f"chain {i} was flushed but is gone"
+            loaded, out = read(store, keys)
+            assert loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+        # ... and whatever else survived is either exact or a counted miss, never wrong bytes.
+        for i in range(flushed[-1] + 1, start + 40):
+            keys = store.keys([i] * 32)
+            n = store.lookup(keys).blocks
+            loaded, out = read(store, keys[:n])
+            assert torch.equal(out[:loaded], payload(keys[:loaded], LAYOUT.block_bytes))
+        store.close()
+        start += 40
