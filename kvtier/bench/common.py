@@ -26,6 +26,23 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Median seconds of a() and of b(), alternating them, so both see the same conditions
+    (a virtual disk's speed drifts from second to second)."""
+    a()
+    b()
+    ta, tb = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def emit(rows: Sequence[dict[str, Any]], as_json: bool, title: str, columns: Sequence[str]) -> None:
     """Print rows as one JSON object per line, or as a table for a person."""
     if as_json:

@@ -219,8 +219,13 @@ class DiskTier(Tier):
         if self.read_only:
             raise ConfigError(f"disk tier {self.path} was opened read-only")
         order = list(range(len(slots))) if idx is None else list(idx)
+        # Speed: the bytes go to disk on the I/O threads while this thread computes the
+        # checksums (xxhash holds the GIL; hashing inside each I/O thread made every write
+        # wait for it). Only the records, committed after both, need the checksums.
+        pending = self._parallel(self._write_run, slots, rows, order, wait=False)
         sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in order]
-        self._parallel(self._write_run, slots, rows, order)
+        for f in pending:
+            f.result()
         now = time.time()
         with self._env.begin(db=self._db, write=True) as txn:
             for k in self._deleted:
@@ -254,47 +259,46 @@ class DiskTier(Tier):
                         self.path, key, slots[j])
         return sorted(set(bad))
 
-    def _parallel(self, fn, slots: Sequence[int], rows: Sequence[np.ndarray], order: list[int]) -> list[Any]:
-        """Split the copy into runs of consecutive slots and run them on the I/O threads."""
-        runs: list[tuple[list[int], int]] = []   # (positions j, first slot)
-        for s, j, n in _runs_by_slot(slots):
-            for c in range(0, n, self._chunk_slots):
-                m = min(self._chunk_slots, n - c)
-                runs.append((list(range(j + c, j + c + m)), s + c))
-        if len(runs) == 1 or self._pool is None:
-            return [fn(0, js, s0, slots, rows, order) for js, s0 in runs]
-        futures = [self._pool.submit(fn, None, js, s0, slots, rows, order) for js, s0 in runs]
-        return [f.result() for f in futures]
+    def _parallel(self, fn, slots: Sequence[int], rows: Sequence[np.ndarray], order: list[int],
+                  wait: bool = True) -> list[Any]:
+        """Split the copy into runs of consecutive slots and run them on the I/O threads;
+        returns their results, or (wait=False) their futures."""
+        runs: list[tuple[list[int], int]] = []   # (positions j, first slot), slots ascending
+        by_slot = sorted(range(len(slots)), key=slots.__getitem__)
+        for s, js in _runs_by_slot([slots[j] for j in by_slot], by_slot):
+            for c in range(0, len(js), self._chunk_slots):
+                runs.append((js[c:c + self._chunk_slots], s + c))
+        futures = [self._pool.submit(fn, js, s0, rows, order) for js, s0 in runs]
+        return [f.result() for f in futures] if wait else futures
 
-    def _staging_buffer(self, fixed: int | None) -> tuple[int, mmap.mmap]:
-        if fixed is not None:
-            return fixed, self._staging[fixed]
+    def _staging_buffer(self) -> tuple[int, mmap.mmap]:
+        """One of the per-thread staging buffers (there is one per I/O thread)."""
         i = self._free_staging.pop()   # list.pop is atomic under the GIL
         return i, self._staging[i]
 
-    def _write_run(self, fixed: int | None, js: list[int], s0: int, slots, rows, order) -> None:
+    def _write_run(self, js: list[int], s0: int, rows, order) -> None:
+        """Write one run of consecutive slots."""
         sb, bb = self.slot_bytes, self.block_bytes
         n = len(js)
         srcs = [rows[order[j]] for j in js]
         if self.direct and sb == bb and all(_aligned(r) for r in srcs):
             _pwritev_all(self._fd, srcs, s0 * sb)          # straight from the caller's memory
             return
-        i, buf = self._staging_buffer(fixed)
+        i, buf = self._staging_buffer()
         try:
             view = np.frombuffer(buf, dtype=np.uint8, count=n * sb).reshape(n, sb)
             for r, src in enumerate(srcs):
                 view[r, :bb] = src
             _pwritev_all(self._fd, [memoryview(buf)[: n * sb]], s0 * sb)
         finally:
-            if fixed is None:
-                self._free_staging.append(i)
+            self._free_staging.append(i)
 
-    def _read_run(self, fixed: int | None, js: list[int], s0: int, slots, rows, order) -> list[int]:
+    def _read_run(self, js: list[int], s0: int, rows, order) -> list[int]:
         sb, bb = self.slot_bytes, self.block_bytes
         n = len(js)
         dsts = [rows[order[j]] for j in js]
         bad = []
-        i, buf = self._staging_buffer(fixed)
+        i, buf = self._staging_buffer()
         try:
             direct_ok = self.direct and sb == bb and all(_aligned(d) and d.flags.c_contiguous for d in dsts)
             targets = [memoryview(d).cast("B") for d in dsts] if direct_ok else [memoryview(buf)[: n * sb]]
@@ -312,8 +316,7 @@ class DiskTier(Tier):
                 if not direct_ok:
                     dsts[r][...] = data
         finally:
-            if fixed is None:
-                self._free_staging.append(i)
+            self._free_staging.append(i)
         return bad
 
     def block(self, slot: int) -> np.ndarray:
@@ -381,8 +384,8 @@ class DiskTier(Tier):
         self._staging = []
 
 
-def _runs_by_slot(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs (first slot, first position, length) where slots ascend by one, in the given order."""
+def _runs_by_slot(slots: Sequence[int], positions: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Split sorted `slots` into runs of consecutive slots: (first slot, their positions)."""
     runs = []
     j = 0
     n = len(slots)
@@ -390,7 +393,7 @@ def _runs_by_slot(slots: Sequence[int]) -> list[tuple[int, int, int]]:
         k = 1
         while j + k < n and slots[j + k] == slots[j] + k:
             k += 1
-        runs.append((slots[j], j, k))
+        runs.append((slots[j], list(positions[j:j + k])))
         j += k
     return runs
 
