@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
+    "inspect": "kvtier.inspect",
 }
 
 

@@ -11,6 +11,7 @@ import torch
 
 import kvtier
 from kvtier.errors import CapacityError, ConfigError
+from kvtier.tiers.disk import read_directory
 from tests.conftest import REPO, payload
 
 # 8 KiB blocks: a multiple of 4 KiB, so O_DIRECT goes straight from/to page-aligned memory.
@@ -220,3 +221,40 @@ def test_kill_9_mid_stream_loses_nothing_flushed(tmp_path, write_through):
             assert torch.equal(out[:loaded], payload(keys[:loaded], LAYOUT.block_bytes))
         store.close()
         start += 40
+
+
+def test_kvtier_inspect_reports_and_verifies(tmp_path):
+    import json
+    store = open_store(tmp_path / "kv")
+    cs = chains(store, 3)
+    for k in cs:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.close()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier.cli", "inspect", str(tmp_path / "kv"), *a],
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--verify", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["blocks"], rep["capacity_blocks"], rep["corrupt_blocks"]) == (12, 64, 0)
+    assert rep["namespace"]["model"] == "disk-test" and "MHA 2L" in rep["layout"]
+    _, records = read_directory(tmp_path / "kv")
+    slot = records[0][1][0]
+    with open(tmp_path / "kv" / "slab.bin", "r+b") as f:    # damage one stored block
+        f.seek(slot * 8192)
+        f.write(b"\xff" * 16)
+    rep = json.loads(run("--verify", "--json").stdout)
+    assert rep["corrupt_blocks"] == 1
+    assert "12 of 64" in run().stdout
+
+
+def test_bench_tiers_disk_json(tmp_path):
+    import json
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--tier", "disk", "--block-bytes", "1MiB",
+                        "--total", "16MiB", "--repeat", "1", "--path", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["op"] for x in rows] == ["put", "get"]
+    for x in rows:
+        assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 1e-9
+    assert rows[1]["cold_pread_gbps"] > 0 and list(tmp_path.iterdir()) == []   # cleaned up

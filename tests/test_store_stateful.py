@@ -214,7 +214,9 @@ class StoreMachine(RuleBasedStateMachine):
         if n == 0:
             return
         out = out_buffer(n, form)
-        t = self.store.get(keys[:n], out, blocking=blocking)    # must not raise: lookup said cached
+        t = self.get_after_lookup(keys[:n], out, blocking)
+        if t is None:
+            return
         self.c["gets"] += 1
         self.c["get_blocks"] += n
         assert t.blocks == n and t.nbytes == n * BB
@@ -223,6 +225,17 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.pending.append(("get", t, list(keys[:n]), out))
 
+    def get_after_lookup(self, keys, out, blocking):
+        """get() right after a lookup must succeed, unless transfers still in flight (a
+        pending get promotes what it read, which may evict) took the blocks meanwhile:
+        lookup-then-get is not atomic, and KeyNotCachedError is how a store says so."""
+        if not self.pending:
+            return self.store.get(keys, out, blocking=blocking)
+        try:
+            return self.store.get(keys, out, blocking=blocking)
+        except kvtier.KeyNotCachedError:
+            return None
+
     @rule(seq=st.integers(0, len(SEQS) - 1), form=FORMS)
     def serve(self, seq, form) -> None:
         """What an engine does: lookup, load the hit prefix, compute and save the rest."""
@@ -230,7 +243,8 @@ class StoreMachine(RuleBasedStateMachine):
         n = self.lookup(keys).blocks
         if n:
             out = out_buffer(n, form)
-            self.store.get(keys[:n], out)
+            if self.get_after_lookup(keys[:n], out, True) is None:
+                return
             self.c["gets"] += 1
             self.c["get_blocks"] += n
             assert_bytes(keys[:n], out)

@@ -384,6 +384,25 @@ class DiskTier(Tier):
         self._staging = []
 
 
+def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
+    """(meta, [(key, [slot, checksum, created, last access]), ...]) of a disk tier directory,
+    read-only and without taking its lock (for inspection; a writer may be running)."""
+    path = Path(path)
+    if not (path / "index.lmdb").is_dir():
+        raise ConfigError(f"{path} holds no kvtier disk tier (no index.lmdb there)")
+    env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        meta_db, db = env.open_db(_META, create=False), env.open_db(b"blocks", create=False)
+        with env.begin() as txn:
+            raw = txn.get(b"meta", db=meta_db)
+            records = [(bytes(k), msgpack.unpackb(v)) for k, v in txn.cursor(db=db)]
+    finally:
+        env.close()
+    if raw is None:
+        raise ConfigError(f"{path}: the index has no meta record; it was not written by kvtier")
+    return msgpack.unpackb(raw), records
+
+
 def _runs_by_slot(slots: Sequence[int], positions: Sequence[int]) -> list[tuple[int, list[int]]]:
     """Split sorted `slots` into runs of consecutive slots: (first slot, their positions)."""
     runs = []
