@@ -206,12 +206,25 @@ class Store:
         return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
 
     def _move(self, moves: list[Move]) -> None:
-        """Carry out demotions and drops chosen by the index (under the lock, before slots are reused)."""
-        for m in moves:
-            src = self.tiers[m.src_tier]
-            if m.dst_tier is not None:
-                self.tiers[m.dst_tier].write([m.dst_slot], [src.block(m.src_slot)], keys=[m.key])
-            src.release([m.src_slot], [m.key])
+        """Carry out demotions and drops chosen by the index (under the lock, before slots are reused).
+
+        Moves out of lower tiers go first: they free the slots that moves from above fill.
+        Demotions between the same two tiers are one batched write (one disk transaction).
+        """
+        for m in moves:                      # drops: forget the copies (a disk deletes records)
+            if m.dst_tier is None:
+                self.tiers[m.src_tier].release([m.src_slot], [m.key])
+        demotions = [m for m in moves if m.dst_tier is not None]
+        for src in sorted({m.src_tier for m in demotions}, reverse=True):
+            batch: dict[int, Move] = {}
+            for m in demotions:
+                if m.src_tier == src:
+                    batch[m.dst_slot] = m    # a slot written twice in one put keeps the last block
+            dst = self.tiers[src + 1]
+            tier = self.tiers[src]
+            dst.write(list(batch), [tier.block(m.src_slot) for m in batch.values()], None,
+                      [m.key for m in batch.values()])
+            tier.release([m.src_slot for m in batch.values()], [m.key for m in batch.values()])
 
     def _discard(self, bad: list[tuple[bytes, int]]) -> None:
         """Drop copies whose bytes failed verification: they are misses from now on."""

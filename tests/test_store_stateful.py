@@ -21,6 +21,9 @@ pin replacement) and two bugs found while writing this file (now fixed).
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -126,11 +129,15 @@ class StoreMachine(RuleBasedStateMachine):
     # -- setup -----------------------------------------------------------------------
     @initialize(caps=st.one_of(st.tuples(st.integers(4, 12)),
                                st.tuples(st.integers(4, 12), st.integers(2, 8))),
-                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 1.0]))
-    def setup(self, caps, pin_budget) -> None:
+                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 1.0]), disk=st.booleans())
+    def setup(self, caps, pin_budget, disk) -> None:
         self.caps = list(caps)
         self.pin_budget = pin_budget
         tiers = [kvtier.HostTier(blocks=c, name=f"t{i}") for i, c in enumerate(self.caps)]
+        self.tmp = None
+        if disk and len(caps) == 2:   # the lower tier on disk: verified reads, LMDB records
+            self.tmp = tempfile.mkdtemp(prefix="kvtier-stateful-")
+            tiers[1] = kvtier.DiskTier(self.tmp, blocks=caps[1], name="t1", io_threads=2)
         self.store = kvtier.Store(LAYOUT, tiers, NS, pin_budget=pin_budget, clock=lambda: self.now)
         self.chains = [self.store.keys(s) for s in SEQS]
 
@@ -142,6 +149,8 @@ class StoreMachine(RuleBasedStateMachine):
                 except Exception:
                     pass
             self.store.close()
+        if getattr(self, "tmp", None):
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- model helpers ---------------------------------------------------------------
     def active(self) -> dict[str, tuple[list[bytes], int, float]]:
