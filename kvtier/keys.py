@@ -12,6 +12,7 @@ Only full blocks are keyed: a partial trailing block is left out.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, SupportsIndex, overload
 
@@ -21,6 +22,16 @@ import xxhash
 
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.layout import KVLayout
+
+# The optional C accelerator for xxh3 chains (kvtier/_chain.c, built by `pip install`
+# where a C compiler exists). KVTIER_NO_NATIVE=1 forces the pure-Python path.
+_chain_xxh3: Callable[[bytes, int, bytes], list[bytes]] | None = None
+if os.environ.get("KVTIER_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvtier._chain import chain_xxh3 as _chain_xxh3
+    except ImportError:  # not built (no compiler): the Python path below
+        _chain_xxh3 = None
+NATIVE: bool = _chain_xxh3 is not None  # True when xxh3 keys are chained in C
 
 Key = bytes  # 16 bytes
 KEY_BYTES = 16
@@ -152,6 +163,9 @@ def chain_keys(tokens: object, block_tokens: int, parent: Key, hash_name: str = 
     if len(parent) != KEY_BYTES:
         raise ConfigError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
     data = token_bytes(tokens)
+    if hash_name == "xxh3" and _chain_xxh3 is not None:
+        # The same digests as below, chained in one C call (~10x faster).
+        return BlockKeys(_chain_xxh3(data, block_tokens, parent), parent=parent, start=start)
     step = 4 * block_tokens
     end = len(data) - len(data) % step   # partial trailing block is not keyed
     h = _hasher(hash_name)

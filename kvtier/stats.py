@@ -48,6 +48,7 @@ class StoreCounters:
     put_rejected: int = 0
     put_bytes: int = 0
     corrupt_blocks: int = 0      # blocks that failed verification on read (misses, dropped)
+    remote_blocks: int = 0       # blocks fetched from peers
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StoreStats:
     tiers: list[TierStats]
     pinned_sessions: int
     recovered_blocks: int = 0    # blocks found in persistent tiers when the store opened
+    remote: dict[str, Any] | None = None   # the remote tier's peers, timeout and errors
 
     @property
     def hit_ratio(self) -> float:

@@ -16,8 +16,11 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
 
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
@@ -29,6 +32,7 @@ from kvtier.policies import DEFAULT_POLICY
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.policies.base import BlockInfo
 from kvtier.tiers.base import Tier
+from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvtier.store")
 
@@ -65,9 +69,14 @@ class Store:
             raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
         if not isinstance(namespace, Namespace):
             raise ConfigError("namespace must be a kvtier.Namespace(model=..., revision=..., salt=b'')")
-        if isinstance(tiers, Tier) or not tiers or not all(isinstance(t, Tier) for t in tiers):
+        if isinstance(tiers, (Tier, RemoteTier)) or not tiers:
             raise ConfigError("tiers must be a non-empty list of tiers, fastest first, e.g. [kvtier.HostTier(capacity='8GiB')]")
-        names = [t.name for t in tiers]
+        tiers = list(tiers)
+        self.remote: RemoteTier | None = tiers.pop() if isinstance(tiers[-1], RemoteTier) else None
+        if not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise ConfigError("tiers must be local tiers (HostTier, DiskTier), fastest first, with at most "
+                              "one RemoteTier, last: e.g. [HostTier(capacity='8GiB'), RemoteTier(peers, secret)]")
+        names = [t.name for t in tiers] + ([self.remote.name] if self.remote else [])
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}: pass name=... to tell them apart")
         if hash not in HASHES:
@@ -76,7 +85,8 @@ class Store:
             raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
         self.layout = layout
         self.namespace = namespace
-        self.tiers = list(tiers)
+        self.tiers = tiers                  # local tiers; self.remote is consulted after them
+        self.tier_names = names
         self.keyer = Keyer(namespace, layout, hash)
         self.write_through = write_through
         self.promote = promote
@@ -100,6 +110,8 @@ class Store:
             if t.persistent:
                 items = [(k, slot, BlockInfo(k, None, 0, bt, bt, 0)) for k, slot in t.recover()]
                 self.recovered += self.index.adopt(i, items)
+        if self.remote is not None:
+            self.remote.attach(self.keyer.seed, layout.block_bytes)
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._io_threads = io_threads
@@ -117,24 +129,33 @@ class Store:
         with self._lock:
             self._check_open()
             n, locs = self.index.lookup(keys)
+        if self.remote is not None and n < len(keys):
+            m, _ = self.remote.locate(keys[n:])          # one round trip to each peer
+            locs += [len(self.tiers)] * m
+            n += m
+        with self._lock:
             c = self.counters
             c.lookups += 1
             c.lookup_blocks += len(keys)
             c.lookup_hit_blocks += n
-        return Hit(n, self.layout.block_tokens, locs, [t.name for t in self.tiers])
+        return Hit(n, self.layout.block_tokens, locs, self.tier_names)
 
     # -- load ------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes], out: object, *, blocking: bool = True) -> Transfer:
         """Copy the blocks of `keys` into `out` ([n, block_bytes] uint8, [n, *block_shape], or a list).
 
-        Every key must be cached (get what lookup() returned). With blocking=False the
-        copy runs on an I/O thread; wait() on the handle before reading `out`.
+        Every key must be cached (get what lookup() returned); with a RemoteTier, the keys
+        past the local prefix are fetched from peers. With blocking=False the copy runs
+        on an I/O thread; wait() on the handle before reading `out`. The handle's `loaded`
+        says how many leading blocks arrived intact.
         """
         self._check_keys(keys)
         rows = as_rows(out, len(keys), self.layout, "out", writable=True)
         with self._lock:
             self._check_open()
-            locs = self.index.acquire(keys)
+            n_local = self.index.lookup(keys)[0] if self.remote is not None else len(keys)
+            local = keys[:n_local]
+            locs = self.index.acquire(local)
             c = self.counters
             c.gets += 1
             c.get_blocks += len(keys)
@@ -146,19 +167,28 @@ class Store:
             bad: list[tuple[int, int]] = []          # (position, tier) of blocks that failed
             try:
                 if len(self.tiers) == 1:
-                    bad = [(j, 0) for j in self.tiers[0].read([s for _, s in locs], rows, keys=keys)]
+                    bad = [(j, 0) for j in self.tiers[0].read([s for _, s in locs], rows, keys=local)]
                 else:
                     for t, slots, idx in _group(locs):
                         got = self.tiers[t].read(slots, rows, idx, [keys[i] for i in idx])
                         bad += [(idx[j], t) for j in got]
             finally:
                 with self._lock:
-                    self.index.release(keys)
+                    self.index.release(local)
+            loaded = min((j for j, _ in bad), default=n_local)
             if bad:
-                transfer.loaded = min(j for j, _ in bad)
                 self._discard([(keys[j], t) for j, t in bad])
+            if loaded == n_local < len(keys):
+                assert self.remote is not None
+                fetched = self.remote.fetch(keys[n_local:], rows[n_local:])   # straight into `out`
+                loaded += fetched
+                with self._lock:
+                    self.counters.remote_blocks += fetched
+                if fetched and self.remote.promote:
+                    self._store(keys[n_local:loaded], rows[n_local:loaded])
+            transfer.loaded = loaded
             if self.promote and len(self.tiers) > 1:
-                lower = [i for i in range(transfer.loaded) if locs[i][0] > 0]
+                lower = [i for i in range(min(loaded, n_local)) if locs[i][0] > 0]
                 if lower:
                     self._copy_into(0, [keys[i] for i in lower], rows, lower)
 
@@ -173,6 +203,10 @@ class Store:
         """
         self._check_keys(keys)
         rows = as_rows(blocks, len(keys), self.layout, "blocks")
+        return self._store(keys, rows, blocking)
+
+    def _store(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
+        """put() after validation: `rows` are checked one-block uint8 rows."""
         with self._lock:
             self._check_open()
             res = self.index.reserve(keys)
@@ -261,6 +295,37 @@ class Store:
         transfer._future = self._executor.submit(work)
         return transfer
 
+    @contextmanager
+    def hold(self, keys: Sequence[bytes]) -> Iterator[list[np.ndarray]]:
+        """Hold the longest cached prefix of `keys` and yield its blocks' bytes: views of slot
+        memory for memory tiers (no copy: a node sends them straight to a peer), verified
+        copies for disk. Nothing held is evicted or overwritten until the block exits."""
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            n, _ = self.index.lookup(keys)
+            held = keys[:n]
+            locs = self.index.acquire(held)
+        rows: list[np.ndarray] = []
+        bad: list[tuple[bytes, int]] = []
+        try:
+            for key, (t, slot) in zip(held, locs):
+                tier = self.tiers[t]
+                if tier.persistent:
+                    buf = np.empty(self.layout.block_bytes, dtype=np.uint8)
+                    if tier.read([slot], [buf], keys=[key]):
+                        bad.append((key, t))
+                        break   # failed verification: the prefix ends here
+                    rows.append(buf)
+                else:
+                    rows.append(tier.block(slot))
+            yield rows
+        finally:
+            with self._lock:
+                self.index.release(held)
+            if bad:
+                self._discard(bad)
+
     # -- tiers: prefetch and durability ---------------------------------------------------
     def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:
         """Copy the cached blocks of `keys` that live in lower tiers up into the top tier,
@@ -345,7 +410,7 @@ class Store:
                 tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
                                        c.evicted, c.demoted_in, c.dropped, c.rejected, s.pinned, t.info()))
             return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.sessions()),
-                              self.recovered)
+                              self.recovered, self.remote.info() if self.remote else None)
 
     def close(self) -> None:
         """Finish pending transfers, flush persistent tiers, and release every tier."""
@@ -360,6 +425,8 @@ class Store:
             self._closed = True
             for t in self.tiers:
                 t.close()
+            if self.remote is not None:
+                self.remote.close()
 
     def __enter__(self) -> Store:
         return self

@@ -1,0 +1,6 @@
+"""Between nodes: the wire format, a node that serves its store, and the client that fetches."""
+from kvtier.net.client import PeerClient, PeerError
+from kvtier.net.frames import Frame, FrameError
+from kvtier.net.node import Node
+
+__all__ = ["Node", "PeerClient", "PeerError", "Frame", "FrameError"]

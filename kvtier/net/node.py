@@ -1,0 +1,186 @@
+"""A node: serves its store's blocks to peers over TCP (asyncio on a thread of its own).
+
+    HAS(keys)         -> OK n          the longest prefix of keys this node holds
+    GET(keys)         -> OK n + blocks the bytes of that prefix, with a checksum each
+    PUT(keys)+blocks  -> OK n          store them here (n: newly written)
+
+Blocks leave straight from slot memory (the store holds them while they are sent) and
+arrive by recv_into a buffer that goes to the store in one put. Every frame is
+authenticated (kvtier/net/frames.py); a request for another namespace, a bad MAC, a stale
+or malformed frame gets an ERR reply and the connection is closed; other peers are
+served as before.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.net.address import parse_address
+from kvtier.net.frames import MAC_BYTES, MAX_KEYS, Frame, FrameError, decode, header_length
+
+if TYPE_CHECKING:
+    from kvtier.store import Store
+
+log = logging.getLogger("kvtier.node")
+
+
+class Node:
+    """Serves `store` to peers. `with Node(store, "127.0.0.1:0", secret) as node: node.address`."""
+
+    def __init__(self, store: Store, listen: str = "127.0.0.1:7700", secret: bytes = b"", *,
+                 request_timeout: float = 10.0) -> None:
+        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+            raise ConfigError("a node needs the cluster's shared secret: at least 16 bytes")
+        self.store = store
+        self.secret = bytes(secret)
+        self.seed = store.keyer.seed
+        self.block_bytes = store.layout.block_bytes
+        self.request_timeout = request_timeout
+        self._host, self._port = parse_address(listen)
+        self.address = ""
+        self.refused = 0          # frames refused (bad MAC, stale, malformed, other namespace)
+        self.served = 0           # requests answered
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: socket.socket | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- lifetime --------------------------------------------------------------------
+    def start(self) -> Node:
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-node-{self._port}", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise ConfigError(f"cannot listen on {self._host}:{self._port}: {self._error}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            srv = socket.create_server((self._host, self._port), reuse_port=False)
+        except OSError as e:
+            self._error = e
+            self._ready.set()
+            return
+        srv.setblocking(False)
+        self._server = srv
+        host, port = srv.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        loop.create_task(self._accept(srv))
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.close()
+
+    async def _accept(self, srv: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(srv)
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            loop.create_task(self._serve(conn))
+
+    # -- one connection ------------------------------------------------------------------
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    prefix = await self._recv(conn, 4, first=True)
+                except EOFError:
+                    return
+                body = await self._recv(conn, header_length(prefix))
+                mac = await self._recv(conn, MAC_BYTES)
+                req = decode(body, mac, self.secret, max_payload=MAX_KEYS * self.block_bytes)
+                if req.ns != self.seed:
+                    raise FrameError("request for another namespace: this node serves only its own")
+                await asyncio.wait_for(self._answer(loop, conn, req), self.request_timeout)
+                self.served += 1
+        except FrameError as e:
+            self.refused += 1
+            log.warning("node %s: refused a frame: %s", self.address, e)
+            try:
+                await loop.sock_sendall(conn, Frame("ERR", self.seed, error=str(e)).encode(self.secret))
+            except OSError:
+                pass
+        except (OSError, EOFError, asyncio.TimeoutError):
+            pass   # the peer went away or stalled: drop the connection
+        finally:
+            conn.close()
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, req: Frame) -> None:
+        store, bb = self.store, self.block_bytes
+        if req.op == "HAS":
+            if req.payload:
+                raise FrameError("HAS carries no payload")
+            n = store.lookup(req.keys).blocks
+            await loop.sock_sendall(conn, Frame("OK", self.seed, n=n).encode(self.secret))
+        elif req.op == "GET":
+            if req.payload:
+                raise FrameError("GET carries no payload")
+            with store.hold(req.keys) as rows:
+                sums = [xxhash.xxh3_64_intdigest(r) for r in rows]
+                head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums)
+                await loop.sock_sendall(conn, head.encode(self.secret))
+                for r in rows:                      # straight from slot memory
+                    await loop.sock_sendall(conn, memoryview(r).cast("B"))
+        elif req.op == "PUT":
+            n = len(req.keys)
+            if req.payload != n * bb or len(req.sums) != n:
+                raise FrameError(f"PUT of {n} keys must carry {n * bb} bytes and {n} checksums")
+            buf = np.empty((n, bb), dtype=np.uint8)
+            view = memoryview(buf).cast("B")
+            got = 0
+            while got < len(view):
+                k = await loop.sock_recv_into(conn, view[got:])
+                if k == 0:
+                    raise EOFError
+                got += k
+            good = 0
+            while good < n and xxhash.xxh3_64_intdigest(buf[good]) == req.sums[good]:
+                good += 1
+            t = store.put(req.keys[:good], buf[:good]) if good else None
+            await loop.sock_sendall(conn, Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))
+        else:
+            raise FrameError(f"a node does not answer {req.op}")
+
+    async def _recv(self, conn: socket.socket, n: int, first: bool = False) -> bytes:
+        loop = asyncio.get_running_loop()
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await (loop.sock_recv_into(conn, view[got:]) if first and got == 0 else
+                       asyncio.wait_for(loop.sock_recv_into(conn, view[got:]), self.request_timeout))
+            if k == 0:
+                raise EOFError
+            got += k
+        return bytes(buf)

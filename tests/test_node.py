@@ -1,0 +1,244 @@
+"""Nodes on loopback: blocks cross processes byte-exact; faults cost misses, never hangs or wrong KV."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier.net import Node, PeerClient, PeerError
+from kvtier.net.frames import Frame
+from tests.conftest import REPO, payload
+
+LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)  # 8 KiB
+NS = kvtier.Namespace("net-test", "r1")
+SECRET = b"cluster-secret-0123456789abcdef"
+
+NODE = r'''
+import sys, time, torch, kvtier
+sys.path.insert(0, {repo!r})
+from tests.conftest import payload
+layout = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
+store = kvtier.Store(layout, [kvtier.HostTier(blocks={blocks})], kvtier.Namespace("net-test", "r1"))
+for seed in {seeds!r}:
+    keys = store.keys([seed] * {tokens})
+    store.put(keys, payload(keys, layout.block_bytes))
+node = kvtier.Node(store, "127.0.0.1:0", {secret!r}).start()
+print(node.address, flush=True)
+time.sleep(120)
+'''
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def start(seeds, tokens=32, blocks=64):
+        code = NODE.format(repo=str(REPO), blocks=blocks, seeds=list(seeds), tokens=tokens, secret=SECRET)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        addr = p.stdout.readline().strip()
+        assert addr, "the node process did not start"
+        return p, addr
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def client_store(peers, secret=SECRET, ns=NS, timeout=0.5, host=64) -> kvtier.Store:
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=host), kvtier.RemoteTier(peers, secret, timeout=timeout)], ns)
+
+
+def fetch(store, keys):
+    out = torch.zeros(len(keys), LAYOUT.block_bytes, dtype=torch.uint8)
+    return store.get(keys, out).loaded, out
+
+
+def test_two_nodes_exchange_blocks_byte_exact(spawn):
+    _, addr = spawn(seeds=[1, 2])
+    store = client_store([addr])
+    keys = store.keys([1] * 32)
+    hit = store.lookup(keys)
+    assert hit.blocks == 4 and hit.by_tier() == {"host": 0, "remote": 4}
+    loaded, out = fetch(store, keys)
+    assert loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    assert store.lookup(keys).by_tier() == {"host": 4, "remote": 0}      # promoted: next time local
+    assert store.stats().counters.remote_blocks == 4
+    mixed = store.keys([2] * 16 + [7] * 16)                # the peer has half of it
+    assert store.lookup(mixed).blocks == 2
+    store.close()
+
+
+def test_three_nodes_fetch_from_the_holder(spawn):
+    _, a = spawn(seeds=[10])
+    _, b = spawn(seeds=[20, 21])
+    store = client_store([a, b])
+    for seed in (10, 20, 21):
+        keys = store.keys([seed] * 32)
+        loaded, out = fetch(store, keys)
+        assert loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    local = store.keys([10] * 16)                     # local prefix + remote suffix in one get
+    longer = store.keys([10] * 16 + [99] * 16)
+    assert store.lookup(longer).blocks == 2 and fetch(store, local)[0] == 2
+    store.close()
+
+
+def test_wrong_secret_and_other_namespace_are_refused(spawn):
+    _, addr = spawn(seeds=[1])
+    bad = client_store([addr], secret=b"not-the-cluster-secret-000000000")
+    keys = bad.keys([1] * 32)
+    assert bad.lookup(keys).blocks == 0 and bad.stats().remote["errors"] >= 1
+    other = client_store([addr], ns=kvtier.Namespace("another-model"))
+    assert other.lookup(other.keys([1] * 32)).blocks == 0 and other.stats().remote["errors"] >= 1
+    good = client_store([addr])
+    assert good.lookup(good.keys([1] * 32)).blocks == 4        # the node kept serving
+    for s in (bad, other, good):
+        s.close()
+
+
+def test_a_node_killed_mid_get_costs_a_miss_not_a_hang(spawn):
+    proc, addr = spawn(seeds=list(range(40)), tokens=8 * 64, blocks=40 * 64)   # 2,560 blocks, 20 MiB
+    store = client_store([addr], timeout=0.5, host=4096)
+    keys = [store.keys([s] * 8 * 64) for s in range(40)]
+    assert store.lookup(keys[0]).blocks == 64
+    result = {}
+
+    def pull():
+        t0 = time.monotonic()
+        result["loaded"] = [fetch(store, k)[0] for k in keys]
+        result["secs"] = time.monotonic() - t0
+
+    t = threading.Thread(target=pull)
+    t.start()
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    t.join(timeout=30)
+    assert not t.is_alive(), "a get hung on a dead peer"
+    loaded = result["loaded"]
+    assert loaded[-1] == 0 and all(x in range(65) for x in loaded)
+    assert store.lookup(keys[-1]).blocks == 0
+    store.close()
+
+
+class FakePeer:
+    """A node that answers one GET with a valid header, then misbehaves."""
+
+    def __init__(self, mode: str, keys, ns: bytes) -> None:
+        self.mode, self.keys, self.ns = mode, keys, ns
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.srv.getsockname()[1]
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self) -> None:
+        bb = LAYOUT.block_bytes
+        data = payload(self.keys, bb).numpy()
+        while True:
+            conn, _ = self.srv.accept()
+            try:
+                while True:
+                    n = int.from_bytes(conn.recv(4), "big")
+                    if n == 0:
+                        break
+                    body = b""
+                    while len(body) < n + 32:
+                        body += conn.recv(n + 32 - len(body))
+                    req = kvtier.net.frames.decode(body[:n], body[n:], SECRET)
+                    k = len(self.keys)
+                    if req.op == "HAS":
+                        conn.sendall(Frame("OK", self.ns, n=k).encode(SECRET))
+                        continue
+                    sums = [xxhash.xxh3_64_intdigest(r) for r in data]
+                    if self.mode == "garbage":
+                        data = data.copy()
+                        data[2, 5] ^= 0xFF                    # block 2 arrives corrupted
+                    conn.sendall(Frame("OK", self.ns, n=k, payload=k * bb, sums=sums).encode(SECRET))
+                    if self.mode == "garbage":
+                        conn.sendall(data.tobytes())
+                    elif self.mode == "stall":
+                        conn.sendall(data[:1].tobytes())
+                        time.sleep(5)                         # ... and nothing more
+                    elif self.mode == "die":
+                        conn.sendall(data[:1].tobytes()[: bb // 2])
+                        break
+            except Exception:
+                pass
+            finally:
+                conn.close()
+
+
+@pytest.mark.parametrize("mode,expect", [("stall", 0), ("die", 0), ("garbage", 2)])
+def test_a_peer_that_stalls_dies_or_lies_costs_a_miss(mode, expect):
+    probe = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    keys = probe.keys([5] * 32)
+    peer = FakePeer(mode, keys, probe.keyer.seed)
+    store = client_store([peer.address], timeout=0.3)
+    t0 = time.monotonic()
+    loaded, out = fetch(store, keys)
+    assert time.monotonic() - t0 < 2.0
+    assert loaded == expect
+    assert torch.equal(out[:loaded], payload(keys[:loaded], LAYOUT.block_bytes))
+    assert store.lookup(keys).by_tier()["host"] == expect     # only verified blocks were kept
+
+
+@pytest.fixture(scope="module")
+def live_node():
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS)
+    keys = store.keys([3] * 32)
+    store.put(keys, payload(keys, LAYOUT.block_bytes))
+    with Node(store, "127.0.0.1:0", SECRET) as node:
+        yield node, keys
+
+
+def _valid_frame(ns: bytes) -> bytes:
+    return Frame("HAS", ns, [b"k" * 16]).encode(SECRET)
+
+
+@given(junk=st.one_of(
+    st.binary(min_size=1, max_size=200),
+    st.tuples(st.integers(0, 300), st.integers(0, 255), st.booleans()).map(lambda t: ("mutate", *t)),
+))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzzed_frames_get_refused_and_the_node_keeps_serving(live_node, junk):
+    node, keys = live_node
+    if isinstance(junk, tuple):
+        _, pos, byte, truncate = junk
+        frame = bytearray(_valid_frame(node.seed))
+        pos %= len(frame)
+        frame[pos] = byte
+        junk = bytes(frame[:pos + 1]) if truncate else bytes(frame)
+    with socket.create_connection(tuple(node.address.rsplit(":", 1)[:1]) + (int(node.address.rsplit(":", 1)[1]),),
+                                  timeout=2) as s:
+        s.sendall(junk)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            while s.recv(65536):
+                pass
+        except (ConnectionResetError, socket.timeout):
+            pass
+    client = PeerClient(node.address, SECRET, node.seed, LAYOUT.block_bytes, timeout=2)
+    assert client.has(keys) == 4
+    client.close()
+
+
+def test_peer_client_errors_are_peer_errors():
+    probe = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    dead = PeerClient("127.0.0.1:1", SECRET, probe.keyer.seed, LAYOUT.block_bytes, timeout=0.2)
+    with pytest.raises(PeerError):
+        dead.has(probe.keys([1] * 8))
+    with pytest.raises(kvtier.ConfigError, match="host:port|127.0.0.1:7700"):
+        kvtier.RemoteTier(["nohost"], SECRET)
+    with pytest.raises(kvtier.ConfigError, match="16 bytes"):
+        kvtier.RemoteTier(["127.0.0.1:1"], b"short")
+    with pytest.raises(kvtier.ConfigError, match="RemoteTier"):
+        kvtier.Store(LAYOUT, [kvtier.RemoteTier(["127.0.0.1:1"], SECRET)], NS)
