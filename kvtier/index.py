@@ -115,8 +115,9 @@ class BlockIndex:
                  clock: Callable[[], float] = time.monotonic, allow_offline: bool = False) -> None:
         if not tiers:
             raise ConfigError("a store needs at least one tier")
-        if not 0.0 <= pin_budget <= 1.0:
-            raise ConfigError(f"pin_budget is a fraction of each tier's capacity in [0, 1], got {pin_budget}")
+        if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or not 0.0 <= pin_budget <= 0.9:
+            raise ConfigError(f"pin_budget is the fraction of each tier that pins may hold, in [0, 0.9] "
+                              f"(pins must never starve the store), got {pin_budget!r}")
         given = [policy] * len(tiers) if isinstance(policy, (str, EvictionPolicy)) else list(policy)
         if len(given) != len(tiers):
             raise ConfigError(f"got {len(given)} policies for {len(tiers)} tiers: give one or one per tier")
@@ -136,6 +137,7 @@ class BlockIndex:
         self._pinners: dict[Key, dict[str, int]] = {}
         self._floor: dict[Key, int] = {}     # key -> highest tier it must stay in or above
         self._expiry: list[tuple[float, str]] = []
+        self._copying: set[tuple[Key, int]] = set()   # copies reserved but not committed yet
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> tuple[int, list[int]]:
@@ -257,6 +259,7 @@ class BlockIndex:
         if res.copy:
             t = res.tier
             for k, slot in zip(res.keys, res.slots):
+                self._copying.discard((k, t))
                 e = entries[k]
                 e.refs -= 1
                 if e.copies is None:
@@ -281,6 +284,7 @@ class BlockIndex:
             t.policy.remove(k)
             t.free.append(slot)
             if res.copy:
+                self._copying.discard((k, res.tier))
                 self.entries[k].refs -= 1
             else:
                 del self.entries[k]
@@ -297,8 +301,8 @@ class BlockIndex:
         ts = self.tiers[tier]
         for i, k in enumerate(keys):
             e = self.entries.get(k)
-            if e is None or not e.ready or e.slot_in(tier) is not None:
-                res.present += 1
+            if e is None or not e.ready or e.slot_in(tier) is not None or (k, tier) in self._copying:
+                res.present += 1    # (another thread may be writing that very copy)
                 continue
             e.refs += 1             # held: not evictable while its copy is written
             slot = self._allocate(tier, res.moves)
@@ -309,6 +313,7 @@ class BlockIndex:
                 continue
             ts.policy.insert(e.info)
             ts.counters.inserted += 1
+            self._copying.add((k, tier))
             res.keys.append(k)
             res.slots.append(slot)
             res.positions.append(i)

@@ -22,9 +22,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.errors import ClosedError, ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
-from kvtier.index import BlockIndex, Move
+from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
 from kvtier.payload import as_rows
@@ -93,23 +93,27 @@ class Store:
         identity = {"layout": layout.to_dict(), "namespace_seed": self.keyer.seed.hex(),
                     "namespace": {"model": namespace.model, "revision": namespace.revision,
                                   "shard": namespace.shard}, "hash": hash}
+        for t in self.tiers:
+            if getattr(t, "read_only", False):
+                raise ConfigError(f"tier {t.name!r} is read-only: a store writes to its tiers "
+                                  "(use `kvtier inspect PATH` to look inside a disk tier)")
         bound: list[Tier] = []
         try:
             for t in self.tiers:
                 t.bind(layout.block_bytes, identity)
                 bound.append(t)
+            self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
+                                    layout.block_tokens, pin_budget, clock)
+            bt = layout.block_tokens
+            self.recovered = 0   # blocks found in persistent tiers when the store opened
+            for i, t in enumerate(self.tiers):
+                if t.persistent:
+                    items = [(k, slot, BlockInfo(k, None, 0, bt, bt, 0)) for k, slot in t.recover()]
+                    self.recovered += self.index.adopt(i, items)
         except BaseException:
-            for t in bound:
+            for t in bound:       # nothing stays locked or mapped by a store that never opened
                 t.close()
             raise
-        self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
-                                layout.block_tokens, pin_budget, clock)
-        bt = layout.block_tokens
-        self.recovered = 0   # blocks found in persistent tiers when the store opened
-        for i, t in enumerate(self.tiers):
-            if t.persistent:
-                items = [(k, slot, BlockInfo(k, None, 0, bt, bt, 0)) for k, slot in t.recover()]
-                self.recovered += self.index.adopt(i, items)
         if self.remote is not None:
             self.remote.attach(self.keyer.seed, layout.block_bytes)
         self.counters = StoreCounters()
@@ -154,45 +158,44 @@ class Store:
         with self._lock:
             self._check_open()
             n_local = self.index.lookup(keys)[0] if self.remote is not None else len(keys)
-            local = keys[:n_local]
-            locs = self.index.acquire(local)
+            locs = self.index.acquire(keys[:n_local])
             c = self.counters
             c.gets += 1
             c.get_blocks += len(keys)
             c.get_bytes += len(keys) * self.layout.block_bytes
+        transfer = Transfer("get", len(keys), len(keys) * self.layout.block_bytes)
+        return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, self.promote),
+                         blocking)
 
-        transfer = Transfer("get", len(keys), len(keys) * self.layout.block_bytes, loaded=len(keys))
+    def _load(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], n_local: int,
+              locs: list[tuple[int, int]], transfer: Transfer, promote: bool) -> None:
+        """Read the held blocks keys[:n_local] (locs), fetch the rest from peers, promote.
 
-        def load() -> None:
-            bad: list[tuple[int, int]] = []          # (position, tier) of blocks that failed
-            try:
-                if len(self.tiers) == 1:
-                    bad = [(j, 0) for j in self.tiers[0].read([s for _, s in locs], rows, keys=local)]
-                else:
-                    for t, slots, idx in _group(locs):
-                        got = self.tiers[t].read(slots, rows, idx, [keys[i] for i in idx])
-                        bad += [(idx[j], t) for j in got]
-            finally:
-                with self._lock:
-                    self.index.release(local)
-            loaded = min((j for j, _ in bad), default=n_local)
-            if bad:
-                self._discard([(keys[j], t) for j, t in bad])
-            if loaded == n_local < len(keys):
-                assert self.remote is not None
-                fetched = self.remote.fetch(keys[n_local:], rows[n_local:])   # straight into `out`
-                loaded += fetched
-                with self._lock:
-                    self.counters.remote_blocks += fetched
-                if fetched and self.remote.promote:
-                    self._store(keys[n_local:loaded], rows[n_local:loaded])
-            transfer.loaded = loaded
-            if self.promote and len(self.tiers) > 1:
-                lower = [i for i in range(min(loaded, n_local)) if locs[i][0] > 0]
-                if lower:
-                    self._copy_into(0, [keys[i] for i in lower], rows, lower)
-
-        return self._run(transfer, load, blocking)
+        Sets transfer.loaded to the leading blocks that arrived intact; releases the holds."""
+        local = keys[:n_local]
+        bad: list[tuple[int, int]] = []          # (position, tier) of blocks that failed
+        try:
+            for t, slots, idx in _group(locs):
+                got = self.tiers[t].read(slots, rows, idx, [keys[i] for i in idx])
+                bad += [(idx[j], t) for j in got]
+        finally:
+            with self._lock:
+                self.index.release(local)
+        loaded = min((j for j, _ in bad), default=n_local)
+        if bad:
+            self._discard([(keys[j], t) for j, t in bad])
+        if loaded == n_local < len(keys) and self.remote is not None:
+            fetched = self.remote.fetch(keys[n_local:], rows[n_local:])   # straight into `out`
+            loaded += fetched
+            with self._lock:
+                self.counters.remote_blocks += fetched
+            if fetched and self.remote.promote:
+                self._store(keys[n_local:loaded], rows[n_local:loaded])
+        transfer.loaded = loaded
+        if promote and len(self.tiers) > 1:
+            lower = [i for i in range(min(loaded, n_local)) if locs[i][0] > 0]
+            if lower:
+                self._copy_into(0, [keys[i] for i in lower], rows, lower)
 
     # -- save ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: object, *, blocking: bool = True) -> Transfer:
@@ -210,7 +213,7 @@ class Store:
         with self._lock:
             self._check_open()
             res = self.index.reserve(keys)
-            self._move(res.moves)
+            self._apply(res)
             c = self.counters
             c.puts += 1
             c.put_present += res.present
@@ -239,26 +242,58 @@ class Store:
 
         return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
 
+    def _apply(self, res: Reservation) -> None:
+        """Carry out a reservation's moves (caller holds the lock). If one fails, the blocks
+        it was moving are forgotten where they were going (their bytes may not be there) and
+        the reservation is undone: the index never claims bytes that did not arrive."""
+        try:
+            self._move(res.moves)
+        except Exception as e:
+            for m in res.moves:
+                if m.dst_tier is not None:
+                    gone = self.index.discard(m.key, m.dst_tier)
+                    if gone is not None:
+                        self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
+            self.index.abort(res)
+            raise TransferError(f"moving evicted blocks to a lower tier failed: {e}") from e
+
     def _move(self, moves: list[Move]) -> None:
         """Carry out demotions and drops chosen by the index (under the lock, before slots are reused).
 
-        Moves out of lower tiers go first: they free the slots that moves from above fill.
-        Demotions between the same two tiers are one batched write (one disk transaction).
+        Moves run in the order the index chose them (a block may move twice in one put, and
+        a move into a slot must follow the move out of it). Consecutive demotions between
+        the same two tiers that touch no slot or block twice are one batched write (one disk
+        transaction); a drop independent of that batch may go first, as it moves no bytes.
         """
-        for m in moves:                      # drops: forget the copies (a disk deletes records)
-            if m.dst_tier is None:
+        batch: list[Move] = []
+        touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
+        keys: set[bytes] = set()
+
+        def flush() -> None:
+            if batch:
+                src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
+                dst.write([m.dst_slot for m in batch], [src.block(m.src_slot) for m in batch], None,
+                          [m.key for m in batch])
+                src.release([m.src_slot for m in batch], [m.key for m in batch])
+                batch.clear()
+                touched.clear()
+                keys.clear()
+
+        for m in moves:
+            here = (m.src_tier, m.src_slot)
+            if m.dst_tier is None:                 # a drop: forget the copy
+                if here in touched or m.key in keys:
+                    flush()
                 self.tiers[m.src_tier].release([m.src_slot], [m.key])
-        demotions = [m for m in moves if m.dst_tier is not None]
-        for src in sorted({m.src_tier for m in demotions}, reverse=True):
-            batch: dict[int, Move] = {}
-            for m in demotions:
-                if m.src_tier == src:
-                    batch[m.dst_slot] = m    # a slot written twice in one put keeps the last block
-            dst = self.tiers[src + 1]
-            tier = self.tiers[src]
-            dst.write(list(batch), [tier.block(m.src_slot) for m in batch.values()], None,
-                      [m.key for m in batch.values()])
-            tier.release([m.src_slot for m in batch.values()], [m.key for m in batch.values()])
+                continue
+            there = (m.dst_tier, m.dst_slot)
+            if batch and ((m.src_tier, m.dst_tier) != (batch[0].src_tier, batch[0].dst_tier)
+                          or here in touched or there in touched or m.key in keys):
+                flush()
+            batch.append(m)
+            touched.update((here, there))
+            keys.add(m.key)
+        flush()
 
     def _discard(self, bad: list[tuple[bytes, int]]) -> None:
         """Drop copies whose bytes failed verification: they are misses from now on."""
@@ -273,7 +308,7 @@ class Store:
         """Give cached blocks a copy in `tier`, from `rows[positions[j]]` (their bytes)."""
         with self._lock:
             res = self.index.reserve_copies(keys, tier)
-            self._move(res.moves)
+            self._apply(res)
         if not res.keys:
             return 0
         try:
@@ -329,24 +364,17 @@ class Store:
     # -- tiers: prefetch and durability ---------------------------------------------------
     def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:
         """Copy the cached blocks of `keys` that live in lower tiers up into the top tier,
-        so a later get() is served from memory. Runs on an I/O thread by default."""
+        verified, so a later get() is served from memory. Runs on an I/O thread by default."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
-            n, locs = self.index.lookup(keys)
-            lower = [k for k, t in zip(keys[:n], locs) if t > 0]
+            n, tiers = self.index.lookup(keys)
+            lower = [k for k, t in zip(keys[:n], tiers) if t > 0]
+            locs = self.index.acquire(lower)
         bb = self.layout.block_bytes
-        transfer = Transfer("prefetch", len(lower), len(lower) * bb, loaded=len(lower))
-
-        def fetch() -> None:
-            import numpy as np
-            if not lower:
-                return
-            staging = np.empty((len(lower), bb), dtype=np.uint8)
-            got = self.get(lower, staging, blocking=True)   # verifies, and promotes what it read
-            transfer.loaded = got.loaded
-
-        return self._run(transfer, fetch, blocking)
+        transfer = Transfer("prefetch", len(lower), len(lower) * bb)
+        staging = np.empty((len(lower), bb), dtype=np.uint8)
+        return self._run(transfer, lambda: self._load(lower, staging, len(lower), locs, transfer, True), blocking)
 
     def flush(self) -> None:
         """Make every completed put durable in the persistent tiers (write-back blocks that
@@ -358,7 +386,7 @@ class Store:
                 self._check_open()
                 keys = self.index.without_copy(i)
                 res = self.index.reserve_copies(keys, i)
-                self._move(res.moves)
+                self._apply(res)
                 srcs = [self.tiers[self.index.entries[k].tier].block(self.index.entries[k].slot) for k in res.keys]
             if res.keys:
                 try:
@@ -417,16 +445,18 @@ class Store:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if not self._closed:
-            self.flush()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for t in self.tiers:
-                t.close()
-            if self.remote is not None:
-                self.remote.close()
+        try:
+            if not self._closed:
+                self.flush()
+        finally:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                for t in self.tiers:
+                    t.close()
+                if self.remote is not None:
+                    self.remote.close()
 
     def __enter__(self) -> Store:
         return self

@@ -156,7 +156,10 @@ def test_bad_paths_and_sizes(tmp_path):
     with pytest.raises(CapacityError, match="free space|too large"):
         kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "big", capacity="900TiB")], NS)
     with pytest.raises(ConfigError, match="holds no kvtier disk tier"):
-        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "empty", blocks=4, read_only=True)], NS)
+        read_directory(tmp_path / "empty")
+    open_store(tmp_path / "ro").close()
+    with pytest.raises(ConfigError, match="read-only: a store writes"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "ro", blocks=64, read_only=True)], NS)
 
 
 def test_buffered_io_when_asked(tmp_path):
@@ -258,3 +261,85 @@ def test_bench_tiers_disk_json(tmp_path):
     for x in rows:
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 1e-9
     assert rows[1]["cold_pread_gbps"] > 0 and list(tmp_path.iterdir()) == []   # cleaned up
+
+
+def test_a_block_cascading_through_three_tiers_keeps_its_bytes(tmp_path):
+    """One put can move a block two tiers down; each move must see the bytes of the one before."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=2, name="a"), kvtier.HostTier(blocks=1, name="b"),
+                                  kvtier.DiskTier(tmp_path / "kv", blocks=16, name="c")], NS, promote=False)
+    chains_ = [store.keys([i] * 16) for i in range(6)]   # 2 blocks each
+    for k in chains_:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    for k in chains_:
+        n = store.lookup(k).blocks
+        loaded, out = read(store, k[:n])
+        assert loaded == n and torch.equal(out, payload(k[:n], LAYOUT.block_bytes))
+    assert store.stats().tier("c").used_blocks >= 8
+    store.close()
+
+
+class FailingTier(kvtier.HostTier):
+    """A lower tier whose writes fail while `broken` is set."""
+    broken = False
+
+    def write(self, slots, rows, idx=None, keys=None):
+        if self.broken:
+            raise OSError(5, "Input/output error")
+        super().write(slots, rows, idx, keys)
+
+
+def test_a_failed_demotion_undoes_the_put_and_keeps_the_index_true():
+    low = FailingTier(blocks=8, name="low")
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=2, name="top"), low], NS)
+    a, b = store.keys([1] * 16), store.keys([2] * 16)
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    low.broken = True
+    with pytest.raises(kvtier.TransferError, match="lower tier failed"):
+        store.put(b, payload(b, LAYOUT.block_bytes))      # must demote a: the write fails
+    low.broken = False
+    assert store.lookup(b).blocks == 0                     # nothing half-done is visible
+    n = store.lookup(a).blocks                             # a is gone or intact, never wrong
+    loaded, out = read(store, a[:n])
+    assert loaded == n and torch.equal(out, payload(a[:n], LAYOUT.block_bytes))
+    t = store.put(b, payload(b, LAYOUT.block_bytes))       # the keys are not stuck
+    assert t.blocks == 2 and store.lookup(b).blocks == 2
+    assert all(e.refs == 0 for e in store.index.entries.values())
+
+
+def test_a_copy_is_reserved_once_however_many_threads_ask(tmp_path):
+    store = open_store(tmp_path / "kv", host=4)
+    a, b = chains(store, 2)
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    store.put(b, payload(b, LAYOUT.block_bytes))           # a is on disk now
+    first = store.index.reserve_copies(a, 0)
+    second = store.index.reserve_copies(a, 0)              # as a concurrent promotion would
+    assert len(first.keys) == 4 and second.keys == [] and second.present == 4
+    store.index.commit(first)
+    store.index.commit(second)
+    e = store.index.entries[a[0]]
+    assert e.tier == 0 and set(e.copies) == {1}
+    store.close()
+
+
+def test_flush_while_other_threads_put(tmp_path):
+    import threading
+    store = open_store(tmp_path / "kv", host=8, disk=64, write_through=True)
+    errors = []
+
+    def flusher():
+        for _ in range(30):
+            try:
+                store.flush()
+            except Exception as e:   # noqa: BLE001 - any error is a failure here
+                errors.append(e)
+
+    t = threading.Thread(target=flusher)
+    t.start()
+    for i in range(60):
+        k = store.keys([i] * 32)
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    t.join()
+    store.close()
+    assert not errors
+    _, records = read_directory(tmp_path / "kv")
+    assert len(records) <= 64                              # no delete was lost

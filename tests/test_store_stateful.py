@@ -129,7 +129,7 @@ class StoreMachine(RuleBasedStateMachine):
     # -- setup -----------------------------------------------------------------------
     @initialize(caps=st.one_of(st.tuples(st.integers(4, 12)),
                                st.tuples(st.integers(4, 12), st.integers(2, 8))),
-                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 1.0]), disk=st.booleans())
+                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 0.9]), disk=st.booleans())
     def setup(self, caps, pin_budget, disk) -> None:
         self.caps = list(caps)
         self.pin_budget = pin_budget
@@ -428,8 +428,8 @@ class StoreMachine(RuleBasedStateMachine):
                     continue   # a pending get's promotion may evict or move blocks meanwhile
                 assert e is not None and e.ready, "lookup reported a block the index does not hold"
                 assert e.tier == tier
+                assert all(t > e.tier for t in (e.copies or {})), "a copy in or above the primary's tier"
                 for t, slot in [(e.tier, e.slot), *(e.copies or {}).items()]:
-                    assert t >= e.tier, "a copy above the block's primary tier"
                     assert np.array_equal(np.asarray(store.tiers[t].block(slot)), payload_row(k)), \
                         "a slot of a readable block does not hold the bytes put under its key"
             return sum(1 + len(e.copies or {}) for e in idx.entries.values() if e.ready)
@@ -550,7 +550,7 @@ def test_pin_with_repeated_keys_unpins_cleanly():
 
 def test_put_not_rejected_while_unpinned_victims_exist():
     now = [0.0]
-    with make_store(4, 2, pin_budget=1.0, clock=lambda: now[0]) as s:
+    with make_store(4, 2, pin_budget=0.9, clock=lambda: now[0]) as s:
         a = s.keys(list(range(2 * BT)))
         d = s.keys(list(range(50, 50 + BT)))
         e = s.keys(list(range(100, 100 + 3 * BT)))

@@ -18,6 +18,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -70,8 +71,12 @@ class DiskTier(Tier):
         self.slot_bytes = 0
         self.identity: dict[str, Any] = {}
         self._records: dict[int, tuple[bytes, int]] = {}   # slot -> (key, checksum)
-        self._access: dict[int, float] = {}                # slot -> last access, written at flush
+        self._access: dict[int, float] = {}                # slot -> last access
+        self._touched: set[int] = set()                    # slots read since the last flush
         self._deleted: list[bytes] = []                    # keys whose records go at the next commit
+        # One lock for the record maps and LMDB write transactions: the store calls write()
+        # and read() outside its own lock (copies), release() inside it, flush() from anywhere.
+        self._meta_lock = threading.Lock()
         self._fd = -1
         self._lock_fd = -1
         self._env: lmdb.Environment | None = None
@@ -224,20 +229,37 @@ class DiskTier(Tier):
         # wait for it). Only the records, committed after both, need the checksums.
         pending = self._parallel(self._write_run, slots, rows, order, wait=False)
         sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in order]
-        for f in pending:
-            f.result()
+        errors = []
+        for f in pending:                  # every write is finished before any error is raised:
+            try:                           # the store may reuse these slots right after
+                f.result()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise TransferError(f"disk tier {self.path}: write failed: {errors[0]}") from errors[0]
         now = time.time()
-        with self._env.begin(db=self._db, write=True) as txn:
-            for k in self._deleted:
-                txn.delete(k)
-            self._deleted.clear()
-            for j, (s, k) in enumerate(zip(slots, keys)):
+        with self._meta_lock:
+            deletes = list(self._deleted)
+            for s, k in zip(slots, keys):
                 old = self._records.get(s)
                 if old is not None and old[0] != k:
-                    txn.delete(old[0])
-                txn.put(k, msgpack.packb([s, sums[j], now, now]))
+                    deletes.append(old[0])
+            puts = [(k, msgpack.packb([s, sums[j], now, now])) for j, (s, k) in enumerate(zip(slots, keys))]
+            self._commit(puts, deletes)
+            for j, (s, k) in enumerate(zip(slots, keys)):   # memory follows only a committed index
                 self._records[s] = (k, sums[j])
                 self._access[s] = now
+
+    def _commit(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        """One LMDB transaction (caller holds _meta_lock); pending deletes are consumed only
+        once it commits."""
+        n_pending = len(self._deleted)
+        with self._env.begin(db=self._db, write=True) as txn:
+            for k in deletes:
+                txn.delete(k)
+            for k, v in puts:
+                txn.put(k, v)
+        del self._deleted[:n_pending]
 
     def read(self, slots: Sequence[int], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
              keys: Sequence[bytes] | None = None) -> list[int]:
@@ -247,11 +269,13 @@ class DiskTier(Tier):
         for part in self._parallel(self._read_run, slots, rows, order):
             bad.extend(part)
         now = time.time()
-        for j, s in enumerate(slots):
-            rec = self._records.get(s)
-            if keys is not None and rec is not None and rec[0] != keys[j] and j not in bad:
-                bad.append(j)
-            self._access[s] = now
+        with self._meta_lock:
+            for j, s in enumerate(slots):
+                rec = self._records.get(s)
+                if keys is not None and rec is not None and rec[0] != keys[j] and j not in bad:
+                    bad.append(j)
+                self._access[s] = now
+                self._touched.add(s)
         for j in bad:
             self.corrupt += 1
             key = keys[j].hex() if keys is not None else "?"
@@ -328,30 +352,31 @@ class DiskTier(Tier):
 
     def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         """These blocks left the tier: their records go at the next commit."""
-        for s in slots:
-            rec = self._records.pop(s, None)
-            self._access.pop(s, None)
-            if rec is not None:
-                self._deleted.append(rec[0])
+        with self._meta_lock:
+            for s in slots:
+                rec = self._records.pop(s, None)
+                self._access.pop(s, None)
+                self._touched.discard(s)
+                if rec is not None:
+                    self._deleted.append(rec[0])
 
     def flush(self) -> None:
         """Make every completed write durable: data, then the index, synced to the device."""
         if self._env is None or self.read_only:
             return
         os.fdatasync(self._fd)
-        with self._env.begin(db=self._db, write=True) as txn:
-            for k in self._deleted:
-                txn.delete(k)
-            self._deleted.clear()
-            for s, last in self._access.items():
-                rec = self._records.get(s)
-                if rec is not None:
-                    raw = txn.get(rec[0])
+        with self._meta_lock:
+            puts = []
+            with self._env.begin(db=self._db) as txn:     # last access of the blocks read since
+                for s in self._touched:
+                    rec = self._records.get(s)
+                    raw = txn.get(rec[0]) if rec is not None else None
                     if raw is not None:
                         v = msgpack.unpackb(raw)
-                        if v[3] != last:
-                            v[3] = last
-                            txn.put(rec[0], msgpack.packb(v))
+                        v[3] = self._access[s]
+                        puts.append((rec[0], msgpack.packb(v)))
+            self._commit(puts, list(self._deleted))
+            self._touched.clear()
         self._env.sync(True)
 
     def info(self) -> dict[str, Any]:
