@@ -304,15 +304,23 @@ class Store:
                     self.tiers[tier].release([m.src_slot], [key])
             self.counters.corrupt_blocks += len(bad)
 
-    def _copy_into(self, tier: int, keys: list[bytes], rows: object, positions: list[int]) -> int:
-        """Give cached blocks a copy in `tier`, from `rows[positions[j]]` (their bytes)."""
+    def _copy_into(self, tier: int, keys: Sequence[bytes], rows: Sequence[np.ndarray] | None = None,
+                   positions: list[int] | None = None) -> int:
+        """Give cached blocks a copy in `tier`: from `rows[positions[j]]` (their bytes, already
+        in memory), or without rows from their primary copies (held while they are read)."""
         with self._lock:
             res = self.index.reserve_copies(keys, tier)
             self._apply(res)
+            if rows is None:
+                entries = self.index.entries
+                srcs: Sequence[np.ndarray] = [self.tiers[entries[k].tier].block(entries[k].slot) for k in res.keys]
+                idx = None
+            else:
+                srcs, idx = rows, [positions[j] for j in res.positions]
         if not res.keys:
             return 0
         try:
-            self.tiers[tier].write(res.slots, rows, [positions[j] for j in res.positions], res.keys)
+            self.tiers[tier].write(res.slots, srcs, idx, res.keys)
         except BaseException:
             with self._lock:
                 self.index.abort(res)
@@ -385,18 +393,7 @@ class Store:
             with self._lock:
                 self._check_open()
                 keys = self.index.without_copy(i)
-                res = self.index.reserve_copies(keys, i)
-                self._apply(res)
-                srcs = [self.tiers[self.index.entries[k].tier].block(self.index.entries[k].slot) for k in res.keys]
-            if res.keys:
-                try:
-                    tier.write(res.slots, srcs, None, res.keys)
-                except BaseException:
-                    with self._lock:
-                        self.index.abort(res)
-                    raise
-                with self._lock:
-                    self.index.commit(res)
+            self._copy_into(i, keys)
             tier.flush()
 
     # -- pins ------------------------------------------------------------------------

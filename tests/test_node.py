@@ -1,5 +1,4 @@
 """Nodes on loopback: blocks cross processes byte-exact; faults cost misses, never hangs or wrong KV."""
-import os
 import signal
 import socket
 import subprocess
@@ -7,7 +6,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 import xxhash

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
-from kvtier.policies import POLICIES, BlockInfo, ReusePolicy, make_policy
+from kvtier.policies import POLICIES, BlockInfo, ReusePolicy, make_policy, policy_names
 from kvtier.sim import replay
 from kvtier.traces.model import Request, Trace
 
@@ -24,7 +24,7 @@ def trace(reqs, bt=16):
 
 
 def test_registered_with_nopartial():
-    assert "reuse" in POLICIES and "reuse+nopartial" in POLICIES
+    assert "reuse" in POLICIES and "reuse+nopartial" in policy_names()
     p = make_policy("reuse+nopartial", 8)
     assert p.name == "reuse+nopartial" and not p.offline
     assert not p.admit(info(1, tokens=5)) and p.admit(info(1))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 HELP = "cluster-wide hit ratio and load balance of request routers over N per-node caches"
 

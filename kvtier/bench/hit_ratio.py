@@ -37,11 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def expand_policies(text: str) -> list[str]:
     """Policy names from the --policy list, 'all' and 'recommended' expanded, in order."""
     from kvtier.errors import ConfigError
-    from kvtier.policies import DEFAULT_POLICY, POLICIES, make_policy
+    from kvtier.policies import DEFAULT_POLICY, make_policy, policy_names
 
     out: list[str] = []
     for name in (p.strip() for p in text.split(",") if p.strip()):
-        names = [*POLICIES, "belady"] if name == "all" else [DEFAULT_POLICY if name == "recommended" else name]
+        names = [*policy_names(), "belady"] if name == "all" else [DEFAULT_POLICY if name == "recommended" else name]
         for n in names:
             if n != "belady":
                 make_policy(n, 1)   # validates the name with a helpful error

@@ -27,14 +27,16 @@ POLICIES: dict[str, PolicyFactory] = {
     "arc": ARCPolicy,
     "reuse": ReusePolicy,
 }
-for _base in list(POLICIES):
-    for _rule, _cls in FILTERS.items():
-        POLICIES[f"{_base}+{_rule}"] = (lambda b, c: lambda cap: c(POLICIES[b](cap)))(_base, _cls)
 #: The store's default: leaf-first LRU that never caches a partial last block. Measured
 #: (docs/benchmarks.md) never below LRU by more than 0.0002 at 1-50% capacity on both
 #: real traces; ARC variants gain more at small sizes but lose up to 0.02 at 25%.
 #: Token-level keys have no partial blocks, so there it is exactly LRU.
 DEFAULT_POLICY = "lru+nopartial"
+
+
+def policy_names() -> list[str]:
+    """Every name the store accepts: each policy alone and with each admission filter."""
+    return [n for base in POLICIES for n in (base, *(f"{base}+{r}" for r in FILTERS))]
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
@@ -47,16 +49,16 @@ def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
 
     Any registered name may take admission filters: "POLICY+RULE[+RULE...]".
     """
+    if not isinstance(name, str):
+        raise ConfigError(f"policy must be a name such as 'lru' or 'arc+nopartial', not {name!r}")
     if name == "recommended":
         name = DEFAULT_POLICY
-    if name in POLICIES:
-        return POLICIES[name](capacity_blocks)
     base, *rules = name.split("+")
     if base == "belady":
         raise ConfigError("policy 'belady' needs the future of a trace: it exists only in "
                           "`kvtier bench hit-ratio` (kvtier.sim.replay), never in a live store")
     if base not in POLICIES or not all(r in FILTERS for r in rules):
-        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))} or "
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())} or "
                           f"'recommended' (filters: {', '.join(FILTERS)}, composed as 'arc+nopartial')")
     pol = POLICIES[base](capacity_blocks)
     for r in rules:
@@ -66,4 +68,4 @@ def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
 
 __all__ = ["AdmissionFilter", "ARCPolicy", "BlockInfo", "DEFAULT_POLICY", "EvictionPolicy", "FILTERS",
            "LFUPolicy", "LRUPolicy", "NoPartial", "POLICIES", "ReusePolicy", "S3FIFOPolicy", "make_policy",
-           "register_policy"]
+           "policy_names", "register_policy"]

@@ -21,7 +21,7 @@ class Capacity:
 
     def blocks_for(self, unique_blocks: int, block_bytes: int | None) -> int:
         if self.fraction is not None:
-            return max(1, math.ceil(self.fraction * unique_blocks))
+            return fraction_blocks(self.fraction, unique_blocks)
         if self.blocks is not None:
             return self.blocks
         if not block_bytes:
@@ -31,6 +31,13 @@ class Capacity:
         if n < 1:
             raise ConfigError(f"capacity {self.text!r} holds no block of {block_bytes} bytes: give more")
         return n
+
+
+def fraction_blocks(fraction: float, unique_blocks: int) -> int:
+    """The traces README's capacity model: ceil(fraction * unique blocks), at least one block."""
+    if not fraction > 0:
+        raise ConfigError(f"capacity fraction must be positive, got {fraction}")
+    return max(1, math.ceil(fraction * unique_blocks))
 
 
 def parse_capacity(text: str) -> Capacity:

@@ -12,13 +12,13 @@ new blocks (the ones nearest the prefix, which a later request can still use).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtier.errors import ConfigError
 from kvtier.index import BlockIndex
 from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.sim.capacity import fraction_blocks
 from kvtier.traces.model import Request, Trace
 
 Progress = Callable[[int], None]
@@ -59,10 +59,8 @@ class ReplayResult:
 
 
 def capacity_for(trace: Trace, fraction: float) -> int:
-    """The README's capacity model: ceil(fraction * unique blocks), at least one block."""
-    if not fraction > 0:
-        raise ConfigError(f"capacity fraction must be positive, got {fraction}")
-    return max(1, math.ceil(fraction * trace.unique_blocks))
+    """Blocks for `fraction` of the trace's unique blocks (see sim/capacity.py)."""
+    return fraction_blocks(fraction, trace.unique_blocks)
 
 
 def build_policy(name: str, trace: Trace, capacity_blocks: int) -> EvictionPolicy:
