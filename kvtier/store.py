@@ -81,8 +81,8 @@ class Store:
             raise ConfigError(f"tier names must be unique, got {names}: pass name=... to tell them apart")
         if hash not in HASHES:
             raise ConfigError(f"unknown hash {hash!r}; choose one of {', '.join(HASHES)}")
-        if io_threads < 1:
-            raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
         self.layout = layout
         self.namespace = namespace
         self.tiers = tiers                  # local tiers; self.remote is consulted after them
@@ -407,6 +407,8 @@ class Store:
         if not isinstance(session, str) or not session:
             raise ConfigError("session must be a non-empty string")
         self._check_keys(keys)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+            raise ConfigError(f"ttl is a number of seconds, e.g. 600, not {ttl!r}")
         with self._lock:
             self._check_open()
             return self.index.pin(session, keys, float(ttl), self._tier_index(tier))

@@ -343,3 +343,29 @@ def test_flush_while_other_threads_put(tmp_path):
     assert not errors
     _, records = read_directory(tmp_path / "kv")
     assert len(records) <= 64                              # no delete was lost
+
+
+def test_a_damaged_index_is_forgotten_not_trusted(tmp_path):
+    import lmdb
+    store = open_store(tmp_path / "kv")
+    a, b = chains(store, 2)
+    for k in (a, b):
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.close()
+    env = lmdb.open(str(tmp_path / "kv" / "index.lmdb"), max_dbs=4)
+    with env.begin(db=env.open_db(b"blocks"), write=True) as txn:     # one record turned to garbage
+        txn.put(a[1], b"\xc1\xc1 not msgpack")
+    env.close()
+    again = open_store(tmp_path / "kv")
+    assert again.lookup(a).blocks == 1 and again.lookup(b).blocks == 4
+    loaded, out = read(again, b)
+    assert loaded == 4 and torch.equal(out, payload(b, LAYOUT.block_bytes))
+    again.close()
+    data = tmp_path / "kv" / "index.lmdb" / "data.mdb"
+    data.write_bytes(os.urandom(data.stat().st_size))                # the whole index destroyed
+    third = open_store(tmp_path / "kv")
+    assert third.stats().recovered_blocks == 0 and third.lookup(b).blocks == 0
+    assert any(p.name.startswith("index.lmdb.damaged-") for p in (tmp_path / "kv").iterdir())
+    third.put(b, payload(b, LAYOUT.block_bytes))                     # and it works from there
+    assert read(third, b)[0] == 4
+    third.close()

@@ -71,7 +71,8 @@ class EvictionPolicy(ABC):
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         """The block to evict next among those `evictable` accepts, or None if there is none.
 
-        Must not change state: the index calls remove() on the block it then evicts.
+        Must not change which blocks it tracks (the index calls remove() on the block it then
+        evicts); it may reorder the blocks it had to skip.
         """
 
     def __len__(self) -> int:  # pragma: no cover - optional

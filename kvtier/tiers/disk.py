@@ -35,6 +35,7 @@ from kvtier.tiers.base import Tier
 
 log = logging.getLogger("kvtier.disk")
 
+_CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
 ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers aligned to this
 DISK_FORMAT = 1
 STAGING_BYTES = 8 << 20         # per I/O thread: bytes moved per syscall at most
@@ -60,8 +61,8 @@ class DiskTier(Tier):
                  blocks: int | None = None, name: str | None = None, direct: bool | None = None,
                  io_threads: int = 4, read_only: bool = False) -> None:
         super().__init__(capacity, blocks=blocks, name=name)
-        if io_threads < 1:
-            raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
         self.path = Path(path)
         self.want_direct = direct
         self.io_threads = io_threads
@@ -128,10 +129,20 @@ class DiskTier(Tier):
                               "store its own directory (or open it read_only=True to inspect)") from None
 
     def _open_index(self) -> None:
+        where = self.path / "index.lmdb"
         try:
-            self._env = lmdb.open(str(self.path / "index.lmdb"), map_size=1 << 36, max_dbs=4,
-                                  subdir=True, sync=False, metasync=False, readonly=self.read_only,
-                                  lock=not self.read_only)
+            self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
+                                  metasync=False, readonly=self.read_only, lock=not self.read_only)
+        except _CORRUPT as e:
+            if self.read_only:
+                raise ConfigError(f"the disk tier index in {self.path} is damaged: {e}") from None
+            # A cache may forget: set the damaged index aside and start empty (the slab's
+            # bytes are never trusted without a record and its checksum).
+            aside = where.with_name(f"index.lmdb.damaged-{int(time.time())}")
+            log.warning("disk tier %s: index damaged (%s); moved to %s, starting empty", self.path, e, aside.name)
+            where.rename(aside)
+            self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
+                                  metasync=False)
         except lmdb.Error as e:
             raise ConfigError(f"cannot open the disk tier index in {self.path}: {e}") from None
         self._meta_db = self._env.open_db(_META, create=not self.read_only)
@@ -198,8 +209,12 @@ class DiskTier(Tier):
         stale = []
         with self._env.begin(db=self._db) as txn:
             for key, raw in txn.cursor():
-                slot, checksum, _created, last = msgpack.unpackb(raw)
-                if slot >= slots or (slot + 1) * self.slot_bytes > size or slot in self._records:
+                try:
+                    slot, checksum, _created, last = msgpack.unpackb(raw)
+                    valid = len(key) == 16 and isinstance(slot, int) and isinstance(checksum, int)
+                except Exception:   # a damaged record: forget it, like one past the slab
+                    valid = False
+                if not valid or slot >= slots or (slot + 1) * self.slot_bytes > size or slot in self._records:
                     stale.append(key)
                     continue
                 self._records[slot] = (bytes(key), checksum)
@@ -411,11 +426,14 @@ class DiskTier(Tier):
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     """(meta, [(key, [slot, checksum, created, last access]), ...]) of a disk tier directory,
-    read-only and without taking its lock (for inspection; a writer may be running)."""
+    read-only and without taking the tier's lock, so it works while a store has it open."""
     path = Path(path)
     if not (path / "index.lmdb").is_dir():
         raise ConfigError(f"{path} holds no kvtier disk tier (no index.lmdb there)")
-    env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:   # register as a reader, so a running writer does not reuse the pages being read
+        env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=True, max_dbs=4, subdir=True)
+    except lmdb.Error:   # no write access to the lock file: read without it (a live writer may race)
+        env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=False, max_dbs=4, subdir=True)
     try:
         meta_db, db = env.open_db(_META, create=False), env.open_db(b"blocks", create=False)
         with env.begin() as txn:
