@@ -17,10 +17,12 @@ BENCHES: dict[str, str] = {
     "tiers": "kvtier.bench.tiers",
     "hit-ratio": "kvtier.bench.hit_ratio",
     "cluster": "kvtier.bench.cluster",
+    "transport": "kvtier.bench.transport",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
     "inspect": "kvtier.inspect",
+    "node": "kvtier.node_cli",
 }
 
 

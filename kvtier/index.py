@@ -29,7 +29,7 @@ _UNPINNED = 1 << 30
 class Entry:
     """Where one block is and who holds it."""
 
-    __slots__ = ("tier", "slot", "refs", "ready", "info", "copies")
+    __slots__ = ("tier", "slot", "refs", "ready", "info", "copies", "checksum")
 
     def __init__(self, tier: int, slot: int, info: BlockInfo) -> None:
         self.tier = tier       # the primary (fastest) copy
@@ -38,6 +38,7 @@ class Entry:
         self.ready = False
         self.info = info
         self.copies: dict[int, int] | None = None   # lower tier -> slot of further copies
+        self.checksum: int | None = None   # xxh3-64 of the bytes, once someone computed it (they never change)
 
     def slot_in(self, tier: int) -> int | None:
         """The block's slot in `tier`, or None if it has no copy there."""

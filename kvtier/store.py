@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
@@ -339,16 +340,18 @@ class Store:
         return transfer
 
     @contextmanager
-    def hold(self, keys: Sequence[bytes]) -> Iterator[list[np.ndarray]]:
-        """Hold the longest cached prefix of `keys` and yield its blocks' bytes: views of slot
-        memory for memory tiers (no copy: a node sends them straight to a peer), verified
-        copies for disk. Nothing held is evicted or overwritten until the block exits."""
+    def hold(self, keys: Sequence[bytes]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
+        """Hold the longest cached prefix of `keys` and yield its blocks' bytes and xxh3-64
+        checksums: views of slot memory for memory tiers (no copy: a node sends them straight
+        to a peer), verified copies for disk. Nothing held is evicted or overwritten until
+        the block exits."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
             n, _ = self.index.lookup(keys)
             held = keys[:n]
             locs = self.index.acquire(held)
+            entries = [self.index.entries[k] for k in held]
         rows: list[np.ndarray] = []
         bad: list[tuple[bytes, int]] = []
         try:
@@ -362,7 +365,14 @@ class Store:
                     rows.append(buf)
                 else:
                     rows.append(tier.block(slot))
-            yield rows
+            # Speed: a block's bytes never change under its key, so its checksum is computed
+            # once and kept on its entry; a hot prefix served again costs no hashing.
+            sums = []
+            for e, r in zip(entries, rows):
+                if e.checksum is None:
+                    e.checksum = xxhash.xxh3_64_intdigest(r)
+                sums.append(e.checksum)
+            yield rows, sums
         finally:
             with self._lock:
                 self.index.release(held)

@@ -1,4 +1,5 @@
 """Nodes on loopback: blocks cross processes byte-exact; faults cost misses, never hangs or wrong KV."""
+import os
 import signal
 import socket
 import subprocess
@@ -6,6 +7,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -240,3 +242,40 @@ def test_peer_client_errors_are_peer_errors():
         kvtier.RemoteTier(["127.0.0.1:1"], b"short")
     with pytest.raises(kvtier.ConfigError, match="RemoteTier"):
         kvtier.Store(LAYOUT, [kvtier.RemoteTier(["127.0.0.1:1"], SECRET)], NS)
+
+
+def test_kvtier_node_command_serves_and_stops(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b",
+                          "--block-tokens", "16", "--capacity", "64MiB", "--model", "m", "--secret-file", str(secret)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "serving 'm'" in line, line
+        addr = line.rsplit(" on ", 1)[1].strip()
+        store = kvtier.Store(kvtier.preset_layout("llama3-8b", 16), [kvtier.HostTier(blocks=8)], kvtier.Namespace("m"))
+        client = PeerClient(addr, SECRET, store.keyer.seed, store.layout.block_bytes, timeout=5)
+        keys = store.keys(list(range(64)))
+        rows = payload(keys, store.layout.block_bytes).numpy()
+        assert client.put(keys, rows) == 4 and client.has(keys) == 4
+        out = np.zeros_like(rows)
+        assert client.get(keys, out) == 4 and np.array_equal(out, rows)
+        client.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+    assert "served 3 requests" in p.stdout.read()
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "node"], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "KVTIER_SECRET"})
+    assert r.returncode == 2 and "shared secret" in r.stderr
+
+
+def test_bench_transport_json():
+    import json
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transport", "--block-bytes", "1MiB",
+                        "--total", "16MiB", "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert (row["op"], row["blocks"], row["transport"]) == ("get", 16, "tcp")
+    assert row["gbps"] > 0 and row["baseline_gbps"] > 0

@@ -146,8 +146,7 @@ class Node:
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")
-            with store.hold(req.keys) as rows:
-                sums = [xxhash.xxh3_64_intdigest(r) for r in rows]
+            with store.hold(req.keys) as (rows, sums):
                 head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums)
                 await loop.sock_sendall(conn, head.encode(self.secret))
                 for r in rows:                      # straight from slot memory

@@ -1,0 +1,104 @@
+"""GET throughput between two node processes on loopback, against a raw socket send of the
+same bytes between the same two processes, alternated in one run."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "time GET of blocks from another node process against a raw socket send of the same bytes"
+
+SERVER = r'''
+import socket, sys, threading, numpy as np, torch, kvtier
+from kvtier.tiers.memory import allocate_host
+bb, n = {bb}, {n}
+layout = kvtier.KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
+store = kvtier.Store(layout, [kvtier.HostTier(blocks=n)], kvtier.Namespace("bench"))
+keys = store.keys(np.arange(16 * n))
+store.put(keys, torch.from_numpy(np.random.default_rng(0).integers(0, 256, (n, bb), dtype=np.uint8)))
+node = kvtier.Node(store, "127.0.0.1:0", {secret!r}).start()
+raw = socket.create_server(("127.0.0.1", 0))
+buf = allocate_host(n * bb).array[: n * bb]
+buf[:] = 7
+
+def serve_raw():
+    while True:
+        c, _ = raw.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            ask = c.recv(8)
+            if len(ask) < 8:
+                break
+            size = int.from_bytes(ask, "big")
+            for off in range(0, size, 1 << 20):   # 1 MiB sends: faster here than one large sendall
+                c.sendall(memoryview(buf)[off: min(size, off + (1 << 20))])
+
+threading.Thread(target=serve_raw, daemon=True).start()
+print(node.address, raw.getsockname()[1], flush=True)
+sys.stdin.read()
+'''
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-bytes", default="1MiB,4MiB", help="comma-separated block sizes")
+    p.add_argument("--total", default="256MiB", help="bytes per GET (default 256MiB)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions; the median is reported")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def run(args: argparse.Namespace) -> int:
+    import socket
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from kvtier.bench.common import emit, quiet_threads, timeit_pair
+    from kvtier.keys import Keyer, Namespace
+    from kvtier.layout import KVLayout
+    from kvtier.net import PeerClient
+    from kvtier.tiers.memory import allocate_host
+    from kvtier.units import parse_bytes
+
+    import torch
+
+    quiet_threads()
+    secret = b"bench-secret-0123456789abcdef"
+    total = parse_bytes(args.total)
+    rows = []
+    for spec in args.block_bytes.split(","):
+        bb = parse_bytes(spec)
+        n = max(1, total // bb)
+        proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            node_addr, raw_port = proc.stdout.readline().split()
+            layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
+            keyer = Keyer(Namespace("bench"), layout)
+            keys = keyer(np.arange(16 * n))
+            client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
+            out = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
+            raw = socket.create_connection(("127.0.0.1", int(raw_port)))
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sink = memoryview(allocate_host(n * bb).array[: n * bb])
+
+            def get() -> None:
+                if client.get(keys, out) != n:
+                    raise AssertionError("the node did not send every block")
+
+            def raw_get() -> None:
+                raw.sendall((n * bb).to_bytes(8, "big"))
+                got = 0
+                while got < n * bb:
+                    got += raw.recv_into(sink[got:])
+
+            t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
+            rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb, "blocks": n,
+                         "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
+                         "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
+            client.close()
+            raw.close()
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    emit(rows, args.json, "kvtier bench transport (node GET vs raw socket, loopback, two processes)",
+         ["transport", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"])
+    return 0
