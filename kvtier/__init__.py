@@ -14,13 +14,13 @@ from kvtier.keys import BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
 from kvtier.stats import StoreStats, TierStats
 from kvtier.store import Hit, Store
-from kvtier.net import Node
+from kvtier.net import Node, PeerList, RedisDirectory
 from kvtier.tiers import DiskTier, HostTier, Tier
 from kvtier.tiers.remote import RemoteTier
 
 __all__ = [
     "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
-    "HostTier", "DiskTier", "RemoteTier", "Node", "Tier", "StoreStats", "TierStats",
+    "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
     "TransferError", "TraceError",
 ]

@@ -139,6 +139,9 @@ class BlockIndex:
         self._floor: dict[Key, int] = {}     # key -> highest tier it must stay in or above
         self._expiry: list[tuple[float, str]] = []
         self._copying: set[tuple[Key, int]] = set()   # copies reserved but not committed yet
+        # Keys that became readable (+) or left the store (-), for a directory that tells
+        # other nodes what this one holds. None: nobody listens, nothing is recorded.
+        self.changes: list[tuple[str, Key]] | None = None
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> tuple[int, list[int]]:
@@ -277,6 +280,8 @@ class BlockIndex:
             e.refs -= 1
             e.ready = True
             ready[k] = e.tier
+        if self.changes is not None:
+            self.changes.extend(("+", k) for k in res.keys)
 
     def abort(self, res: Reservation) -> None:
         """The write failed: forget the reserved blocks (or copies) and free their slots."""
@@ -348,6 +353,8 @@ class BlockIndex:
         else:
             del self.entries[key]
             del self.ready[key]
+            if self.changes is not None:
+                self.changes.append(("-", key))
 
     def adopt(self, tier: int, items: Sequence[tuple[Key, int, BlockInfo]]) -> int:
         """Register blocks a persistent tier already holds (after a restart), oldest first.
@@ -367,6 +374,8 @@ class BlockIndex:
                 e.refs, e.ready = 0, True
                 self.entries[key] = e
                 self.ready[key] = tier
+                if self.changes is not None:
+                    self.changes.append(("+", key))
             elif e.slot_in(tier) is None:
                 if e.copies is None:
                     e.copies = {}

@@ -17,6 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", default=None, help="directory of a disk tier (optional)")
     p.add_argument("--disk-capacity", default="100GiB", help="disk tier capacity (default 100GiB)")
     p.add_argument("--peers", default="", help="comma-separated host:port of other nodes to fetch from")
+    p.add_argument("--directory", default=None,
+                   help="redis://host:port of a Redis directory: publish what this node holds, find other nodes' blocks")
+    p.add_argument("--advertise", default=None, help="host:port peers should use to reach this node (default: --listen)")
+    p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays listed after it stops renewing")
     p.add_argument("--secret-file", default=None,
                    help="file holding the cluster's shared secret (or set KVTIER_SECRET); at least 16 bytes")
     p.add_argument("--policy", default="recommended", help="eviction policy (default: the recommended one)")
@@ -46,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.layout import preset_layout
     from kvtier.net import Node
@@ -59,12 +64,20 @@ def run(args: argparse.Namespace) -> int:
     if args.disk:
         tiers.append(DiskTier(args.disk, capacity=args.disk_capacity))
     peers = [p for p in args.peers.split(",") if p]
-    if peers:
+    directory = None
+    if args.directory and peers:
+        raise ConfigError("give --peers or --directory, not both")
+    if args.directory:
+        from kvtier.net import RedisDirectory
+        directory = RedisDirectory(args.directory, lease_s=args.lease)
+        tiers.append(RemoteTier(directory=directory, secret=secret))
+    elif peers:
         tiers.append(RemoteTier(peers, secret))
     ns = Namespace(args.model or args.layout, args.revision, args.shard)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Store(layout, tiers, ns, policy=args.policy) as store, Node(store, args.listen, secret) as node:
+    with Store(layout, tiers, ns, policy=args.policy) as store, \
+            Node(store, args.listen, secret, directory=directory, advertise=args.advertise) as node:
         print(f"kvtier node: serving {ns.model!r} ({layout.describe()}) on {node.address}", flush=True)
         try:
             stop.wait()

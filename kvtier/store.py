@@ -135,7 +135,7 @@ class Store:
             self._check_open()
             n, locs = self.index.lookup(keys)
         if self.remote is not None and n < len(keys):
-            m, _ = self.remote.locate(keys[n:])          # one round trip to each peer
+            m = len(self.remote.locate(keys[n:]))       # one round trip (directory or each peer)
             locs += [len(self.tiers)] * m
             n += m
         with self._lock:

@@ -23,6 +23,8 @@ import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.net.address import parse_address
+from kvtier.net.directory import Directory
+from kvtier.net.publisher import Publisher
 from kvtier.net.frames import MAC_BYTES, MAX_KEYS, Frame, FrameError, decode, header_length
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ class Node:
     """Serves `store` to peers. `with Node(store, "127.0.0.1:0", secret) as node: node.address`."""
 
     def __init__(self, store: Store, listen: str = "127.0.0.1:7700", secret: bytes = b"", *,
+                 directory: Directory | None = None, advertise: str | None = None,
                  request_timeout: float = 10.0) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ConfigError("a node needs the cluster's shared secret: at least 16 bytes")
@@ -43,6 +46,9 @@ class Node:
         self.seed = store.keyer.seed
         self.block_bytes = store.layout.block_bytes
         self.request_timeout = request_timeout
+        self.directory = directory      # where this node tells others what it holds (optional)
+        self.advertise = advertise      # the address peers should use (default: where it listens)
+        self.publisher: Publisher | None = None
         self._host, self._port = parse_address(listen)
         self.address = ""
         self.refused = 0          # frames refused (bad MAC, stale, malformed, other namespace)
@@ -60,9 +66,16 @@ class Node:
         self._ready.wait()
         if self._error is not None:
             raise ConfigError(f"cannot listen on {self._host}:{self._port}: {self._error}")
+        if self.directory is not None:
+            if not hasattr(self.directory, "ns"):     # not bound yet by the store's remote tier
+                self.directory.bind(self.seed, lambda _addr, _keys: 0)
+            self.publisher = Publisher(self.store, self.directory, self.advertise or self.address).start()
         return self
 
     def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()
+            self.publisher = None
         if self._loop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:

@@ -1,0 +1,74 @@
+"""Keeps a directory told what a node's store holds: batched changes and a renewed lease.
+
+Every `every` seconds the keys that entered or left the store since the last batch go to
+the directory in one pipelined call, and the node's lease is renewed. If the lease had
+lapsed, or the directory could not be reached, the next round publishes everything the
+store holds again (so a restarted Redis is refilled) instead of keeping an unbounded backlog.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvtier.net.directory import Directory, DirectoryError
+
+if TYPE_CHECKING:
+    from kvtier.store import Store
+
+log = logging.getLogger("kvtier.publisher")
+
+
+class Publisher:
+    def __init__(self, store: Store, directory: Directory, address: str, every: float = 0.05) -> None:
+        self.store, self.directory, self.address, self.every = store, directory, address, every
+        self.resync = True          # publish everything at the next round
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-publisher", daemon=True)
+        with store._lock:
+            store.index.changes = []
+
+    def start(self) -> Publisher:
+        self.round()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.directory.leave(self.address)
+        with self.store._lock:
+            self.store.index.changes = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.round()
+
+    def round(self) -> None:
+        """Publish what changed (or everything, after a lapse) and renew the lease."""
+        index = self.store.index
+        with self.store._lock:
+            batch, index.changes = index.changes or [], []
+            everything = list(index.ready) if self.resync else None
+        try:
+            if not self.directory.heartbeat(self.address):
+                everything = everything if everything is not None else self._all()
+            if everything is not None:
+                self.directory.publish(self.address, everything, [])
+            else:
+                last: dict[bytes, str] = {}
+                for op, key in batch:            # a key added then dropped in one batch: dropped
+                    last[key] = op
+                self.directory.publish(self.address, [k for k, op in last.items() if op == "+"],
+                                       [k for k, op in last.items() if op == "-"])
+            self.resync = False
+        except DirectoryError as e:
+            self.errors += 1
+            self.resync = True
+            log.warning("node %s: %s; will publish everything once it answers", self.address, e)
+
+    def _all(self) -> list[bytes]:
+        with self.store._lock:
+            return list(self.store.index.ready)

@@ -1,0 +1,196 @@
+"""The Redis directory, against a real redis-server on loopback (started here, stopped after)."""
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.net import RedisDirectory
+from tests.conftest import REPO, payload
+
+redis = pytest.importorskip("redis", reason="the redis package is in the test extra: pip install -e '.[test]'")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (.ci/run installs it with apt)", allow_module_level=True)
+
+LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
+NS = kvtier.Namespace("redis-test", "r1")
+SECRET = b"cluster-secret-0123456789abcdef"
+
+
+class RedisServer:
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis(port=self.port).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def server():
+    srv = RedisServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+NODE = r'''
+import sys, time, torch, kvtier
+sys.path.insert(0, {repo!r})
+from tests.conftest import payload
+layout = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
+store = kvtier.Store(layout, [kvtier.HostTier(blocks={blocks})], kvtier.Namespace("redis-test", "r1"))
+for seed in {seeds!r}:
+    keys = store.keys([seed] * 32)
+    store.put(keys, payload(keys, layout.block_bytes))
+node = kvtier.Node(store, "127.0.0.1:0", {secret!r},
+                   directory=kvtier.RedisDirectory({url!r}, lease_s={lease})).start()
+print(node.address, flush=True)
+for line in sys.stdin:            # "put SEED": store another prompt (evicting as it must)
+    keys = store.keys([int(line.split()[1])] * 32)
+    store.put(keys, payload(keys, layout.block_bytes))
+    print("ok", flush=True)
+'''
+
+
+def spawn_node(url: str, seeds, blocks: int = 64, lease: float = 10.0):
+    code = NODE.format(repo=str(REPO), blocks=blocks, seeds=list(seeds), secret=SECRET, url=url, lease=lease)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    addr = p.stdout.readline().strip()
+    assert addr, "the node did not start"
+    return p, addr
+
+
+def client(url: str) -> kvtier.Store:
+    remote = kvtier.RemoteTier(directory=RedisDirectory(url), secret=SECRET, timeout=1.0)
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64), remote], NS)
+
+
+def wait_for(cond, secs: float = 5.0) -> bool:
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_long_prompt_is_one_round_trip(server):
+    d = RedisDirectory(server.url)
+    d.bind(b"n" * 16, lambda *_: 0)
+    keys = [i.to_bytes(16, "big") for i in range(8192)]       # a 128k-token prompt at 16 tokens a block
+    assert d.heartbeat("10.0.0.1:7700") is False             # first time: no lease yet
+    d.publish("10.0.0.1:7700", keys[:5000], [])
+    sent = []                                                # every request this client sends
+    real = d.r.execute_command
+    d.r.execute_command = lambda *a, **k: (sent.append(a[0]), real(*a, **k))[1]
+    holders = d.locate(keys)
+    assert holders == ["10.0.0.1:7700"] * 5000
+    assert sent == ["EVALSHA"]                               # one round trip for 8,192 keys
+    d.r.execute_command = real
+    d.publish("10.0.0.1:7700", [], keys[:10])                  # removals only touch this node's entries
+    assert d.locate(keys) == []
+    d.close()
+
+
+def test_blocks_found_through_redis_and_fetched_byte_exact(server):
+    p, addr = spawn_node(server.url, seeds=[1, 2])
+    try:
+        store = client(server.url)
+        keys = store.keys([1] * 32)
+        assert wait_for(lambda: store.lookup(keys).blocks == 4)
+        assert store.lookup(keys).by_tier() == {"host": 0, "remote": 4}
+        out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+        assert store.get(keys, out).loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+        assert store.lookup(keys).by_tier() == {"host": 4, "remote": 0}
+        store.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_evicted_blocks_leave_the_directory(server):
+    p, addr = spawn_node(server.url, seeds=[1], blocks=4)
+    try:
+        store = client(server.url)
+        old = store.keys([1] * 32)
+        assert wait_for(lambda: store.lookup(old).blocks == 4)
+        p.stdin.write("put 7\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok"             # the node's 4 slots now hold seed 7
+        assert wait_for(lambda: store.lookup(old).blocks == 0)
+        r = redis.Redis(port=server.port)
+        assert wait_for(lambda: r.hlen(f"kvtier:{store.keyer.seed.hex()}:blocks") == 4)
+        store.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_dead_node_drops_out_when_its_lease_ends(server):
+    p, addr = spawn_node(server.url, seeds=[3], lease=1.0)
+    store = client(server.url)
+    keys = store.keys([3] * 32)
+    assert wait_for(lambda: store.lookup(keys).blocks == 4)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    t0 = time.monotonic()
+    assert wait_for(lambda: store.lookup(keys).blocks == 0, secs=5)
+    assert time.monotonic() - t0 < 3.0                         # about the lease, not a hang
+    out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    assert store.get(keys, out).loaded == 0
+    store.close()
+
+
+def test_a_redis_restart_is_refilled_by_the_nodes(server):
+    p, addr = spawn_node(server.url, seeds=[4], lease=1.0)
+    try:
+        store = client(server.url)
+        keys = store.keys([4] * 32)
+        assert wait_for(lambda: store.lookup(keys).blocks == 4)
+        server.stop()                                          # everything Redis knew is gone
+        assert store.lookup(keys).blocks == 0 and store.stats().remote["errors"] >= 1   # a miss, no crash
+        server.start()
+        assert wait_for(lambda: store.lookup(keys).blocks == 4, secs=10)   # the node published again
+        store.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_kvtier_node_with_a_directory(server, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b",
+                          "--capacity", "64MiB", "--model", "m", "--secret-file", str(secret),
+                          "--directory", server.url, "--lease", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving 'm'" in p.stdout.readline()
+        r = redis.Redis(port=server.port)
+        assert wait_for(lambda: any(k.startswith(b"kvtier:") and b":node:" in k for k in r.keys()))
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
