@@ -222,17 +222,10 @@ class Store:
         nbytes = len(res.keys) * self.layout.block_bytes
         if not res.keys:
             return Transfer("put", 0, 0, res.present, res.rejected)
-        top = self.tiers[0]
 
         def save() -> None:
-            try:
-                top.write(res.slots, rows, res.positions, res.keys)
-            except BaseException:
-                with self._lock:
-                    self.index.abort(res)
-                raise
+            self._fill(res, rows, res.positions)
             with self._lock:
-                self.index.commit(res)
                 self.counters.put_blocks += len(res.keys)
                 self.counters.put_bytes += nbytes
 
@@ -320,15 +313,19 @@ class Store:
                 srcs, idx = rows, [positions[j] for j in res.positions]
         if not res.keys:
             return 0
+        self._fill(res, srcs, idx)
+        return len(res.keys)
+
+    def _fill(self, res: Reservation, rows: Sequence[np.ndarray], idx: Sequence[int] | None) -> None:
+        """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
         try:
-            self.tiers[tier].write(res.slots, srcs, idx, res.keys)
+            self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
         except BaseException:
             with self._lock:
                 self.index.abort(res)
             raise
         with self._lock:
             self.index.commit(res)
-        return len(res.keys)
 
     def _run(self, transfer: Transfer, work: Callable[[], None], blocking: bool) -> Transfer:
         if blocking:

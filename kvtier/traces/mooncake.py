@@ -7,10 +7,10 @@ partial). A `session` field, when present, is kept for session-affinity routing.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Iterable
 
 from kvtier.errors import TraceError
+from kvtier.traces.jsonl import json_records
 from kvtier.traces.model import Request, Trace
 
 #: Mooncake's traces hash prompts in blocks of this many tokens.
@@ -50,11 +50,7 @@ def parse_mooncake_line(obj: Any, path: str, line: int, block_tokens: int = MOON
 def read_mooncake(lines: Iterable[tuple[int, str]], path: str, name: str) -> Trace:
     """Numbered JSONL lines -> Trace (blank lines are skipped)."""
     reqs: list[Request] = []
-    for line, text in lines:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceError(path, line, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    for line, obj in json_records(lines, path):
         reqs.append(parse_mooncake_line(obj, path, line))
     return Trace(name=name, requests=reqs, block_tokens=MOONCAKE_BLOCK_TOKENS, format="mooncake", path=path)
 

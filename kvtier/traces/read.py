@@ -1,11 +1,11 @@
 """Open a trace file and tell its format from its first record."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
 from kvtier.errors import TraceError
+from kvtier.traces.jsonl import json_records
 from kvtier.traces.model import Trace
 from kvtier.traces.mooncake import MOONCAKE_BLOCK_TOKENS, read_mooncake
 from kvtier.traces.tokens import DEFAULT_BLOCK_TOKENS, read_tokens
@@ -22,12 +22,7 @@ def _numbered(path: str) -> Iterator[tuple[int, str]]:
 
 def detect_format(path: str) -> str:
     """"mooncake" (has hash_ids) or "tokens" (has tokens), from the first non-blank line."""
-    for line, text in _numbered(path):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceError(path, line, f"not valid JSON ({e.msg}): traces are JSON Lines, "
-                             "one request object per line") from None
+    for line, obj in json_records(_numbered(path), path):
         if isinstance(obj, dict) and "hash_ids" in obj:
             return "mooncake"
         if isinstance(obj, dict) and "tokens" in obj:

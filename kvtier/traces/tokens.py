@@ -8,13 +8,13 @@ cached. So replaying a token-level trace gives the store's own hit/miss sequence
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Iterable
 
 import xxhash
 
 from kvtier.keys import chain_keys
 from kvtier.errors import TraceError
+from kvtier.traces.jsonl import json_records
 from kvtier.traces.model import Request, Trace
 
 #: key_{-1} of every token-level trace chain (a constant, so files replay identically).
@@ -50,11 +50,7 @@ def parse_token_line(obj: Any, path: str, line: int, block_tokens: int) -> Reque
 def read_tokens(lines: Iterable[tuple[int, str]], path: str, name: str,
                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
     reqs: list[Request] = []
-    for line, text in lines:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceError(path, line, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    for line, obj in json_records(lines, path):
         reqs.append(parse_token_line(obj, path, line, block_tokens))
     return Trace(name=name, requests=reqs, block_tokens=block_tokens, format="tokens", path=path)
 
