@@ -15,12 +15,12 @@ from kvtier.layout import KVLayout, preset_layout
 from kvtier.stats import StoreStats, TierStats
 from kvtier.store import Hit, Store
 from kvtier.net import Node, PeerList, RedisDirectory
-from kvtier.tiers import DiskTier, HostTier, Tier
+from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
 from kvtier.tiers.remote import RemoteTier
 
 __all__ = [
     "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
-    "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
+    "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
     "TransferError", "TraceError",
 ]

@@ -75,7 +75,7 @@ class Store:
         tiers = list(tiers)
         self.remote: RemoteTier | None = tiers.pop() if isinstance(tiers[-1], RemoteTier) else None
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
-            raise ConfigError("tiers must be local tiers (HostTier, DiskTier), fastest first, with at most "
+            raise ConfigError("tiers must be local tiers (DeviceTier, HostTier, DiskTier), fastest first, with at most "
                               "one RemoteTier, last: e.g. [HostTier(capacity='8GiB'), RemoteTier(peers, secret)]")
         names = [t.name for t in tiers] + ([self.remote.name] if self.remote else [])
         if len(set(names)) != len(names):

@@ -13,7 +13,7 @@ HELP = "time put and get of blocks through a tier against a raw copy of the same
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tier", default="host", choices=["host", "disk"], help="tier to measure (default host)")
+    p.add_argument("--tier", default="host", choices=["host", "disk", "device"], help="tier to measure (default host)")
     p.add_argument("--block-bytes", default=None,
                    help="comma-separated block sizes (default 64KiB,1MiB,4MiB for host, 1MiB,4MiB for disk)")
     p.add_argument("--total", default=None, help="bytes moved per timed operation (default 256MiB host, 512MiB disk)")
@@ -28,6 +28,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.units import parse_bytes
 
     quiet_threads()
+    if args.tier == "device":
+        from kvtier.transfer.bench import bench_device
+        emit(bench_device(args), args.json, "kvtier bench tiers --tier device (baseline: plain device copy / "
+             "raw pinned host<->device copy)",
+             ["tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio", "device", "impl", "baseline"])
+        return 0
     disk = args.tier == "disk"
     sizes = [parse_bytes(x) for x in (args.block_bytes or ("1MiB,4MiB" if disk else "64KiB,1MiB,4MiB")).split(",")]
     total = parse_bytes(args.total or ("512MiB" if disk else "256MiB"))

@@ -1,0 +1,123 @@
+"""Device tier: the top tier, one uint8 torch allocation in GPU memory cut into slots.
+
+`DeviceTier(capacity="20GiB", device="cuda:0")`. With device=None it uses cuda:0 when
+CUDA is here and a CPU tensor otherwise, so a store, an engine and the tests run the
+same code on any machine; info() (and so store.stats()) says which.
+
+`tensor` is the whole pool as [slots, block_bytes] uint8 on the device: the transfer path
+(kvtier.transfer.gather/scatter) reads and writes slots there without a host copy. The
+store hands this tier host rows (numpy), so write/read below copy host <-> device; on a
+CPU they are plain numpy row copies, exactly like HostTier.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import Tier, copy_runs
+
+
+def _cuda_ready() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:   # a broken driver is the same as no GPU
+        return False
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """device=None -> cuda:0 when CUDA is here, else cpu; a CUDA device without CUDA is an error."""
+    if device is None:
+        return torch.device("cuda:0" if _cuda_ready() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be like 'cuda:0' or 'cpu', got {device!r}") from e
+    if dev.type == "cuda":
+        if not _cuda_ready():
+            raise ConfigError(f"device {device!r} asked for CUDA but torch sees no CUDA device here: "
+                              "pass device=None (cuda when present, else cpu) or device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device must be a CUDA device or 'cpu', got {device!r}")
+    return dev
+
+
+class DeviceTier(Tier):
+    """Blocks in GPU memory (or a CPU tensor without a GPU). `DeviceTier(capacity="20GiB")`."""
+
+    kind = "device"
+
+    def __init__(self, capacity: int | str | None = None, *, blocks: int | None = None,
+                 name: str | None = None, device: str | torch.device | None = None) -> None:
+        super().__init__(capacity, blocks=blocks, name=name)
+        self.device = resolve_device(device)
+        self.tensor: torch.Tensor | None = None   # [capacity_blocks, block_bytes] uint8 on self.device
+        self._np: np.ndarray | None = None       # numpy view of `tensor` on a CPU
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _allocate(self, slots: int, block_bytes: int) -> None:
+        try:
+            self.tensor = torch.empty(slots, block_bytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as e:   # CUDA out of memory
+            raise ConfigError(f"device tier {self.name!r}: could not allocate {slots * block_bytes} bytes on "
+                              f"{self.device}: {e}; give it a smaller capacity") from e
+        if not self.on_gpu:
+            self.tensor.zero_()      # prefault now rather than on the first put
+            self._np = self.tensor.numpy()
+
+    # Copies: runs of consecutive slots matching consecutive rows are one copy (copy_runs).
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
+              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
+        if self._np is not None:
+            pool = self._np
+            for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+                pool[s:s + n] = rows[i:i + n] if n > 1 else rows[i]
+            return
+        with warnings.catch_warnings():   # rows may be read-only numpy views: torch only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+                src = rows[i:i + n] if n > 1 else rows[i][None]
+                self.tensor[s:s + n].copy_(torch.from_numpy(np.ascontiguousarray(src)))
+
+    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
+             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
+        if self._np is not None:
+            pool = self._np
+            for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+                if n == 1:
+                    rows[i][...] = pool[s]
+                else:
+                    rows[i:i + n] = pool[s:s + n]
+            return []
+        for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+            dst = rows[i:i + n] if n > 1 else rows[i][None]
+            torch.from_numpy(dst).copy_(self.tensor[s:s + n])   # synchronous: the bytes are there on return
+        return []
+
+    def block(self, slot: int) -> np.ndarray:
+        """A view of the slot on a CPU; a host copy on a GPU."""
+        if self._np is not None:
+            return self._np[slot]
+        return self.tensor[slot].cpu().numpy()
+
+    def info(self) -> dict[str, Any]:
+        if self.tensor is None:
+            return {"memory": "unallocated", "device": str(self.device)}
+        note = (f"GPU memory on {self.device}" if self.on_gpu else
+                "CPU tensor: " + ("no CUDA on this machine" if not _cuda_ready() else "device='cpu' was asked for"))
+        return {"memory": "device" if self.on_gpu else "cpu", "device": str(self.device),
+                "memory_note": note, "allocated_bytes": self.tensor.numel()}
+
+    def close(self) -> None:
+        self.tensor = None
+        self._np = None

@@ -1,0 +1,255 @@
+"""Engine KV pages <-> kvtier blocks: page formats, validation, gather and scatter.
+
+An engine keeps one tensor per layer, cut into pages of `page_tokens` tokens. A kvtier
+block is `block_tokens` tokens (a whole number of pages), layer-major (kvtier/layout.py).
+Accepted per-layer tensors (contiguous, the layout's dtype, all on one device):
+
+    "vllm"        MHA  [2, num_pages, page_tokens, num_kv_heads, head_dim]   (K pages, then V pages)
+    "flashinfer"  MHA  [num_pages, 2, page_tokens, num_kv_heads, head_dim]   (K and V inside each page)
+    "mla"         MLA  [num_pages, page_tokens, kv_lora_rank + rope_dim]
+
+`block_table[b]` lists the engine page ids that make block b, in token order:
+an int tensor [n_blocks, block_tokens // page_tokens]. Everything is checked before a
+byte moves: a bad call raises LayoutError and leaves every tensor as it was.
+
+gather may read a page several times (repeats are fine). scatter refuses a table that
+writes one page twice (LayoutError): there is no defined winner, so it is an error.
+Pages no block names are never touched.
+
+Both run as one CUDA launch per call on a GPU when the kernel in csrc/ compiles, else
+as torch indexing ops that produce the same bytes (and are what runs on a CPU).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.errors import LayoutError
+from kvtier.layout import KVLayout, dtype_name
+
+PAGE_FORMATS = ("vllm", "flashinfer", "mla")
+
+
+def _page_shape(fmt: str, layout: KVLayout, num_pages: str, page_tokens: str) -> str:
+    if fmt == "vllm":
+        return f"[2, {num_pages}, {page_tokens}, {layout.num_kv_heads}, {layout.head_dim}]"
+    if fmt == "flashinfer":
+        return f"[{num_pages}, 2, {page_tokens}, {layout.num_kv_heads}, {layout.head_dim}]"
+    return f"[{num_pages}, {page_tokens}, {layout.kv_lora_rank + layout.rope_dim}]"
+
+
+class PagedKV:
+    """An engine's paged KV cache (one tensor per layer), checked once against a layout.
+
+        kv = PagedKV(pages_per_layer, layout, "vllm")
+        blocks = kv.gather(block_table)          # [n_blocks, layout.block_bytes] uint8
+        kv.scatter(blocks, block_table)          # the reverse, in place
+    """
+
+    def __init__(self, pages_per_layer: Sequence[torch.Tensor], layout: KVLayout, page_format: str) -> None:
+        if page_format not in PAGE_FORMATS:
+            raise LayoutError(f"unknown page_format {page_format!r}; choose one of {', '.join(PAGE_FORMATS)}")
+        want = "mla" if page_format == "mla" else "mha"
+        if layout.kind != want:
+            raise LayoutError(f"page_format {page_format!r} holds {want.upper()} pages but the layout is "
+                              f"{layout.kind.upper()}: use " + ("'mla'" if layout.kind == "mla" else "'vllm' or 'flashinfer'"))
+        if isinstance(pages_per_layer, torch.Tensor) or not isinstance(pages_per_layer, (list, tuple)):
+            raise LayoutError("pages_per_layer must be a list of one tensor per layer, shaped "
+                              + _page_shape(page_format, layout, "num_pages", "page_tokens"))
+        if len(pages_per_layer) != layout.num_layers:
+            raise LayoutError(f"pages_per_layer has {len(pages_per_layer)} tensors; the layout has "
+                              f"{layout.num_layers} layers: pass one tensor per layer")
+        self.layout, self.format = layout, page_format
+        first = pages_per_layer[0]
+        if not isinstance(first, torch.Tensor) or first.dim() < 3:
+            raise LayoutError("pages_per_layer[0] must be a tensor shaped "
+                              + _page_shape(page_format, layout, "num_pages", "page_tokens"))
+        self.num_pages = first.shape[1] if page_format == "vllm" else first.shape[0]
+        self.page_tokens = first.shape[1] if page_format == "mla" else first.shape[2]
+        expected = _page_shape(page_format, layout, str(self.num_pages), str(self.page_tokens))
+        for i, t in enumerate(pages_per_layer):
+            what = f"pages_per_layer[{i}]"
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"{what} is a {type(t).__name__}; expected a tensor {expected}")
+            if _shape_str(t) != expected:
+                raise LayoutError(f"{what} has shape {_shape_str(t)}; page_format {page_format!r} with this "
+                                  f"layout ({layout.describe()}) needs {expected} (the same for every layer)")
+            if t.dtype != layout.dtype:
+                raise LayoutError(f"{what} has dtype {t.dtype} but the layout's is {dtype_name(layout.dtype)}: "
+                                  "build the KVLayout with the engine's KV dtype")
+            if t.device != first.device:
+                raise LayoutError(f"{what} is on {t.device} but pages_per_layer[0] is on {first.device}: "
+                                  "all layers must live on one device")
+            if not t.is_contiguous():
+                raise LayoutError(f"{what} is not contiguous: kvtier reads and writes pages in place, "
+                                  "so allocate each layer's cache as one contiguous tensor")
+        if self.page_tokens <= 0 or self.num_pages <= 0:
+            raise LayoutError(f"pages_per_layer[0] holds no pages (shape {_shape_str(first)})")
+        if layout.block_tokens % self.page_tokens:
+            raise LayoutError(f"block_tokens {layout.block_tokens} is not a multiple of the engine's "
+                              f"page_tokens {self.page_tokens}: a kvtier block must be whole pages; "
+                              f"use block_tokens = k * {self.page_tokens}")
+        self.device = first.device
+        self.pages_per_block = layout.block_tokens // self.page_tokens
+        self.parts = 1 if page_format == "mla" else 2
+        self.chunk_bytes = layout.layer_bytes // self.parts // self.pages_per_block
+        # Each layer as bytes [num_pages, parts, chunk_bytes] (a strided view for vllm).
+        self.views = [_byte_view(t, page_format, self.num_pages, self.chunk_bytes) for t in pages_per_layer]
+        self.tensors = list(pages_per_layer)
+
+    # -- checks --------------------------------------------------------------------
+    def table(self, block_table: object, unique: bool = False) -> torch.Tensor:
+        """block_table as int64 [n, pages_per_block] on the pages' device, checked."""
+        ppb = self.pages_per_block
+        if isinstance(block_table, torch.Tensor):
+            if block_table.dtype.is_floating_point or block_table.dtype in (torch.bool, torch.complex64, torch.complex128):
+                raise LayoutError(f"block_table has dtype {block_table.dtype}; pass an integer tensor of page ids")
+            t = block_table
+        else:
+            arr = np.asarray(block_table)
+            if arr.size and arr.dtype.kind not in "iu":
+                raise LayoutError(f"block_table must hold integer page ids, got {arr.dtype}")
+            t = torch.from_numpy(arr.astype(np.int64, copy=False).reshape(arr.shape))
+        if t.dim() != 2 or t.shape[1] != ppb:
+            raise LayoutError(f"block_table has shape {_shape_str(t)}; expected [n_blocks, {ppb}]: each block "
+                              f"of {self.layout.block_tokens} tokens is {ppb} page(s) of {self.page_tokens} tokens")
+        if t.device.type != "cpu" and t.device != self.device:
+            raise LayoutError(f"block_table is on {t.device} but the pages are on {self.device}: "
+                              "pass it on the CPU or on the pages' device")
+        host = t.detach().to("cpu", torch.int64)
+        if host.numel():
+            lo, hi = int(host.min()), int(host.max())
+            if lo < 0 or hi >= self.num_pages:
+                bad = lo if lo < 0 else hi
+                raise LayoutError(f"block_table names page {bad} but the engine has pages 0..{self.num_pages - 1}")
+            if unique:
+                flat = host.reshape(-1)
+                vals, counts = torch.unique(flat, return_counts=True)
+                if bool((counts > 1).any()):
+                    page = int(vals[counts > 1][0])
+                    rows = sorted({int(i) // ppb for i in torch.nonzero(flat == page).reshape(-1)})
+                    raise LayoutError(f"block_table writes page {page} more than once (blocks {rows}); scatter "
+                                      "needs distinct destination pages: give each block its own pages")
+        return host.to(self.device, non_blocking=True).contiguous()
+
+    def blocks_arg(self, blocks: object, n: int, what: str) -> torch.Tensor:
+        """`blocks` as uint8 [n, block_bytes] (a view, no copy), checked against this cache."""
+        layout = self.layout
+        shape = f"[{n}, {layout.block_bytes}] uint8 or [{n}, {', '.join(map(str, layout.block_shape))}] {dtype_name(layout.dtype)}"
+        if not isinstance(blocks, torch.Tensor):
+            raise LayoutError(f"{what} must be a tensor {shape}, not {type(blocks).__name__}")
+        if blocks.device != self.device:
+            raise LayoutError(f"{what} is on {blocks.device} but the pages are on {self.device}: gather and "
+                              "scatter copy within one device (LayerLoader/Saver move between host and GPU)")
+        ok = ((blocks.dtype == torch.uint8 and tuple(blocks.shape) == (n, layout.block_bytes))
+              or (blocks.dtype == layout.dtype and tuple(blocks.shape) == (n, *layout.block_shape)))
+        if not ok:
+            raise LayoutError(f"{what} is {_shape_str(blocks)} {blocks.dtype}; expected {shape}")
+        if not blocks.is_contiguous():
+            raise LayoutError(f"{what} is not contiguous: pass a contiguous tensor")
+        return blocks.detach().view(torch.uint8).reshape(n, layout.block_bytes)
+
+    # -- the copies ----------------------------------------------------------------
+    def gather(self, block_table: object, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+        """Engine pages named by block_table -> [n_blocks, block_bytes] uint8 blocks (into `out` if given)."""
+        ids = self.table(block_table)
+        n = ids.shape[0]
+        if out is None:
+            out = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, device=self.device)
+        blocks = self.blocks_arg(out, n, "out")
+        copy(self.views, ids, blocks, to_blocks=True, impl=impl)
+        return out
+
+    def scatter(self, blocks: torch.Tensor, block_table: object, impl: str = "auto") -> None:
+        """[n_blocks, block_bytes] blocks -> the engine pages named by block_table (distinct pages)."""
+        ids = self.table(block_table, unique=True)
+        src = self.blocks_arg(blocks, ids.shape[0], "blocks")
+        copy(self.views, ids, src, to_blocks=False, impl=impl)
+
+
+def copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, *, to_blocks: bool,
+         impl: str = "auto") -> None:
+    """Move bytes between byte views [num_pages, parts, chunk] of some layers and blocks
+    [n, len(views) * parts * pages_per_block * chunk] (checked by the caller).
+
+    impl: "auto" (the CUDA kernel when the tensors are on a GPU and it compiled, else
+    torch ops), "torch", or "cuda" (the kernel or an error)."""
+    if impl not in ("auto", "torch", "cuda"):
+        raise LayoutError(f"impl must be 'auto', 'torch' or 'cuda', got {impl!r}")
+    if impl != "torch" and blocks.is_cuda:
+        from kvtier.transfer import kernels
+        if kernels.paged_copy(views, ids, blocks, to_blocks, required=impl == "cuda"):
+            return
+    elif impl == "cuda":
+        raise LayoutError("impl='cuda' needs tensors on a CUDA device")
+    _torch_copy(views, ids, blocks, to_blocks)
+
+
+def _torch_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> None:
+    """The fallback: one index_select (gather) or index_put (scatter) per layer."""
+    n, ppb = ids.shape
+    if n == 0:
+        return
+    views, blocks = _widen(views, blocks)
+    _, parts, chunk = views[0].shape
+    flat = ids.reshape(-1)
+    # blocks as [n, layers, parts, pages_per_block, chunk]: block b, layer l, K/V h, page j.
+    bv = blocks.view(n, len(views), parts, ppb, chunk)
+    with torch.no_grad():
+        for l, v in enumerate(views):
+            if to_blocks:
+                sel = v.index_select(0, flat).view(n, ppb, parts, chunk)
+                bv[:, l].copy_(sel.transpose(1, 2))
+            else:
+                v[flat] = bv[:, l].transpose(1, 2).reshape(n * ppb, parts, chunk)
+
+
+def _widen(views: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The same bytes seen as 8-, 4- or 2-byte words where sizes and offsets allow: torch
+    indexing moves elements one by one, so wider elements are several times faster."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if views[0].shape[-1] % dt.itemsize == 0:
+            try:
+                return [v.view(dt) for v in views], blocks.view(dt)
+            except RuntimeError:    # an offset or stride not a multiple of the word
+                continue
+    return list(views), blocks
+
+
+def _byte_view(t: torch.Tensor, fmt: str, num_pages: int, chunk: int) -> torch.Tensor:
+    b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    if fmt == "vllm":
+        return b.reshape(2, num_pages, chunk).transpose(0, 1)    # [P, 2, chunk], strided
+    if fmt == "flashinfer":
+        return b.reshape(num_pages, 2, chunk)
+    return b.reshape(num_pages, 1, chunk)
+
+
+def _shape_str(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+def gather(pages_per_layer: Sequence[torch.Tensor], block_table: object, layout: KVLayout, page_format: str,
+           out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """Engine pages of all layers -> contiguous layer-major kvtier blocks [n_blocks, block_bytes] uint8."""
+    return PagedKV(pages_per_layer, layout, page_format).gather(block_table, out, impl)
+
+
+def scatter(blocks: torch.Tensor, pages_per_layer: Sequence[torch.Tensor], block_table: object,
+            layout: KVLayout, page_format: str, impl: str = "auto") -> None:
+    """kvtier blocks -> the engine pages named by block_table (every destination page distinct)."""
+    PagedKV(pages_per_layer, layout, page_format).scatter(blocks, block_table, impl)
+
+
+def vector_width(*values: int) -> int:
+    """The widest of 16/8/4/2/1 bytes that divides every pointer, stride and size given."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    for w in (16, 8, 4, 2):
+        if g % w == 0:
+            return w
+    return 1

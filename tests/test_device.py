@@ -1,0 +1,71 @@
+"""Device tier: a slot pool on the GPU, or on a CPU tensor where there is none, that a
+Store drives like any other tier."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.errors import ConfigError
+from kvtier.tiers.device import DeviceTier
+
+torch.set_num_threads(1)
+CUDA = torch.cuda.is_available()
+
+
+def payload(keys: list[bytes], block_bytes: int) -> torch.Tensor:
+    """Bytes derived from each key only, so a load can be checked exactly."""
+    return torch.stack([torch.frombuffer(bytearray((k * (block_bytes // 16 + 1))[:block_bytes]), dtype=torch.uint8)
+                        for k in keys])
+
+
+def test_device_none_picks_cuda_or_cpu_and_says_which():
+    tier = DeviceTier(blocks=4)
+    tier.bind(64)
+    info = tier.info()
+    assert info["device"] == ("cuda:0" if CUDA else "cpu")
+    assert tier.tensor.shape == (4, 64) and tier.tensor.dtype == torch.uint8
+    if not CUDA:
+        assert info["memory"] == "cpu" and "no CUDA" in info["memory_note"]
+    tier.close()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the error when CUDA is absent")
+def test_asking_for_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        DeviceTier(capacity="1MiB", device="cuda:0")
+    with pytest.raises(ConfigError, match="device must be"):
+        DeviceTier(capacity="1MiB", device="tpu")
+
+
+def test_cpu_slots_are_a_numpy_view_of_the_tensor():
+    tier = DeviceTier(blocks=3, device="cpu")
+    tier.bind(16)
+    rows = np.arange(48, dtype=np.uint8).reshape(3, 16)
+    tier.write([2, 0], rows, [0, 2])
+    assert torch.equal(tier.tensor[2], torch.from_numpy(rows[0])) and torch.equal(tier.tensor[0], torch.from_numpy(rows[2]))
+    out = np.zeros((2, 16), dtype=np.uint8)
+    assert tier.read([0, 2], [out[0], out[1]]) == []
+    assert np.array_equal(out, rows[[2, 0]])
+    tier.tensor[1].fill_(5)
+    assert (tier.block(1) == 5).all()          # a view: the store's row copies see the tensor
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")])])
+def test_device_tier_in_a_store_round_trip_and_demotion(layout, ns, device):
+    tiers = [DeviceTier(blocks=4, device=device), kvtier.HostTier(blocks=16)]
+    with kvtier.Store(layout, tiers, ns) as store:
+        keys = store.keys(list(range(layout.block_tokens * 6)))
+        blocks = payload(list(keys), layout.block_bytes)
+        store.put(keys[:4], blocks[:4])
+        store.put(keys[4:], blocks[4:])          # the top tier is full: two blocks go down to host
+        hit = store.lookup(keys)
+        assert hit.blocks == 6
+        assert hit.by_tier()["device"] + hit.by_tier()["host"] == 6 and hit.by_tier()["device"] == 4
+        out = torch.zeros_like(blocks)
+        assert store.get(keys, out).loaded == 6
+        assert torch.equal(out, blocks)
+        st = store.stats().tiers[0]
+        assert st.kind == "device" and st.info["device"].startswith(device)
