@@ -276,6 +276,7 @@ def test_bench_transport_json():
     r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transport", "--block-bytes", "1MiB",
                         "--total", "16MiB", "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    row = json.loads(r.stdout)
-    assert (row["op"], row["blocks"], row["transport"]) == ("get", 16, "tcp")
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    row = next(x for x in rows if x["transport"] == "tcp")        # ucx too, where ucxx is installed
+    assert (row["op"], row["blocks"]) == ("get", 16)
     assert row["gbps"] > 0 and row["baseline_gbps"] > 0

@@ -1,5 +1,6 @@
 """GET throughput between two node processes on loopback, against a raw socket send of the
-same bytes between the same two processes, alternated in one run."""
+same bytes between the same two processes, alternated in one run; with ucxx installed, also
+node GET over UCX against a raw ucxx send of the same bytes (same block-sized messages)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,26 @@ def serve_raw():
                 c.sendall(memoryview(buf)[off: min(size, off + (1 << 20))])
 
 threading.Thread(target=serve_raw, daemon=True).start()
-print(node.address, raw.getsockname()[1], flush=True)
+ucx_node, ucx_raw = "-", "-"
+if {ucx}:
+    import asyncio, ucxx
+    from kvtier.net import ucx as kucx
+    unode = kvtier.Node(store, "127.0.0.1:0", {secret!r}, transport="ucx").start()   # kept: its listener lives with it
+    ucx_node = unode.address
+
+    async def serve_ucx_raw(ep):   # per request: the same bytes as block-sized tagged messages
+        try:
+            while True:
+                await ep.am_recv()
+                await asyncio.gather(*(ep.send(buf[i * bb:(i + 1) * bb]) for i in range(n)))
+        except Exception:
+            pass
+
+    async def listen():
+        return ucxx.create_listener(serve_ucx_raw)
+    ucx_listener = kucx.run(listen(), None)
+    ucx_raw = str(ucx_listener.port)
+print(node.address, raw.getsockname()[1], ucx_node, ucx_raw, flush=True)
 sys.stdin.read()
 '''
 
@@ -41,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-bytes", default="1MiB,4MiB", help="comma-separated block sizes")
     p.add_argument("--total", default="256MiB", help="bytes per GET (default 256MiB)")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions; the median is reported")
+    p.add_argument("--transport", choices=("auto", "tcp", "ucx", "all"), default="auto",
+                   help="auto (default: tcp, plus ucx where ucxx is installed), tcp, ucx, or all "
+                        "(ucx: node GET over UCX vs raw ucxx; needs kvtier[ucx])")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -60,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    if args.transport == "auto":
+        import importlib.util
+        args.transport = "all" if importlib.util.find_spec("ucxx") is not None else "tcp"
+    has_ucx = args.transport in ("ucx", "all")
+    if has_ucx:
+        from kvtier.net.ucx import require_ucxx
+        require_ucxx()      # a ConfigError that says how to install it
     quiet_threads()
     secret = b"bench-secret-0123456789abcdef"
     total = parse_bytes(args.total)
@@ -67,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.block_bytes.split(","):
         bb = parse_bytes(spec)
         n = max(1, total // bb)
-        proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret)],
+        proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret, ucx=has_ucx)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
-            node_addr, raw_port = proc.stdout.readline().split()
+            node_addr, raw_port, ucx_addr, ucx_raw_port = proc.stdout.readline().split()
             layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
             keyer = Keyer(Namespace("bench"), layout)
             keys = keyer(np.arange(16 * n))
@@ -90,15 +120,59 @@ def run(args: argparse.Namespace) -> int:
                 while got < n * bb:
                     got += raw.recv_into(sink[got:])
 
-            t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
-            rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb, "blocks": n,
-                         "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
-                         "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
+            t_get, t_raw = timeit_pair(get, raw_get, args.repeat) if args.transport != "ucx" else (0.0, 0.0)
+            if t_get:
+                rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb,
+                             "blocks": n,
+                             "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
+                             "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
             client.close()
             raw.close()
+            if has_ucx:
+                rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n, args.repeat))
         finally:
             proc.stdin.close()
             proc.wait(timeout=30)
     emit(rows, args.json, "kvtier bench transport (node GET vs raw socket, loopback, two processes)",
          ["transport", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"])
     return 0
+
+
+def _ucx_row(node_addr: str, raw_port: int, secret: bytes, seed: bytes, keys, out, bb: int, n: int,
+             repeat: int) -> dict:
+    """Node GET over UCX against raw ucxx: the same bytes as n block-sized tagged messages."""
+    import asyncio
+
+    import ucxx
+
+    from kvtier.bench.common import timeit_pair
+    from kvtier.net import PeerClient
+    from kvtier.net import ucx as kucx
+    from kvtier.tiers.memory import allocate_host
+
+    client = PeerClient(node_addr, secret, seed, bb, timeout=30, transport="ucx")
+    sink = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
+    ep = kucx.run(ucxx.create_endpoint("127.0.0.1", raw_port), None)
+
+    async def raw_once() -> None:
+        await ep.am_send(b"go")
+        await asyncio.gather(*(ep.recv(sink[i]) for i in range(n)))
+
+    def get() -> None:
+        if client.get(keys, out) != n:
+            raise AssertionError("the node did not send every block over UCX")
+
+    def raw_get() -> None:
+        kucx.run(raw_once(), None)
+
+    t_get, t_raw = timeit_pair(get, raw_get, repeat)
+    client.close()
+    kucx.run(ep.close(), None)
+    return {"bench": "transport", "transport": "ucx", "op": "get", "block_bytes": bb, "blocks": n,
+            "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9, "ratio": t_raw / t_get,
+            "baseline": "raw ucxx tagged sends of the same bytes, one per block", "ucx_tls": _tls()}
+
+
+def _tls() -> str:
+    import ucxx
+    return ",".join(sorted(ucxx.get_active_transports()))

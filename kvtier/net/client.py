@@ -3,22 +3,23 @@
 Every call has a deadline: `timeout` seconds plus the time its bytes take at a floor rate
 (MIN_RATE), so a peer that dies, stalls, drips bytes or sends garbage costs a PeerError
 within a bounded time, which the remote tier turns into a miss. Received blocks land
-straight in the caller's buffers (recv_into) and are verified against the MAC'd checksums.
+straight in the caller's buffers and are verified against the MAC'd checksums. The bytes
+move over a transport (transport.py): TCP by default, UCX with transport="ucx".
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 import xxhash
 
 from kvtier.errors import KvtierError
-from kvtier.net.frames import MAC_BYTES, Frame, FrameError, decode, header_length
 from kvtier.net.address import parse_address
+from kvtier.net.frames import Frame, FrameError, decode
+from kvtier.net.transport import Channel, TcpChannel, check_transport
 
 MIN_RATE = 100e6   # bytes/s a peer must sustain; slower counts as a stall
 _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
@@ -31,11 +32,13 @@ class PeerError(KvtierError):
 class PeerClient:
     """Talks to one node. Thread-safe (one request at a time per peer)."""
 
-    def __init__(self, address: str, secret: bytes, ns: bytes, block_bytes: int, timeout: float = 0.5) -> None:
+    def __init__(self, address: str, secret: bytes, ns: bytes, block_bytes: int, timeout: float = 0.5,
+                 transport: str = "tcp") -> None:
         self.address = address
         self._addr = parse_address(address)
+        self.transport = check_transport(transport)
         self.secret, self.ns, self.block_bytes, self.timeout = bytes(secret), ns, block_bytes, timeout
-        self._sock: socket.socket | None = None
+        self._chan: Channel | None = None
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -43,9 +46,18 @@ class PeerClient:
             self._drop()
 
     def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
+
+    def _channel(self) -> Channel:
+        if self._chan is None:
+            if self.transport == "ucx":
+                from kvtier.net.ucx import UcxChannel
+                self._chan = UcxChannel(self._addr)
+            else:
+                self._chan = TcpChannel(self._addr)
+        return self._chan
 
     # -- requests --------------------------------------------------------------------
     def has(self, keys: Sequence[bytes]) -> int:
@@ -68,31 +80,18 @@ class PeerClient:
         deadline = time.monotonic() + self.timeout + moved / MIN_RATE
         with self._lock:
             try:
-                sock = self._connect(deadline)
-                sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                sock.sendall(req.encode(self.secret))
-                if send_rows:
-                    for r in rows:
-                        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                        sock.sendall(memoryview(r).cast("B"))
-                reply = self._reply(sock, deadline)
+                chan = self._channel()
+                body, mac = chan.request(req.encode(self.secret), rows if send_rows else None, deadline)
+                reply = self._reply(body, mac)
                 if req.op != "GET":
                     return reply.n
-                return self._receive_blocks(sock, reply, rows, deadline)
+                return self._receive_blocks(chan, reply, rows, deadline)
             except (OSError, EOFError, FrameError) as e:
                 self._drop()    # the connection's state is unknown now: start afresh next time
                 raise PeerError(f"peer {self.address}: {type(e).__name__}: {e}") from None
 
-    def _connect(self, deadline: float) -> socket.socket:
-        if self._sock is None:
-            sock = socket.create_connection(self._addr, timeout=max(1e-3, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-        return self._sock
-
-    def _reply(self, sock: socket.socket, deadline: float) -> Frame:
-        body = _recv_exact(sock, header_length(_recv_exact(sock, 4, deadline)), deadline)
-        reply = decode(body, _recv_exact(sock, MAC_BYTES, deadline), self.secret)
+    def _reply(self, body: bytes, mac: bytes) -> Frame:
+        reply = decode(body, mac, self.secret)
         if reply.op == "ERR":
             raise FrameError(f"refused: {reply.error}")
         if reply.op != "OK" or reply.ns != self.ns:
@@ -100,33 +99,19 @@ class PeerClient:
                              else f"unexpected reply {reply.op}")
         return reply
 
-    def _receive_blocks(self, sock: socket.socket, reply: Frame, rows, deadline: float) -> int:
+    def _receive_blocks(self, chan: Channel, reply: Frame, rows, deadline: float) -> int:
         n, bb = reply.n, self.block_bytes
         if not 0 <= n <= len(rows) or reply.payload != n * bb or len(reply.sums) != n:
             raise FrameError(f"GET reply of {n} blocks with {reply.payload} bytes does not add up")
         # Speed: each block is verified on a helper thread while the next one arrives
-        # (recv_into releases the GIL; hashing holds it), straight in the caller's buffers.
-        checks = []
-        for i in range(n):
-            _recv_into(sock, memoryview(rows[i]).cast("B"), deadline)
-            checks.append(_VERIFY.submit(xxhash.xxh3_64_intdigest, rows[i]))
+        # (the receive releases the GIL; hashing holds it), straight in the caller's buffers.
+        checks: list[Future[int]] = [None] * n    # type: ignore[list-item]
+
+        def landed(i: int) -> None:
+            checks[i] = _VERIFY.submit(xxhash.xxh3_64_intdigest, rows[i])
+
+        chan.recv_rows(rows[:n], deadline, landed)
         good = 0
         while good < n and checks[good].result() == reply.sums[good]:
             good += 1
         return good
-
-
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    got = 0
-    while got < len(view):
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the peer closed the connection")
-        got += k
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), deadline)
-    return bytes(buf)

@@ -1,4 +1,4 @@
-"""A node: serves its store's blocks to peers over TCP (asyncio on a thread of its own).
+"""A node: serves its store's blocks to peers over TCP (asyncio on a thread of its own) or UCX.
 
     HAS(keys)         -> OK n          the longest prefix of keys this node holds
     GET(keys)         -> OK n + blocks the bytes of that prefix, with a checksum each
@@ -8,7 +8,8 @@ Blocks leave straight from slot memory (the store holds them while they are sent
 arrive by recv_into a buffer that goes to the store in one put. Every frame is
 authenticated (kvtier/net/frames.py); a request for another namespace, a bad MAC, a stale
 or malformed frame gets an ERR reply and the connection is closed; other peers are
-served as before.
+served as before. The bytes move over a transport (transport.py): TCP by default,
+UCX (ucx.py) with transport="ucx"; the protocol below is the same for both.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from kvtier.errors import ConfigError
 from kvtier.net.address import parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import MAC_BYTES, MAX_KEYS, Frame, FrameError, decode, header_length
+from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode
+from kvtier.net.transport import ServerConn, TcpServerConn, check_transport
 
 if TYPE_CHECKING:
     from kvtier.store import Store
@@ -38,9 +40,10 @@ class Node:
 
     def __init__(self, store: Store, listen: str = "127.0.0.1:7700", secret: bytes = b"", *,
                  directory: Directory | None = None, advertise: str | None = None,
-                 request_timeout: float = 10.0) -> None:
+                 request_timeout: float = 10.0, transport: str = "tcp") -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ConfigError("a node needs the cluster's shared secret: at least 16 bytes")
+        self.transport = check_transport(transport)
         self.store = store
         self.secret = bytes(secret)
         self.seed = store.keyer.seed
@@ -58,14 +61,26 @@ class Node:
         self._server: socket.socket | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._ucx = None          # the UCX listener (ucx.py) when transport="ucx"
 
     # -- lifetime --------------------------------------------------------------------
     def start(self) -> Node:
+        if self.transport == "ucx":
+            from kvtier.net.ucx import UcxServer
+            try:
+                self._ucx = UcxServer(self, self._host, self._port)
+            except Exception as e:     # ucxx raises its own types for a busy port and the like
+                raise ConfigError(f"cannot listen (UCX) on {self._host}:{self._port}: {e}") from None
+            self.address = self._ucx.address
+            return self._start_publisher()
         self._thread = threading.Thread(target=self._run, name=f"kvtier-node-{self._port}", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
             raise ConfigError(f"cannot listen on {self._host}:{self._port}: {self._error}")
+        return self._start_publisher()
+
+    def _start_publisher(self) -> Node:
         if self.directory is not None:
             if not hasattr(self.directory, "ns"):     # not bound yet by the store's remote tier
                 self.directory.bind(self.seed, lambda _addr, _keys: 0)
@@ -76,6 +91,9 @@ class Node:
         if self.publisher is not None:
             self.publisher.stop()
             self.publisher = None
+        if self._ucx is not None:
+            self._ucx.close()
+            self._ucx = None
         if self._loop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
@@ -119,80 +137,59 @@ class Node:
             conn, _ = await loop.sock_accept(srv)
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            loop.create_task(self._serve(conn))
+            loop.create_task(self.serve(TcpServerConn(conn, self.request_timeout)))
 
     # -- one connection ------------------------------------------------------------------
-    async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def serve(self, conn: ServerConn) -> None:
+        """Answer one peer's requests until it goes away (any transport)."""
         try:
             while True:
                 try:
-                    prefix = await self._recv(conn, 4, first=True)
+                    body, mac = await conn.recv_head(first=True)
                 except EOFError:
                     return
-                body = await self._recv(conn, header_length(prefix))
-                mac = await self._recv(conn, MAC_BYTES)
                 req = decode(body, mac, self.secret, max_payload=MAX_KEYS * self.block_bytes)
                 if req.ns != self.seed:
                     raise FrameError("request for another namespace: this node serves only its own")
-                await asyncio.wait_for(self._answer(loop, conn, req), self.request_timeout)
+                await asyncio.wait_for(self._answer(conn, req), self.request_timeout)
                 self.served += 1
         except FrameError as e:
             self.refused += 1
             log.warning("node %s: refused a frame: %s", self.address, e)
             try:
-                await loop.sock_sendall(conn, Frame("ERR", self.seed, error=str(e)).encode(self.secret))
-            except OSError:
+                await asyncio.wait_for(conn.send(Frame("ERR", self.seed, error=str(e)).encode(self.secret)),
+                                       self.request_timeout)
+            except (OSError, EOFError, asyncio.TimeoutError):
                 pass
         except (OSError, EOFError, asyncio.TimeoutError):
             pass   # the peer went away or stalled: drop the connection
         finally:
             conn.close()
 
-    async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, req: Frame) -> None:
+    async def _answer(self, conn: ServerConn, req: Frame) -> None:
         store, bb = self.store, self.block_bytes
         if req.op == "HAS":
             if req.payload:
                 raise FrameError("HAS carries no payload")
             n = store.lookup(req.keys).blocks
-            await loop.sock_sendall(conn, Frame("OK", self.seed, n=n).encode(self.secret))
+            await conn.send(Frame("OK", self.seed, n=n).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")
             with store.hold(req.keys) as (rows, sums):
                 head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums)
-                await loop.sock_sendall(conn, head.encode(self.secret))
-                for r in rows:                      # straight from slot memory
-                    await loop.sock_sendall(conn, memoryview(r).cast("B"))
+                await conn.send(head.encode(self.secret))
+                await conn.send_rows(rows)          # straight from slot memory
         elif req.op == "PUT":
             n = len(req.keys)
             if req.payload != n * bb or len(req.sums) != n:
                 raise FrameError(f"PUT of {n} keys must carry {n * bb} bytes and {n} checksums")
             buf = np.empty((n, bb), dtype=np.uint8)
-            view = memoryview(buf).cast("B")
-            got = 0
-            while got < len(view):
-                k = await loop.sock_recv_into(conn, view[got:])
-                if k == 0:
-                    raise EOFError
-                got += k
+            await conn.recv_rows(buf)
             good = 0
             while good < n and xxhash.xxh3_64_intdigest(buf[good]) == req.sums[good]:
                 good += 1
             t = store.put(req.keys[:good], buf[:good]) if good else None
-            await loop.sock_sendall(conn, Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))
+            await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")
-
-    async def _recv(self, conn: socket.socket, n: int, first: bool = False) -> bytes:
-        loop = asyncio.get_running_loop()
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = await (loop.sock_recv_into(conn, view[got:]) if first and got == 0 else
-                       asyncio.wait_for(loop.sock_recv_into(conn, view[got:]), self.request_timeout))
-            if k == 0:
-                raise EOFError
-            got += k
-        return bytes(buf)

@@ -16,6 +16,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.net.client import PeerClient, PeerError
 from kvtier.net.directory import Directory, DirectoryError, PeerList
+from kvtier.net.transport import check_transport
 
 log = logging.getLogger("kvtier.remote")
 
@@ -28,13 +29,14 @@ class RemoteTier:
     persistent = False
 
     def __init__(self, peers: Sequence[str] | None = None, secret: bytes = b"", *, directory: Directory | None = None,
-                 timeout: float = 0.5, promote: bool = True, name: str = "remote") -> None:
+                 timeout: float = 0.5, promote: bool = True, name: str = "remote", transport: str = "tcp") -> None:
         if (peers is None) == (directory is None):
             raise ConfigError("give a RemoteTier either peers=['host:port', ...] or directory=RedisDirectory(url)")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ConfigError("the cluster's shared secret must be at least 16 bytes")
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout}")
+        self.transport = check_transport(transport)    # "tcp" or "ucx": how peers are reached
         self.directory = directory if directory is not None else PeerList(peers)   # type: ignore[arg-type]
         self.secret = bytes(secret)
         self.timeout = timeout
@@ -57,7 +59,8 @@ class RemoteTier:
         with self._lock:
             c = self._clients.get(address)
             if c is None:
-                c = self._clients[address] = PeerClient(address, self.secret, self._ns, self._block_bytes, self.timeout)
+                c = self._clients[address] = PeerClient(address, self.secret, self._ns, self._block_bytes,
+                                                           self.timeout, transport=self.transport)
             return c
 
     def _ask(self, address: str, keys: Sequence[bytes]) -> int:
@@ -99,7 +102,8 @@ class RemoteTier:
         return got
 
     def info(self) -> dict[str, Any]:
-        return {"directory": type(self.directory).__name__, "timeout_s": self.timeout, "errors": self.errors,
+        return {"directory": type(self.directory).__name__, "transport": self.transport, "timeout_s": self.timeout,
+                "errors": self.errors,
                 "peers_contacted": sorted(self._clients)}
 
     def close(self) -> None:
