@@ -94,45 +94,49 @@ def run(args: argparse.Namespace) -> int:
     secret = b"bench-secret-0123456789abcdef"
     total = parse_bytes(args.total)
     rows = []
+    phases = [t for t in ("tcp", "ucx") if args.transport in (t, "all")]
     for spec in args.block_bytes.split(","):
         bb = parse_bytes(spec)
         n = max(1, total // bb)
-        proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret, ucx=has_ucx)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            node_addr, raw_port, ucx_addr, ucx_raw_port = proc.stdout.readline().split()
-            layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
-            keyer = Keyer(Namespace("bench"), layout)
-            keys = keyer(np.arange(16 * n))
-            client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
-            out = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
-            raw = socket.create_connection(("127.0.0.1", int(raw_port)))
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sink = memoryview(allocate_host(n * bb).array[: n * bb])
+        layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
+        keyer = Keyer(Namespace("bench"), layout)
+        keys = keyer(np.arange(16 * n))
+        out = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
+        for phase in phases:
+            # A server process of its own per transport: UCX's progress thread must not share
+            # the CPU with the TCP timings.
+            proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret, ucx=phase == "ucx")],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                node_addr, raw_port, ucx_addr, ucx_raw_port = proc.stdout.readline().split()
+                if phase == "ucx":
+                    rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n,
+                                         args.repeat))
+                    continue
+                client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
+                raw = socket.create_connection(("127.0.0.1", int(raw_port)))
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sink = memoryview(allocate_host(n * bb).array[: n * bb])
 
-            def get() -> None:
-                if client.get(keys, out) != n:
-                    raise AssertionError("the node did not send every block")
+                def get() -> None:
+                    if client.get(keys, out) != n:
+                        raise AssertionError("the node did not send every block")
 
-            def raw_get() -> None:
-                raw.sendall((n * bb).to_bytes(8, "big"))
-                got = 0
-                while got < n * bb:
-                    got += raw.recv_into(sink[got:])
+                def raw_get() -> None:
+                    raw.sendall((n * bb).to_bytes(8, "big"))
+                    got = 0
+                    while got < n * bb:
+                        got += raw.recv_into(sink[got:])
 
-            t_get, t_raw = timeit_pair(get, raw_get, args.repeat) if args.transport != "ucx" else (0.0, 0.0)
-            if t_get:
+                t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
                 rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb,
-                             "blocks": n,
-                             "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
+                             "blocks": n, "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
                              "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
-            client.close()
-            raw.close()
-            if has_ucx:
-                rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n, args.repeat))
-        finally:
-            proc.stdin.close()
-            proc.wait(timeout=30)
+                client.close()
+                raw.close()
+            finally:
+                proc.stdin.close()
+                proc.wait(timeout=30)
     emit(rows, args.json, "kvtier bench transport (node GET vs raw socket, loopback, two processes)",
          ["transport", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"])
     return 0
