@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="redis://host:port of a Redis directory: publish what this node holds, find other nodes' blocks")
     p.add_argument("--advertise", default=None, help="host:port peers should use to reach this node (default: --listen)")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays listed after it stops renewing")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"],
+                   help="tcp (default) or ucx (needs kvtier[ucx]); for serving and for fetching")
     p.add_argument("--secret-file", default=None,
                    help="file holding the cluster's shared secret (or set KVTIER_SECRET); at least 16 bytes")
     p.add_argument("--policy", default="recommended", help="eviction policy (default: the recommended one)")
@@ -70,14 +72,15 @@ def run(args: argparse.Namespace) -> int:
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
-        tiers.append(RemoteTier(directory=directory, secret=secret))
+        tiers.append(RemoteTier(directory=directory, secret=secret, transport=args.transport))
     elif peers:
-        tiers.append(RemoteTier(peers, secret))
+        tiers.append(RemoteTier(peers, secret, transport=args.transport))
     ns = Namespace(args.model or args.layout, args.revision, args.shard)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Store(layout, tiers, ns, policy=args.policy) as store, \
-            Node(store, args.listen, secret, directory=directory, advertise=args.advertise) as node:
+            Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
+                 transport=args.transport) as node:
         print(f"kvtier node: serving {ns.model!r} ({layout.describe()}) on {node.address}", flush=True)
         try:
             stop.wait()
