@@ -114,3 +114,23 @@ def copy_runs(slots: Sequence[int], idx: Sequence[int] | None, mergeable: bool) 
                     s0, i0 = s0 - k + 1, i0 - k + 1
         yield s0, i0, k
         j += k
+
+
+def rows_into_slots(pool: np.ndarray, slots: Sequence[int], rows: Sequence[np.ndarray],
+                    idx: Sequence[int] | None) -> None:
+    """pool[slots[j]] = rows[idx[j]], one copy per run of consecutive slots and rows."""
+    for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+        if n == 1:
+            pool[s] = rows[i]
+        else:
+            pool[s:s + n] = rows[i:i + n]
+
+
+def slots_into_rows(pool: np.ndarray, slots: Sequence[int], rows: Sequence[np.ndarray],
+                    idx: Sequence[int] | None) -> None:
+    """rows[idx[j]] = pool[slots[j]], one copy per run of consecutive slots and rows."""
+    for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
+        if n == 1:
+            rows[i][...] = pool[s]
+        else:
+            rows[i:i + n] = pool[s:s + n]

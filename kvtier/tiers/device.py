@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Tier, copy_runs
+from kvtier.tiers.base import Tier, copy_runs, rows_into_slots, slots_into_rows
 
 
 def _cuda_ready() -> bool:
@@ -79,9 +79,7 @@ class DeviceTier(Tier):
     def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
               idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
         if self._np is not None:
-            pool = self._np
-            for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
-                pool[s:s + n] = rows[i:i + n] if n > 1 else rows[i]
+            rows_into_slots(self._np, slots, rows, idx)
             return
         with warnings.catch_warnings():   # rows may be read-only numpy views: torch only reads them
             warnings.simplefilter("ignore", UserWarning)
@@ -92,12 +90,7 @@ class DeviceTier(Tier):
     def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
         if self._np is not None:
-            pool = self._np
-            for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
-                if n == 1:
-                    rows[i][...] = pool[s]
-                else:
-                    rows[i:i + n] = pool[s:s + n]
+            slots_into_rows(self._np, slots, rows, idx)
             return []
         for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
             dst = rows[i:i + n] if n > 1 else rows[i][None]

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvtier.tiers.base import Tier, copy_runs
+from kvtier.tiers.base import Tier, rows_into_slots, slots_into_rows
 from kvtier.tiers.memory import HostBuffer, allocate_host
 
 
@@ -32,21 +32,11 @@ class HostTier(Tier):
     # the same prefix are then a few large copies instead of one per block.
     def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
               idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
-        pool = self.slots
-        for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
-            if n == 1:
-                pool[s] = rows[i]
-            else:
-                pool[s:s + n] = rows[i:i + n]
+        rows_into_slots(self.slots, slots, rows, idx)
 
     def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
-        pool = self.slots
-        for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
-            if n == 1:
-                rows[i][...] = pool[s]
-            else:
-                rows[i:i + n] = pool[s:s + n]
+        slots_into_rows(self.slots, slots, rows, idx)
         return []
 
     def block(self, slot: int) -> np.ndarray:
