@@ -428,7 +428,10 @@ class BlockIndex:
             if self._has_other_copy(e, tier, self._floor.get(victim, _UNPINNED)):
                 dst = None          # another copy stays readable: drop this one, no I/O
                 break
-            dst = self._allocate(below, moves) if below < len(self.tiers) else None
+            # The lower tier's admission filter decides whether the block is worth a slot
+            # there (most blocks are never reused); a pinned block always moves down.
+            admitted = below < len(self.tiers) and (victim in self._floor or self.tiers[below].policy.admit(e.info))
+            dst = self._allocate(below, moves) if admitted else None
             if dst is None and victim in self._floor:
                 stuck.add(victim)   # a pinned block may move down but never out: try the next
                 continue

@@ -63,7 +63,7 @@ class Store:
     """A KV-cache store over an ordered list of tiers (fastest first)."""
 
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
-                 policy: str = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
+                 policy: str | Sequence[str] = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
                  write_through: bool = False, promote: bool = True,
                  io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(layout, KVLayout):

@@ -342,3 +342,23 @@ def test_stats_count_lookups_and_bytes(layout, ns):
     d = st.as_dict()
     assert d["tiers"][0]["used_bytes"] == 4 * layout.block_bytes
     assert d["tiers"][0]["info"]["memory"] in ("pinned", "pageable")
+
+
+def test_a_lower_tiers_admission_filter_decides_what_moves_down(layout, ns):
+    from kvtier.policies import LRUPolicy, register_policy
+
+    class DeepOnly(LRUPolicy):      # admits only blocks past the first of their prompt
+        name = "deep-only"
+
+        def admit(self, info):
+            return info.depth > 0
+
+    register_policy("deep-only", DeepOnly)
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=4, name="fast"), kvtier.HostTier(blocks=8, name="big")],
+                         ns, policy=["lru", "deep-only"])
+    a, b = store.keys([1] * 16), store.keys([2] * 16)
+    store.put(a, payload(a, layout.block_bytes))
+    store.put(b, payload(b, layout.block_bytes))          # a leaves "fast": its root is refused below
+    assert store.lookup(a[1:]).blocks == 3 and store.lookup(a).blocks == 0
+    s = store.stats()
+    assert s.tier("big").demoted_in == 3 and s.tier("fast").dropped == 1
