@@ -1,6 +1,8 @@
 """Shared fixtures: small layouts and stores, one torch thread, the real traces' folder."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,22 @@ def payload(keys: list[bytes], block_bytes: int) -> torch.Tensor:
         row = torch.frombuffer(bytearray(k * (block_bytes // 16 + 1)), dtype=torch.uint8)
         out[i] = row[:block_bytes]
     return out
+
+
+@pytest.fixture
+def children():
+    """Start Python child processes (each prints one line when ready); all are killed after the test."""
+    procs: list[subprocess.Popen] = []
+
+    def start(code: str, env: dict | None = None, stdin: bool = False) -> tuple[subprocess.Popen, str]:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                             stdin=subprocess.PIPE if stdin else None)
+        procs.append(p)
+        line = p.stdout.readline().strip()
+        assert line, "the child process did not start"
+        return p, line
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()

@@ -39,21 +39,11 @@ time.sleep(120)
 
 
 @pytest.fixture
-def spawn():
-    procs = []
-
+def spawn(children):
+    """A node process holding the prompts of `seeds`; returns (process, address)."""
     def start(seeds, tokens=32, blocks=64):
-        code = NODE.format(repo=str(REPO), blocks=blocks, seeds=list(seeds), tokens=tokens, secret=SECRET)
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        procs.append(p)
-        addr = p.stdout.readline().strip()
-        assert addr, "the node process did not start"
-        return p, addr
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+        return children(NODE.format(repo=str(REPO), blocks=blocks, seeds=list(seeds), tokens=tokens, secret=SECRET))
+    return start
 
 
 def client_store(peers, secret=SECRET, ns=NS, timeout=0.5, host=64) -> kvtier.Store:

@@ -76,12 +76,9 @@ for line in sys.stdin:            # "put SEED": store another prompt (evicting a
 '''
 
 
-def spawn_node(url: str, seeds, blocks: int = 64, lease: float = 10.0):
+def spawn_node(children, url: str, seeds, blocks: int = 64, lease: float = 10.0):
     code = NODE.format(repo=str(REPO), blocks=blocks, seeds=list(seeds), secret=SECRET, url=url, lease=lease)
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    addr = p.stdout.readline().strip()
-    assert addr, "the node did not start"
-    return p, addr
+    return children(code, stdin=True)
 
 
 def client(url: str) -> kvtier.Store:
@@ -116,42 +113,34 @@ def test_a_long_prompt_is_one_round_trip(server):
     d.close()
 
 
-def test_blocks_found_through_redis_and_fetched_byte_exact(server):
-    p, addr = spawn_node(server.url, seeds=[1, 2])
-    try:
-        store = client(server.url)
-        keys = store.keys([1] * 32)
-        assert wait_for(lambda: store.lookup(keys).blocks == 4)
-        assert store.lookup(keys).by_tier() == {"host": 0, "remote": 4}
-        out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
-        assert store.get(keys, out).loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
-        assert store.lookup(keys).by_tier() == {"host": 4, "remote": 0}
-        store.close()
-    finally:
-        p.kill()
-        p.wait()
+def test_blocks_found_through_redis_and_fetched_byte_exact(server, children):
+    p, addr = spawn_node(children, server.url, seeds=[1, 2])
+    store = client(server.url)
+    keys = store.keys([1] * 32)
+    assert wait_for(lambda: store.lookup(keys).blocks == 4)
+    assert store.lookup(keys).by_tier() == {"host": 0, "remote": 4}
+    out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    assert store.get(keys, out).loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    assert store.lookup(keys).by_tier() == {"host": 4, "remote": 0}
+    store.close()
 
 
-def test_evicted_blocks_leave_the_directory(server):
-    p, addr = spawn_node(server.url, seeds=[1], blocks=4)
-    try:
-        store = client(server.url)
-        old = store.keys([1] * 32)
-        assert wait_for(lambda: store.lookup(old).blocks == 4)
-        p.stdin.write("put 7\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "ok"             # the node's 4 slots now hold seed 7
-        assert wait_for(lambda: store.lookup(old).blocks == 0)
-        r = redis.Redis(port=server.port)
-        assert wait_for(lambda: r.hlen(f"kvtier:{store.keyer.seed.hex()}:blocks") == 4)
-        store.close()
-    finally:
-        p.kill()
-        p.wait()
+def test_evicted_blocks_leave_the_directory(server, children):
+    p, addr = spawn_node(children, server.url, seeds=[1], blocks=4)
+    store = client(server.url)
+    old = store.keys([1] * 32)
+    assert wait_for(lambda: store.lookup(old).blocks == 4)
+    p.stdin.write("put 7\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "ok"             # the node's 4 slots now hold seed 7
+    assert wait_for(lambda: store.lookup(old).blocks == 0)
+    r = redis.Redis(port=server.port)
+    assert wait_for(lambda: r.hlen(f"kvtier:{store.keyer.seed.hex()}:blocks") == 4)
+    store.close()
 
 
-def test_a_dead_node_drops_out_when_its_lease_ends(server):
-    p, addr = spawn_node(server.url, seeds=[3], lease=1.0)
+def test_a_dead_node_drops_out_when_its_lease_ends(server, children):
+    p, addr = spawn_node(children, server.url, seeds=[3], lease=1.0)
     store = client(server.url)
     keys = store.keys([3] * 32)
     assert wait_for(lambda: store.lookup(keys).blocks == 4)
@@ -165,20 +154,16 @@ def test_a_dead_node_drops_out_when_its_lease_ends(server):
     store.close()
 
 
-def test_a_redis_restart_is_refilled_by_the_nodes(server):
-    p, addr = spawn_node(server.url, seeds=[4], lease=1.0)
-    try:
-        store = client(server.url)
-        keys = store.keys([4] * 32)
-        assert wait_for(lambda: store.lookup(keys).blocks == 4)
-        server.stop()                                          # everything Redis knew is gone
-        assert store.lookup(keys).blocks == 0 and store.stats().remote["errors"] >= 1   # a miss, no crash
-        server.start()
-        assert wait_for(lambda: store.lookup(keys).blocks == 4, secs=10)   # the node published again
-        store.close()
-    finally:
-        p.kill()
-        p.wait()
+def test_a_redis_restart_is_refilled_by_the_nodes(server, children):
+    p, addr = spawn_node(children, server.url, seeds=[4], lease=1.0)
+    store = client(server.url)
+    keys = store.keys([4] * 32)
+    assert wait_for(lambda: store.lookup(keys).blocks == 4)
+    server.stop()                                          # everything Redis knew is gone
+    assert store.lookup(keys).blocks == 0 and store.stats().remote["errors"] >= 1   # a miss, no crash
+    server.start()
+    assert wait_for(lambda: store.lookup(keys).blocks == 4, secs=10)   # the node published again
+    store.close()
 
 
 def test_kvtier_node_with_a_directory(server, tmp_path):

@@ -1,8 +1,6 @@
 """The UCX transport (ucxx): blocks cross node processes byte-exact; faults cost misses, never hangs."""
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -34,21 +32,11 @@ time.sleep(120)
 
 
 @pytest.fixture
-def spawn():
-    procs = []
-
+def spawn(children):
+    """A UCX node process holding the prompts of `seeds`; returns (process, address)."""
     def start(seeds):
-        code = NODE.format(repo=str(REPO), seeds=list(seeds), secret=SECRET)
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
-        procs.append(p)
-        addr = p.stdout.readline().strip()
-        assert addr, "the UCX node process did not start"
-        return p, addr
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+        return children(NODE.format(repo=str(REPO), seeds=list(seeds), secret=SECRET), env=ENV)
+    return start
 
 
 def client_store(peers, secret=SECRET, timeout=2.0):
