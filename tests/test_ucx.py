@@ -61,6 +61,17 @@ def test_two_nodes_exchange_blocks_byte_exact_over_ucx(spawn):
     store.close()
 
 
+def test_three_nodes_over_ucx_fetch_from_the_holder(spawn):
+    _, a = spawn(seeds=[10])
+    _, b = spawn(seeds=[20, 21])
+    store = client_store([a, b])
+    for seed in (10, 20, 21):
+        keys = store.keys([seed] * 32)
+        loaded, out = fetch(store, keys)
+        assert loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    store.close()
+
+
 def test_put_over_ucx_then_get_back(spawn):
     _, addr = spawn(seeds=[])
     keys = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS).keys([5] * 32)
