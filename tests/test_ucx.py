@@ -8,45 +8,25 @@ import torch
 
 import kvtier
 from tests.conftest import REPO, payload
+from tests.test_node import LAYOUT, NODE, NS, SECRET, assert_each_fetched, fetch
 
 pytest.importorskip("ucxx", reason="ucxx is not installed: pip install 'kvtier[ucx]' to test the UCX transport")
 
-LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)  # 8 KiB
-NS = kvtier.Namespace("net-test", "r1")
-SECRET = b"cluster-secret-0123456789abcdef"
 ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-
-NODE = r'''
-import sys, time, torch, kvtier
-sys.path.insert(0, {repo!r})
-from tests.conftest import payload
-layout = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
-store = kvtier.Store(layout, [kvtier.HostTier(blocks=64)], kvtier.Namespace("net-test", "r1"))
-for seed in {seeds!r}:
-    keys = store.keys([seed] * 32)
-    store.put(keys, payload(keys, layout.block_bytes))
-node = kvtier.Node(store, "127.0.0.1:0", {secret!r}, transport="ucx").start()
-print(node.address, flush=True)
-time.sleep(120)
-'''
 
 
 @pytest.fixture
 def spawn(children):
     """A UCX node process holding the prompts of `seeds`; returns (process, address)."""
     def start(seeds):
-        return children(NODE.format(repo=str(REPO), seeds=list(seeds), secret=SECRET), env=ENV)
+        return children(NODE.format(repo=str(REPO), blocks=64, seeds=list(seeds), tokens=32, secret=SECRET,
+                                    transport="ucx"), env=ENV)
     return start
 
 
 def client_store(peers, secret=SECRET, timeout=2.0):
     remote = kvtier.RemoteTier(peers, secret, timeout=timeout, transport="ucx")
     return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64), remote], NS)
-
-
-def fetch(store, keys):
-    out = torch.zeros(len(keys), LAYOUT.block_bytes, dtype=torch.uint8)
-    return store.get(keys, out).loaded, out
 
 
 def test_two_nodes_exchange_blocks_byte_exact_over_ucx(spawn):
@@ -65,10 +45,7 @@ def test_three_nodes_over_ucx_fetch_from_the_holder(spawn):
     _, a = spawn(seeds=[10])
     _, b = spawn(seeds=[20, 21])
     store = client_store([a, b])
-    for seed in (10, 20, 21):
-        keys = store.keys([seed] * 32)
-        loaded, out = fetch(store, keys)
-        assert loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    assert_each_fetched(store, (10, 20, 21))
     store.close()
 
 
