@@ -15,6 +15,7 @@ here; blocking callers wait on it with a deadline, never longer.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -30,6 +31,9 @@ T = TypeVar("T")
 
 def require_ucxx() -> Any:
     """The ucxx module, or a ConfigError saying how to get it."""
+    # ucxx sets UCX variables its UCX build does not use, and UCX warns about them on
+    # stdout, which corrupts machine-readable output: silence that one warning by default.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
         import ucxx
     except ImportError as e:
