@@ -325,6 +325,73 @@ class BlockIndex:
             res.positions.append(i)
         return res
 
+    # -- slots lent to an engine whose pages are the top tier ---------------------------
+    def lend(self, tier: int, n: int, moves: list[Move]) -> list[int] | None:
+        """`n` empty slots of `tier` for the caller to write (evicting as needed), or None.
+
+        A lent slot belongs to the caller, outside every policy, until it is given back
+        (give_back) or becomes a cached block (publish). All or nothing: when fewer than
+        `n` can be had, the ones found go back to the free list (evictions already chosen
+        stand: their moves are in `moves` and must still be carried out).
+        """
+        self.expire_pins()
+        slots: list[int] = []
+        for _ in range(n):
+            slot = self._allocate(tier, moves)
+            if slot is None:
+                self.tiers[tier].free.extend(slots)
+                return None
+            slots.append(slot)
+        return slots
+
+    def give_back(self, tier: int, slots: Sequence[int]) -> None:
+        """Lent slots the caller no longer needs: free again."""
+        self.tiers[tier].free.extend(slots)
+
+    def publish(self, tier: int, keys: Sequence[Key], slots: Sequence[int]) -> list[bool]:
+        """Lent slots of `tier` whose bytes the caller wrote become the blocks of `keys`, held.
+
+        The zero-copy save: for each key not cached in `tier` yet, its slot becomes the
+        block's copy there (the primary, if the block lives only in slower tiers) and is
+        held for the caller (release() it when done). A key already in `tier`, being
+        written, or refused by the admission filter is not published: False, and its slot
+        stays the caller's. `keys` should remember their chain (BlockKeys) for the policies.
+        """
+        self.expire_pins()
+        ts = self.tiers[tier]
+        prefix = keys.prefix() if hasattr(keys, "prefix") else []
+        start = getattr(keys, "start", len(prefix))
+        parent = getattr(keys, "parent", None)
+        bt, n = self.block_tokens, len(keys)
+        done = [False] * n
+        for i in range(n - 1, -1, -1):      # tail-first, like reserve(): the root ends most recent
+            k, slot = keys[i], slots[i]
+            e = self.entries.get(k)
+            if e is None:
+                info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, bt, bt, start + n, start)
+                if not ts.policy.admit(info):
+                    ts.counters.rejected += 1
+                    continue
+                e = Entry(tier, slot, info)
+                e.ready = True               # refs = 1: held for the caller
+                self.entries[k] = e
+                self.ready[k] = tier
+                if self.changes is not None:
+                    self.changes.append(("+", k))
+            elif e.ready and e.slot_in(tier) is None and (k, tier) not in self._copying and e.tier > tier:
+                if e.copies is None:
+                    e.copies = {}
+                e.copies[e.tier] = e.slot    # the slower copy stays, as a copy
+                e.tier, e.slot = tier, slot
+                self.ready[k] = tier
+                e.refs += 1
+            else:
+                continue
+            ts.policy.insert(e.info)
+            ts.counters.inserted += 1
+            done[i] = True
+        return done
+
     def discard(self, key: Key, tier: int | None = None) -> Move | None:
         """Drop one copy of a block nobody holds (default: its primary), e.g. because its
         bytes failed verification. Returns the dropped copy, or None if it was not dropped."""

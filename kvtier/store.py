@@ -146,13 +146,15 @@ class Store:
         return Hit(n, self.layout.block_tokens, locs, self.tier_names)
 
     # -- load ------------------------------------------------------------------------
-    def get(self, keys: Sequence[bytes], out: object, *, blocking: bool = True) -> Transfer:
+    def get(self, keys: Sequence[bytes], out: object, *, blocking: bool = True,
+            promote: bool | None = None) -> Transfer:
         """Copy the blocks of `keys` into `out` ([n, block_bytes] uint8, [n, *block_shape], or a list).
 
         Every key must be cached (get what lookup() returned); with a RemoteTier, the keys
         past the local prefix are fetched from peers. With blocking=False the copy runs
         on an I/O thread; wait() on the handle before reading `out`. The handle's `loaded`
-        says how many leading blocks arrived intact.
+        says how many leading blocks arrived intact. `promote` (default: the store's) copies
+        blocks found in lower tiers up into the top tier.
         """
         self._check_keys(keys)
         rows = as_rows(out, len(keys), self.layout, "out", writable=True)
@@ -165,8 +167,8 @@ class Store:
             c.get_blocks += len(keys)
             c.get_bytes += len(keys) * self.layout.block_bytes
         transfer = Transfer("get", len(keys), len(keys) * self.layout.block_bytes)
-        return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, self.promote),
-                         blocking)
+        promote = self.promote if promote is None else promote
+        return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, promote), blocking)
 
     def _load(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], n_local: int,
               locs: list[tuple[int, int]], transfer: Transfer, promote: bool) -> None:
@@ -378,6 +380,59 @@ class Store:
                 self.index.release(held)
             if bad:
                 self._discard(bad)
+
+    # -- an engine whose pages are the top tier (kvtier.adapter) ---------------------------
+    def acquire(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Hold cached blocks where they are and return each one's (tier, slot): nothing held
+        is evicted or moved until release(keys). All or nothing (KeyNotCachedError)."""
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self.index.acquire(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """End holds taken by acquire() or publish()."""
+        with self._lock:
+            self.index.release(keys)
+
+    def lend(self, n: int) -> list[int] | None:
+        """`n` empty top-tier slots for an engine to use as KV pages, or None if the tier
+        cannot free that many (everything else held or pinned). Lower-priority blocks are
+        evicted (demoted) to make room. Give them back with give_back() or publish()."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"lend(n): n is a number of slots >= 0, got {n!r}")
+        with self._lock:
+            self._check_open()
+            moves: list[Move] = []
+            slots = self.index.lend(0, n, moves)
+            self._apply(Reservation(moves=moves))
+            return slots
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        """Return lent top-tier slots that hold nothing worth keeping."""
+        with self._lock:
+            self.index.give_back(0, slots)
+
+    def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """The zero-copy save: lent top-tier `slots`, whose bytes the engine wrote, become the
+        cached blocks `keys` (prefix order), each held until release(). Where a key is already
+        in the top tier (or not admitted) the answer is False and the slot stays the caller's."""
+        self._check_keys(keys)
+        if len(slots) != len(keys):
+            raise LayoutError(f"publish: {len(keys)} keys but {len(slots)} slots; give one slot per key")
+        with self._lock:
+            self._check_open()
+            done = self.index.publish(0, keys, slots)
+            self.counters.puts += 1
+            self.counters.put_blocks += sum(done)
+            self.counters.put_bytes += sum(done) * self.layout.block_bytes
+            self.counters.put_present += len(keys) - sum(done)
+        if self.write_through and any(done):
+            new = [k for k, d in zip(keys, done) if d]
+            for i, tier in enumerate(self.tiers):
+                if i > 0 and tier.persistent:
+                    self._copy_into(i, new)
+        return done
 
     # -- tiers: prefetch and durability ---------------------------------------------------
     def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:

@@ -100,6 +100,25 @@ class PagedKV:
         self.views = [_byte_view(t, page_format, self.num_pages, self.chunk_bytes) for t in pages_per_layer]
         self.tensors = list(pages_per_layer)
 
+    @classmethod
+    def of_pool(cls, pool: torch.Tensor, layout: KVLayout) -> PagedKV:
+        """The pages of an engine whose KV pages are kvtier's device tier (`DeviceTier.tensor`,
+        [slots, block_bytes] uint8): a page is a whole block, layer l of slot s is bytes
+        [l * layer_bytes, (l + 1) * layer_bytes) of row s. Page ids are slot numbers."""
+        if (not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 2
+                or pool.shape[1] != layout.block_bytes or not pool.is_contiguous()):
+            raise LayoutError(f"a pool must be a contiguous [slots, {layout.block_bytes}] uint8 tensor "
+                              "(DeviceTier.tensor of a store with this layout)")
+        self = cls.__new__(cls)
+        self.layout, self.format = layout, "pool"
+        self.num_pages, self.page_tokens = pool.shape[0], layout.block_tokens
+        self.device, self.pages_per_block, self.parts = pool.device, 1, 1
+        lb = layout.layer_bytes
+        self.chunk_bytes = lb
+        self.views = [pool[:, l * lb:(l + 1) * lb].unsqueeze(1) for l in range(layout.num_layers)]
+        self.tensors = [pool]
+        return self
+
     # -- checks --------------------------------------------------------------------
     def table(self, block_table: object, unique: bool = False) -> torch.Tensor:
         """block_table as int64 [n, pages_per_block] on the pages' device, checked."""

@@ -116,9 +116,12 @@ class SaveHandle:
 
 
 class _Mover:
-    def __init__(self, pages_per_layer: Sequence[torch.Tensor], layout: KVLayout, page_format: str,
-                 impl: str = "auto") -> None:
-        self.kv = PagedKV(pages_per_layer, layout, page_format)
+    """pages_per_layer may also be a ready PagedKV (e.g. PagedKV.of_pool: pages in kvtier's device tier)."""
+
+    def __init__(self, pages_per_layer: Sequence[torch.Tensor] | PagedKV, layout: KVLayout,
+                 page_format: str = "mla", impl: str = "auto") -> None:
+        self.kv = (pages_per_layer if isinstance(pages_per_layer, PagedKV)
+                   else PagedKV(pages_per_layer, layout, page_format))
         self.layout, self.impl = layout, impl
         self.cuda = self.kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.kv.device) if self.cuda else None

@@ -1,0 +1,290 @@
+"""What an inference engine calls: look up a prompt's cached prefix, load it into the
+engine's pages layer by layer, save new blocks, pin a session.
+
+    adapter = KVAdapter(store)
+    match = adapter.lookup(prompt_ids)                 # tokens -> keys -> longest cached prefix
+    ...compute only prompt_ids[match.tokens:]...
+
+Two ways to hold the KV pages:
+
+- The pages ARE kvtier's device tier (the reference engine, kvtier/engine/): a page is one
+  top-tier slot. A prefix found in the device tier is used in place (held, no copy); one
+  found lower down is read (verified), copied into lent slots layer by layer, and published
+  as top-tier blocks once the copy is done. A new full block is saved by publishing the
+  slot the engine wrote: zero copies. `allocate / load / commit / save / release / free`.
+- The engine owns its pages (vLLM and most engines): `load_into` reads the cached blocks
+  and scatters them into the given pages layer by layer; `save_from` gathers pages into
+  host blocks without blocking the engine's stream and puts them into the store.
+
+docs/adapter.md maps each call onto vLLM's KV-connector API.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError, KeyNotCachedError, LayoutError
+from kvtier.handles import Transfer
+from kvtier.keys import BlockKeys
+from kvtier.store import Store
+from kvtier.tiers.device import DeviceTier
+from kvtier.transfer.pages import PagedKV
+from kvtier.transfer.streams import LayerLoader, LoadHandle, SaveHandle, Saver
+
+
+@dataclass
+class PrefixMatch:
+    """The answer of lookup(): the keys of every full block of the tokens, and how many
+    leading ones are cached (in any tier, or on a peer)."""
+
+    keys: BlockKeys
+    blocks: int
+    tiers: list[str]          # the tier holding each cached block, e.g. ["device", "device", "host"]
+    block_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        """Leading tokens whose KV can be loaded instead of computed."""
+        return self.blocks * self.block_tokens
+
+
+@dataclass
+class PrefixLoad:
+    """A cached prefix being made usable in the device tier (the engine's pages).
+
+    `slots[i]` is the page of block i. `held[i]`: the block is a cached block held for the
+    engine (release its key when done); False: the slot was lent to the engine (free it).
+    Blocks that came from lower tiers are copied layer by layer: wait_for_layer(l) before
+    layer l reads its pages, and commit() once the step that used them is done."""
+
+    keys: BlockKeys
+    slots: list[int]
+    held: list[bool]
+    from_tiers: dict[str, int]                 # blocks per source tier, e.g. {"device": 10, "host": 6}
+    handle: LoadHandle | None = None           # the layer-wise copy of lower-tier blocks
+    _lent: list[int] = field(default_factory=list)   # positions of blocks copied into lent slots
+
+    @property
+    def blocks(self) -> int:
+        return len(self.slots)
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.handle is not None:
+            self.handle.wait_for_layer(layer)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+
+@dataclass
+class PagesLoad:
+    """A load into engine-owned pages: `loaded` leading blocks are arriving layer by layer;
+    the engine computes the rest (a block that failed verification is never written)."""
+
+    loaded: int
+    handle: LoadHandle | None
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.handle is not None:
+            self.handle.wait_for_layer(layer)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+
+@dataclass
+class PagesSave:
+    """A save from engine-owned pages: wait_for_pages() before overwriting them, wait() for the store."""
+
+    saved: SaveHandle
+    keys: BlockKeys
+    store: Store
+    _put: Transfer | None = None
+
+    def wait_for_pages(self) -> None:
+        self.saved.wait_for_pages()
+
+    def wait(self) -> Transfer:
+        if self._put is None:
+            self._put = self.store.put(self.keys, self.saved.wait())
+        return self._put
+
+
+class KVAdapter:
+    """The engine-facing surface of a Store. One per engine (per tensor-parallel rank)."""
+
+    def __init__(self, store: Store) -> None:
+        if not isinstance(store, Store):
+            raise ConfigError(f"KVAdapter needs a kvtier.Store, got {type(store).__name__}")
+        self.store = store
+        self.layout = store.layout
+        self.block_tokens = store.layout.block_tokens
+        self._pool_loader: LayerLoader | None = None
+
+    # -- tokens -> keys -> lookup -----------------------------------------------------
+    def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
+        """Keys of the full blocks of `tokens`, continuing `parent`'s chain if given."""
+        return self.store.keys(tokens, parent)
+
+    def lookup(self, tokens: object, parent: BlockKeys | None = None) -> PrefixMatch:
+        """The longest cached prefix of `tokens` (token ids), in every tier and on peers."""
+        keys = self.keys(tokens, parent)
+        hit = self.store.lookup(keys)
+        return PrefixMatch(keys, hit.blocks, [hit.tier_names[t] for t in hit.tiers], self.block_tokens)
+
+    # -- the engine's pages are the device tier ---------------------------------------
+    @property
+    def device_tier(self) -> DeviceTier:
+        top = self.store.tiers[0]
+        if not isinstance(top, DeviceTier):
+            raise ConfigError("this call needs a store whose first tier is a DeviceTier (the engine's pages); "
+                              "an engine with its own pages uses load_into/save_from instead")
+        return top
+
+    def pool(self) -> torch.Tensor:
+        """The device tier as pages: [slots, *layout.block_shape] in the KV dtype (a view)."""
+        t = self.device_tier.tensor
+        assert t is not None
+        return t.view(self.layout.dtype).view(t.shape[0], *self.layout.block_shape)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` free pages (device-tier slots) for new tokens, or None when that many cannot be
+        freed (everything else held or pinned): preempt a request and try again."""
+        self.device_tier
+        return self.store.lend(n)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Pages that were allocate()d (or not published) and are no longer needed."""
+        self.store.give_back(slots)
+
+    def save(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """Publish full pages the engine wrote as cached blocks (no copy). True: the block is
+        now cached and held (release its key when done); False: it was cached already, keep
+        treating the slot as yours."""
+        return self.store.publish(keys, slots)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """End the holds on blocks load() returned held or save() published."""
+        if keys:
+            self.store.release(keys)
+
+    def load(self, match: PrefixMatch) -> PrefixLoad:
+        """Make the cached prefix of `match` usable as pages: device-tier blocks in place,
+        lower-tier and peer blocks read (verified) and copied into lent slots layer by layer.
+        The prefix may come back shorter than match.blocks (a block failed verification,
+        was evicted since the lookup, or no page was free): compute from load.blocks on."""
+        st = self.store
+        names = st.tier_names
+        keys = match.keys[:match.blocks]
+        n_local = sum(1 for t in match.tiers if t != getattr(st.remote, "name", None))
+        locs: list[tuple[int, int]] = []
+        while n_local:
+            try:
+                locs = st.acquire(keys[:n_local])
+                break
+            except KeyNotCachedError:             # evicted since the lookup: look again
+                n_local = min(n_local, st.lookup(keys[:n_local]).blocks)
+                keys = keys[:n_local]
+        # Device-tier blocks stay held (they are the pages); the others are read by get(),
+        # which holds them itself and drops a copy that fails verification.
+        st.release([keys[i] for i, (t, _) in enumerate(locs) if t > 0])
+        locs += [(len(st.tiers), -1)] * (len(keys) - n_local)
+        lower = [i for i, (t, _) in enumerate(locs) if t > 0]
+        n = len(keys)
+        staging = None
+        if lower:
+            staging = torch.empty(len(lower), self.layout.block_bytes, dtype=torch.uint8,
+                                  pin_memory=self.device_tier.on_gpu)
+            try:
+                got = st.get([keys[i] for i in lower], staging.numpy(), promote=False).loaded
+            except KeyNotCachedError:             # evicted from a lower tier since: compute those
+                got = 0
+            if got < len(lower):
+                n = lower[got]                    # the prefix ends at the first block that failed
+            lower = lower[:got]
+        lent = st.lend(len(lower)) if lower else []
+        if lent is None:                          # no free page for them: keep the device-tier part
+            n = lower[0]
+            lower, lent = [], []
+        st.release([keys[i] for i, (t, _) in enumerate(locs) if t == 0 and i >= n])
+        slots = [s for _, s in locs[:n]]
+        held = [True] * n
+        for j, i in enumerate(lower):
+            slots[i], held[i] = lent[j], False
+        handle = None
+        if lower:
+            if self._pool_loader is None:
+                self._pool_loader = LayerLoader(PagedKV.of_pool(self.device_tier.tensor, self.layout), self.layout)
+            handle = self._pool_loader.load(staging[:len(lower)], torch.tensor(lent, dtype=torch.int64)[:, None])
+        counts: dict[str, int] = {}
+        for t, _ in locs[:n]:
+            counts[names[t]] = counts.get(names[t], 0) + 1
+        return PrefixLoad(keys[:n], slots, held, counts, handle, lower)
+
+    def commit(self, load: PrefixLoad) -> None:
+        """After the load's copies are done: publish the blocks copied into lent slots as
+        device-tier blocks (held), so the next request finds them in place."""
+        if not load._lent:
+            return
+        load.wait()
+        pos = load._lent
+        done = self.save([load.keys[i] for i in pos], [load.slots[i] for i in pos])
+        for i, d in zip(pos, done):
+            load.held[i] = d
+        load._lent = []
+
+    # -- the engine owns its pages -------------------------------------------------------
+    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
+                  loader: LayerLoader | None = None) -> PagesLoad:
+        """Read the cached blocks `keys` (verified) and scatter them into the engine's pages
+        named by `page_table` ([n, pages_per_block]) layer by layer. Blocks past `loaded`
+        (not cached any more, or corrupt) are not written: the engine recomputes them."""
+        if not isinstance(paged, PagedKV):
+            raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
+        table = paged.table(page_table)
+        if table.shape[0] != len(keys):
+            raise LayoutError(f"page_table has {table.shape[0]} rows for {len(keys)} keys: one row per block")
+        st = self.store
+        n = st.lookup(keys).blocks
+        if n == 0:
+            return PagesLoad(0, None)
+        cuda = paged.device.type == "cuda"
+        host = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, pin_memory=cuda)
+        try:
+            got = st.get(keys[:n], host.numpy(), promote=False).loaded
+        except KeyNotCachedError:                 # evicted between lookup and get: recompute
+            return PagesLoad(0, None)
+        if got == 0:
+            return PagesLoad(0, None)
+        loader = loader or LayerLoader(paged, self.layout)
+        return PagesLoad(got, loader.load(host[:got], table[:got]))
+
+    def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
+                  saver: Saver | None = None) -> PagesSave:
+        """Gather the engine's pages of full blocks `keys` into host memory without blocking
+        the engine's stream; wait() on the result puts them into the store."""
+        if not isinstance(paged, PagedKV):
+            raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
+        saver = saver or Saver(paged, self.layout)
+        return PagesSave(saver.save(page_table), keys, self.store)   # type: ignore[arg-type]
+
+    # -- sessions ----------------------------------------------------------------------
+    def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str | None = None) -> int:
+        """Keep a session's prefix in `tier` or above for `ttl` seconds (default tier: the
+        last memory tier, so a pinned prefix may leave the GPU but not memory)."""
+        if tier is None:
+            mem = [i for i, t in enumerate(self.store.tiers) if not t.persistent]
+            tier = mem[-1] if mem else 0
+        return self.store.pin(session, keys, ttl, tier)
+
+    def unpin(self, session: str) -> int:
+        return self.store.unpin(session)
+
+    def close(self) -> None:
+        if self._pool_loader is not None:
+            self._pool_loader.close()
+            self._pool_loader = None

@@ -1,0 +1,197 @@
+"""The engine adapter: pages in the device tier (lend, publish, load in place or from
+lower tiers, verified) and pages the engine owns (load_into / save_from)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as hst
+
+import kvtier
+from kvtier.adapter import KVAdapter
+from kvtier.transfer.pages import PagedKV
+
+LAYOUT = kvtier.KVLayout.mla(num_layers=3, kv_lora_rank=16, rope_dim=8, block_tokens=4, dtype=torch.float32)
+NS = kvtier.Namespace(model="adapter-test", revision="r1")
+BB = LAYOUT.block_bytes
+
+
+def make(device_blocks: int = 8, host_blocks: int | None = 16, disk=None) -> KVAdapter:
+    tiers: list = [kvtier.DeviceTier(blocks=device_blocks, device="cpu")]
+    if host_blocks:
+        tiers.append(kvtier.HostTier(blocks=host_blocks))
+    if disk is not None:
+        tiers.append(kvtier.DiskTier(disk, blocks=32))
+    return KVAdapter(kvtier.Store(LAYOUT, tiers, NS, promote=False))
+
+
+def fill(a: KVAdapter, slots: list[int], tag: int) -> list[torch.Tensor]:
+    """Write distinct bytes into pages `slots` (as an engine's forward pass would)."""
+    pool = a.pool()
+    out = []
+    for j, s in enumerate(slots):
+        pool[s] = torch.full(LAYOUT.block_shape, float(tag * 100 + j))
+        out.append(pool[s].clone())
+    return out
+
+
+def compute(a: KVAdapter, tokens: list[int], tag: int) -> tuple[kvtier.BlockKeys, list[int], list[torch.Tensor]]:
+    """Allocate pages for `tokens`' full blocks, write them, publish them; returns keys, slots, bytes."""
+    keys = a.keys(tokens)
+    slots = a.allocate(len(keys))
+    assert slots is not None
+    data = fill(a, slots, tag)
+    assert a.save(keys, slots) == [True] * len(keys)
+    return keys, slots, data
+
+
+def test_a_device_hit_is_used_in_place():
+    a = make()
+    tokens = list(range(17))                       # 4 full blocks + 1 token
+    keys, slots, data = compute(a, tokens, 1)
+    a.release(keys)                                # the request that computed them finished
+    match = a.lookup(tokens)
+    assert (match.blocks, match.tokens, match.tiers) == (4, 16, ["device"] * 4)
+    load = a.load(match)
+    assert load.slots == slots and load.held == [True] * 4 and load.handle is None
+    assert load.from_tiers == {"device": 4}
+    for s, d in zip(load.slots, data):
+        assert torch.equal(a.pool()[s], d)
+    # Held: filling the device tier with other work cannot evict them.
+    assert a.allocate(4) is not None
+    assert a.allocate(1) is None
+    a.release(load.keys)
+    assert a.allocate(1) is not None               # now one of them can go (to the host tier)
+
+
+def test_a_host_hit_is_copied_into_lent_pages_then_published():
+    a = make(device_blocks=4)
+    tokens = list(range(16))
+    keys, _, data = compute(a, tokens, 2)
+    a.release(keys)
+    other, _, _ = compute(a, list(range(100, 116)), 3)   # pushes the first prompt down to host
+    a.release(other)
+    match = a.lookup(tokens)
+    assert match.tiers == ["host"] * 4
+    load = a.load(match)
+    assert load.blocks == 4 and load.held == [False] * 4 and load.from_tiers == {"host": 4}
+    for l in range(LAYOUT.num_layers):
+        load.wait_for_layer(l)
+    for s, d in zip(load.slots, data):
+        assert torch.equal(a.pool()[s], d)
+    a.commit(load)
+    assert load.held == [True] * 4
+    assert a.lookup(tokens).tiers == ["device"] * 4
+    a.release(load.keys)
+
+
+def test_publishing_a_block_someone_cached_first_keeps_the_page_private():
+    a = make()
+    tokens = list(range(8))
+    keys, _, _ = compute(a, tokens, 4)
+    again = a.allocate(2)
+    assert a.save(keys, again) == [False, False]   # already cached: the slots stay the caller's
+    a.free(again)
+    a.release(keys)
+    assert a.store.stats().tiers[0].used_blocks == 2
+
+
+def test_a_corrupt_disk_block_ends_the_prefix(tmp_path):
+    a = make(device_blocks=4, host_blocks=None, disk=tmp_path / "kv")
+    tokens = list(range(16))
+    keys, _, data = compute(a, tokens, 5)
+    a.release(keys)
+    other, _, _ = compute(a, list(range(200, 216)), 6)   # the first prompt goes to disk
+    a.release(other)
+    assert a.lookup(tokens).tiers == ["disk"] * 4
+    disk = a.store.tiers[1]
+    slot = a.store.index.entries[keys[2]].slot
+    with open(tmp_path / "kv" / "slab.bin", "r+b") as f:
+        f.seek(slot * disk.slot_bytes + 10)
+        b = f.read(1)
+        f.seek(slot * disk.slot_bytes + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    load = a.load(a.lookup(tokens))
+    assert load.blocks == 2                        # blocks 0-1 good; the engine computes from block 2
+    for s, d in zip(load.slots, data[:2]):
+        assert torch.equal(a.pool()[s], d)
+    a.commit(load)
+    a.release(load.keys)
+    assert a.lookup(tokens).blocks == 2
+
+
+def test_pages_the_engine_owns_round_trip():
+    a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS))
+    pages = [torch.randn(10, 4, 24) for _ in range(LAYOUT.num_layers)]   # [pages, page_tokens, 16 + 8]
+    paged = PagedKV(pages, LAYOUT, "mla")
+    tokens = list(range(12))
+    keys = a.keys(tokens)
+    save = a.save_from(keys, paged, [[7], [2], [5]])
+    save.wait_for_pages()
+    assert save.wait().blocks == 3
+    dst = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
+    got = a.load_into(keys, PagedKV(dst, LAYOUT, "mla"), [[0], [1], [9]])
+    for l in range(LAYOUT.num_layers):
+        got.wait_for_layer(l)
+        for src, d in ((7, 0), (2, 1), (5, 9)):
+            assert torch.equal(dst[l][d], pages[l][src])
+    assert got.loaded == 3
+    assert torch.count_nonzero(dst[0][3]) == 0     # pages no block names are untouched
+    miss = a.load_into(a.keys(list(range(50, 62))), PagedKV(dst, LAYOUT, "mla"), [[0], [1], [2]])
+    assert miss.loaded == 0
+
+
+def test_errors_say_what_to_do():
+    host_only = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS))
+    with pytest.raises(kvtier.ConfigError, match="DeviceTier"):
+        host_only.allocate(1)
+    with pytest.raises(kvtier.ConfigError, match="Store"):
+        KVAdapter("not a store")                   # type: ignore[arg-type]
+    a = make()
+    with pytest.raises(kvtier.LayoutError, match="one slot per key"):
+        a.save(a.keys(list(range(8))), [0])
+    with pytest.raises(kvtier.ConfigError, match="n is a number"):
+        a.allocate(-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(hst.lists(hst.tuples(hst.integers(0, 5), hst.integers(1, 3), hst.booleans()), min_size=1, max_size=25))
+def test_lending_and_publishing_never_exceed_capacity_or_share_a_page(ops):
+    """Requests over 6 prompt families come and go; pages in use are always distinct, the
+    device tier never holds more than its capacity, and every held page has its bytes."""
+    a = make(device_blocks=6, host_blocks=6)
+    live: list[tuple[list[bytes], list[int], list[bool], list[torch.Tensor]]] = []
+    for family, blocks, finish_one in ops:
+        tokens = [family * 1000 + i for i in range(blocks * LAYOUT.block_tokens)]
+        match = a.lookup(tokens)
+        load = a.load(match)
+        a.commit(load)
+        pages, held = list(load.slots), list(load.held)
+        fresh = a.allocate(len(match.keys) - load.blocks)
+        if fresh is None:                           # no room: give the prefix back
+            a.release([k for k, h in zip(load.keys, held) if h])
+            a.free([p for p, h in zip(pages, held) if not h])
+        else:
+            fill(a, fresh, family)
+            done = a.save(match.keys[load.blocks:], fresh)
+            pages += fresh
+            held += done
+            data = [a.pool()[p].clone() for p in pages]
+            live.append((list(match.keys), pages, held, data))
+        # A page is shared only by requests holding the same cached block; a lent page is one request's.
+        owner: dict[int, bytes | None] = {}
+        for ks, ps, hs, _ in live:
+            for k, p, h in zip(ks, ps, hs):
+                assert p not in owner or (h and owner[p] == k)
+                owner[p] = k if h else None
+        held_keys = {k for ks, _, hs, _ in live for k, h in zip(ks, hs) if h}
+        st = a.store.stats()
+        assert all(t.used_blocks <= t.capacity_blocks for t in st.tiers)
+        for ks, ps, hs, data in live:
+            for p, d in zip(ps, data):
+                assert torch.equal(a.pool()[p], d)  # nobody overwrote a page in use
+        assert held_keys <= set(a.store.index.ready)
+        if finish_one and live:
+            ks, ps, hs, _ = live.pop(0)
+            a.release([k for k, h in zip(ks, hs) if h])
+            a.free([p for p, h in zip(ps, hs) if not h])
