@@ -1,0 +1,114 @@
+"""Turn a step's logits into next tokens: greedy, or temperature + top-p (nucleus) sampling.
+
+Each request that samples owns a `torch.Generator` seeded from its `SamplingParams.seed`
+(`make_generator`), and its row is drawn with that generator alone, so a seeded request
+yields the same tokens whatever else is in the batch and in whatever row it sits.
+Greedy rows take the argmax (ties go to the lowest id) and use no randomness at all.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError
+
+__all__ = ["SamplingParams", "sample", "make_generator"]
+
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops."""
+
+    max_tokens: int = 16                   # tokens to generate at most
+    temperature: float = 0.0               # 0 = greedy (argmax); > 0 divides the logits before softmax
+    top_p: float = 1.0                     # nucleus: sample from the fewest top tokens holding >= top_p mass
+    seed: int | None = None                # same seed -> same tokens; None -> fresh entropy
+    stop_token_ids: tuple[int, ...] = ()   # generating one of these ends the request (it is kept)
+    ignore_eos: bool = False               # keep going past EOS (benchmarks want fixed lengths)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                or not 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            raise ConfigError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise ConfigError(f"stop_token_ids must be token ids (ints >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)   # accept a list, store a tuple
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's own RNG: None for greedy, else seeded from params.seed (or fresh entropy).
+
+    Pass the device the logits live on: torch.multinomial wants a generator on that device.
+    """
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()                 # non-deterministic seed
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Next token of each row: logits [B, V] float -> int64 [B] on the logits' device.
+
+    Row i follows params[i] and draws with generators[i] (None: torch's default RNG, which
+    is not reproducible per request; give sampling rows a `make_generator` generator).
+    """
+    if logits.dim() != 2:
+        raise ConfigError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    b = logits.shape[0]
+    if len(params) != b or len(generators) != b:
+        raise ConfigError(f"one SamplingParams and one generator per logits row: {b} rows, "
+                          f"{len(params)} params, {len(generators)} generators")
+    out = torch.argmax(logits, dim=-1)       # greedy rows: argmax takes the first (lowest id) maximum
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float32)
+    probs = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)
+    top_p = [params[i].top_p for i in rows]
+    if any(p < 1.0 for p in top_p):
+        probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=torch.float32))
+    for j, i in enumerate(rows):
+        out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return out
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside each row's nucleus: the fewest most-probable tokens with mass >= top_p.
+
+    A token stays when the mass strictly before it (in descending order) is < top_p, so the
+    top token always stays. The stable sort puts tied tokens in id order, so the cut is deterministic.
+    """
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    drop_sorted = mass_before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
