@@ -18,11 +18,13 @@ BENCHES: dict[str, str] = {
     "hit-ratio": "kvtier.bench.hit_ratio",
     "cluster": "kvtier.bench.cluster",
     "transport": "kvtier.bench.transport",
+    "engine": "kvtier.bench.engine",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
     "inspect": "kvtier.inspect",
     "node": "kvtier.node_cli",
+    "generate": "kvtier.engine.generate_cli",
 }
 
 

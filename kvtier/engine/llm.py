@@ -1,0 +1,193 @@
+"""The reference engine's front door: `LLM(preset_or_path).generate(prompts, SamplingParams(...))`.
+
+Each step is the four-step loop:
+
+    scheduled = scheduler.schedule()        # 1. who runs, how many tokens; prefix lookups and loads
+    batch = runner.prepare(scheduled)       # 2. flat tokens, positions, page lists
+    logits = runner.run(batch)              # 3. the model, over kvtier's device tier as KV pages
+    self._postprocess(scheduled, logits)    # 4. sample, save full blocks, finish
+
+The KV pages are the store's device tier, so a prefix cached there costs no copy, and a
+finished request's blocks stay cached (evicted to host memory and disk under pressure)
+for the next request that shares the prefix.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvtier.adapter import KVAdapter
+from kvtier.engine.cache import CacheConfig, build_store
+from kvtier.engine.model import load_model
+from kvtier.engine.request import Request
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams, make_generator, sample
+from kvtier.engine.scheduler import Scheduled, Scheduler
+from kvtier.engine.tokenizer import load_tokenizer
+from kvtier.errors import ConfigError
+from kvtier.store import Store
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its tokens and text, and what the cache did for it."""
+
+    id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int                          # prompt tokens loaded from the store, not computed
+    cached_by_tier: dict[str, int] = field(default_factory=dict)   # cached blocks per source tier
+    ttft: float | None = None                   # seconds from arrival to the first token
+    preemptions: int = 0
+
+
+class LLM:
+    """A DeepSeek-V3 / Kimi K2 engine whose KV cache is a kvtier store.
+
+    `model` is a preset name (`kimi-tiny`: random weights, byte-level tokenizer, runs on a
+    CPU) or a Hugging Face checkpoint directory (config.json + safetensors). The store is
+    built from `cache` (a CacheConfig: device tier size, host tier, disk tier, policy), or
+    passed in as `store` (its first tier must be a DeviceTier with this model's layout).
+    """
+
+    def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
+                 device: str | None = None, cache: CacheConfig | None = None, store: Store | None = None,
+                 max_batched_tokens: int = 512, max_seqs: int = 64, session_ttl: float = 300.0) -> None:
+        self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
+        self.config = self.model.config
+        cache = cache or CacheConfig()
+        layout = self.model.kv_layout(cache.block_tokens)
+        self.store = store if store is not None else build_store(layout, self.info.namespace(), cache,
+                                                                   device=self.model.device)
+        self._own_store = store is None
+        if self.store.layout != layout:
+            raise ConfigError(f"the store's layout ({self.store.layout.describe()}) is not this model's "
+                              f"({layout.describe()}): build the store with LLM.kv_layout")
+        self.adapter = KVAdapter(self.store)
+        self.adapter.device_tier    # the pages must be the device tier
+        self.tokenizer = load_tokenizer(self.info.tokenizer_path, self.config.vocab_size)
+        self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
+                                   session_ttl=session_ttl)
+        self.runner = ModelRunner(self.model, self.adapter.pool())
+        self._ids = itertools.count()
+        self.eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    session: str | None = None) -> str:
+        """Queue one request (text, or token ids); returns its id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a kvtier.engine.SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token_id      # text starts with BOS, as the checkpoints were trained
+            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
+        limit = self.config.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                              f"model's {limit} positions")
+        pages = -(-(len(ids) + params.max_tokens) // self.adapter.block_tokens)
+        if pages > self.adapter.device_tier.capacity_blocks:
+            raise ConfigError(f"this request needs {pages} KV pages but the device tier has "
+                              f"{self.adapter.device_tier.capacity_blocks}: give the engine a larger kv_cache")
+        if session is not None and (not isinstance(session, str) or not session):
+            raise ConfigError("session must be a non-empty string (e.g. the x-session-affinity header)")
+        req = Request(f"req-{next(self._ids)}", ids, params, session, generator=make_generator(params, self.model.device))
+        self.scheduler.add(req)
+        return req.id
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sessions: Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Run prompts (text or token-id lists) to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]                                   # type: ignore[list-item]
+        n = len(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params] * n
+        slist = list(sessions) if sessions is not None else [None] * n
+        if len(plist) != n or len(slist) != n:
+            raise ConfigError(f"got {n} prompts, {len(plist)} sampling params and {len(slist)} sessions")
+        order = {self.add_request(p, sp, s): i for i, (p, sp, s) in enumerate(zip(prompts, plist, slist))}
+        out: list[RequestOutput | None] = [None] * n
+        while any(o is None for o in out):
+            for done in self.step():
+                if done.id in order:
+                    out[order[done.id]] = done
+        return out                                                # type: ignore[return-value]
+
+    # -- the loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()                     # 1. schedule
+        if not scheduled:
+            return []
+        batch = self.runner.prepare(scheduled)                    # 2. prepare
+        logits = self.runner.run(batch)                           # 3. run
+        return self._postprocess(scheduled, logits)               # 4. postprocess
+
+    def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+        sampling = [s for s in scheduled if s.samples]
+        new = sample(logits, [s.req.params for s in sampling], [s.req.generator for s in sampling]).tolist() \
+            if sampling else []
+        for s in scheduled:                                      # the pages now hold these tokens' KV
+            r = s.req
+            r.computed += s.num_new
+            if r.load is not None:                               # copies from lower tiers are done:
+                self.adapter.commit(r.load)                      # publish them as device-tier blocks
+                for i in range(r.load.blocks):
+                    r.held[i] = r.load.held[i]
+                r.load = None
+            self.scheduler.save(r)
+        finished = []
+        now = time.perf_counter()
+        for s, tok in zip(sampling, new):
+            r = s.req
+            r.output.append(tok)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+                finished.append(self._output(r))
+        return finished
+
+    def _stop_reason(self, r: Request, tok: int) -> str | None:
+        p = r.params
+        if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
+            return "stop"
+        if len(r.output) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(r.id, list(r.prompt), list(r.output), self.tokenizer.decode(r.output),
+                             r.finish_reason or "", r.cached_tokens, r.cached_by_tier, r.ttft, r.preemptions)
+
+    # -- lifetime --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The store's counters and tiers, and the scheduler's preemptions."""
+        return {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
+
+    def close(self) -> None:
+        self.adapter.close()
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,82 @@
+"""`load_model`: a ready model from a preset name or a checkpoint directory, and what it is.
+
+The ModelInfo says where the weights came from (random from a seed, or a checkpoint),
+which kvtier Namespace its cached KV belongs to (model + revision: different weights
+never share blocks), and where its tokenizer lives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, ModelConfig, preset, preset_names
+from kvtier.engine.model.model import DeepseekV3
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
+
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str                     # the preset name, or the checkpoint directory's name
+    source: str                   # "preset kimi-tiny", or the checkpoint directory
+    revision: str                 # "random-seed0", or a digest of the checkpoint's files
+    random_weights: bool          # True: made from a seed, not trained (its output is noise)
+    tokenizer_path: str | None    # the checkpoint directory; None: a preset (byte-level tokenizer)
+    dtype: torch.dtype
+
+    def namespace(self, salt: bytes = b"", shard: str = "") -> Namespace:
+        """The kvtier namespace of this model's cached KV."""
+        return Namespace(model=self.name, revision=self.revision, shard=shard, salt=salt)
+
+    def describe(self) -> str:
+        weights = "random weights" if self.random_weights else "checkpoint weights"
+        return f"{self.name} ({weights}, {self.revision}, {str(self.dtype).replace('torch.', '')}) from {self.source}"
+
+
+def _dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    if dtype is None:
+        return config.dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[dtype]
+
+
+def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | None = None,
+               device: torch.device | str | None = None, seed: int = 0) -> tuple[DeepseekV3, ModelInfo]:
+    """(model, info) from a preset with random weights ("kimi-tiny"), a ModelConfig (random
+    weights of that shape), or a Hugging Face checkpoint directory. dtype defaults to the
+    config's torch_dtype (float32 for kimi-tiny, bfloat16 for real checkpoints); device to
+    CUDA when there is one."""
+    from kvtier.engine import weights
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(source, ModelConfig) or (isinstance(source, str) and source in preset_names()):
+        if isinstance(source, str) and source not in PRESET_RANDOM_WEIGHTS:
+            raise ConfigError(f"preset {source!r} names a real model whose weights are not shipped: pass its "
+                              f"checkpoint directory, or load_model(preset({source!r})) for random weights "
+                              "of that shape (it needs that model's memory)")
+        config = preset(source) if isinstance(source, str) else source
+        name = source if isinstance(source, str) else f"random-{config.model_type}"
+        dt = _dtype(dtype, config)
+        model = DeepseekV3(config, weights.random_weights(config, seed=seed), dtype=dt, device=device,
+                           random_weights=True, source=f"random(seed={seed})")
+        info = ModelInfo(name, f"preset {name}", f"random-seed{seed}", True, None, dt)
+    else:
+        path = Path(source)
+        if not path.is_dir():
+            raise ConfigError(f"{str(source)!r} is neither a model preset ({', '.join(preset_names())}) nor a "
+                              "checkpoint directory")
+        config = ModelConfig.from_hf(path)
+        dt = _dtype(dtype, config)
+        state = weights.load_checkpoint(path, config, dtype=dt, device=device)
+        model = DeepseekV3(config, state, dtype=dt, device=device, source=str(path))
+        info = ModelInfo(path.resolve().name, str(path), weights.checkpoint_revision(path), False, str(path), dt)
+    model.info = info
+    return model, info

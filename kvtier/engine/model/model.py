@@ -1,0 +1,183 @@
+"""The DeepSeek-V3 / Kimi K2 decoder: embed, N x (MLA + FFN), final norm, lm_head.
+
+Layers below `first_k_dense_replace` have a dense SwiGLU FFN, the rest a MoE. Module
+and parameter names are the hub's (`model.layers.3.mlp.experts.7.up_proj.weight`, ...),
+so a checkpoint's tensors map onto `state_dict()` one to one (kvtier.engine.weights).
+
+`forward(batch, kv_pool)` runs one step for the flat new tokens of several sequences
+(kvtier.engine.batch.StepBatch) and returns the logits of the rows in logits_index.
+The KV of every layer lives only in `kv_pool` ([slots, layers, block_tokens,
+kv_lora_rank + rope_dim]); `kv_layout()` says what its bytes mean.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.engine.batch import StepBatch
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model.mla import MLA
+from kvtier.engine.model.mlp import MLP
+from kvtier.engine.model.moe import MoE
+from kvtier.engine.model.norm import MLA_NORM_EPS, RMSNorm
+from kvtier.engine.model.rope import RotaryEmbedding
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.layout import KVLayout, dtype_name
+
+# Bump when this engine changes what it writes into the cache for the same config and weights.
+KV_FORMAT = "kvtier-mla1"
+
+# Config fields that cannot change a cached byte (token ids, the checkpoint's storage dtype).
+_NOT_IN_KV = {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "kvtier_model_type",
+              "architectures", "quantization_config", "tie_word_embeddings", "num_nextn_predict_layers"}
+
+
+def kv_variant(config: ModelConfig, compute_dtype: torch.dtype) -> str:
+    """Everything besides the layout's shape that fixes what the cached bytes mean.
+
+    - rope order: the rope key is stored rotated in the checkpoint's own element order,
+      "pairs" (x0,x1),(x2,x3).. when rope_interleave, else "halves" (no de-interleave);
+    - the latent norm's eps (1e-6, fixed upstream, not rms_norm_eps);
+    - the compute dtype (bf16 and fp32 compute give different latents even when stored in bf16);
+    - a digest of every config field that changes the numbers (rope theta and YaRN,
+      router, widths, ...): two configs that compute different KV never share blocks.
+    Different weights are told apart by the kvtier Namespace's model/revision, not here.
+    """
+    fields = {k: v for k, v in config.to_hf().items() if k not in _NOT_IN_KV}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    rope = "pairs" if config.rope_interleave else "halves"
+    return f"{KV_FORMAT};rope={rope};latent_eps={MLA_NORM_EPS:g};compute={dtype_name(compute_dtype)};cfg={digest}"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = MLA(config, layer)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+                kv_pool: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """The hub's `model.` prefix: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3(nn.Module):
+    """The model. Build it with `load_model(...)`, or from a config and a hub-named state dict."""
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 random_weights: bool = False, source: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.random_weights = random_weights      # True: made from a seed, not a trained checkpoint
+        self.source = source                      # the checkpoint path, or "random(seed=...)"
+        with torch.device("meta"):                # no memory until the real tensors are assigned
+            self.model = Decoder(config)
+            self.lm_head = (None if config.tie_word_embeddings
+                            else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        dtype = dtype or config.dtype
+        device = torch.device(device) if device is not None else next(iter(state.values())).device
+        check_state(config, state, hub_shapes_of(self))
+        self.load_state_dict({k: _cast(k, t, dtype, device) for k, t in state.items()}, strict=True, assign=True)
+        self.rotary = RotaryEmbedding(config).to(device)
+        self.eval().requires_grad_(False)
+
+    @classmethod
+    def skeleton(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The hub's tensor names and shapes for this config (built on the meta device, no memory)."""
+        with torch.device("meta"):
+            m = nn.Module()
+            m.model = Decoder(config)
+            if not config.tie_word_embeddings:
+                m.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        return hub_shapes_of(m)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def kv_layout(self, block_tokens: int, dtype: torch.dtype | None = None) -> KVLayout:
+        """The kvtier layout of this model's paged KV (dtype: the pool's, default the model's)."""
+        c = self.config
+        return KVLayout.mla(c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, block_tokens,
+                            dtype or self.dtype, variant=kv_variant(c, self.dtype))
+
+    @torch.no_grad()
+    def forward(self, batch: StepBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Logits [len(batch.logits_index), vocab] (fp32); writes the new tokens' KV into kv_pool."""
+        self._check(batch, kv_pool)
+        h = self.model.embed_tokens(batch.input_ids.to(self.device))
+        cos, sin = self.rotary(batch.positions.to(self.device))
+        for i, layer in enumerate(self.model.layers):
+            if batch.before_layer is not None:
+                batch.before_layer(i)             # layer i's cached pages are in place from here on
+            h = layer(h, cos, sin, batch, kv_pool)
+        h = self.model.norm(h[batch.logits_index.to(self.device)])
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    def _check(self, batch: StepBatch, kv_pool: torch.Tensor) -> None:
+        c = self.config
+        want = (c.num_hidden_layers, c.kv_entry_dim)
+        if kv_pool.dim() != 4 or (kv_pool.shape[1], kv_pool.shape[3]) != want or not kv_pool.is_floating_point():
+            raise LayoutError(f"kv_pool must be a float tensor [slots, {want[0]}, block_tokens, {want[1]}] "
+                              f"(KVLayout from model.kv_layout()), got {kv_pool.dtype} {tuple(kv_pool.shape)}")
+        t = batch.input_ids.shape[0]
+        if batch.input_ids.dim() != 1 or batch.positions.shape != batch.input_ids.shape:
+            raise ConfigError(f"input_ids and positions must be 1-D and the same length, got "
+                              f"{tuple(batch.input_ids.shape)} and {tuple(batch.positions.shape)}")
+        block_tokens = kv_pool.shape[2]
+        for s in batch.seqs:
+            if s.start < 0 or s.num_new <= 0 or s.context < 0 or s.start + s.num_new > t:
+                raise ConfigError(f"bad SeqSlice(start={s.start}, num_new={s.num_new}, context={s.context}) "
+                                  f"for a batch of {t} tokens")
+            if s.pages.numel() * block_tokens < s.total:
+                raise LayoutError(f"a sequence of {s.total} tokens needs {-(-s.total // block_tokens)} pages "
+                                  f"of {block_tokens} tokens, got {s.pages.numel()}")
+
+
+def hub_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def check_state(config: ModelConfig, state: Mapping[str, torch.Tensor],
+                expected: dict[str, tuple[int, ...]]) -> None:
+    """ConfigError naming the first missing, unexpected or misshaped tensor."""
+    missing = [k for k in expected if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"checkpoint lacks tensor {missing[0]}{more}: it does not match this config "
+                          f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts)")
+    extra = [k for k in state if k not in expected]
+    if extra:
+        raise ConfigError(f"checkpoint has unexpected tensor {extra[0]}: it does not match this config")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != shape:
+            raise ConfigError(f"tensor {k} has shape {tuple(state[k].shape)}, this config expects {shape}")
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # The router's correction bias stays fp32: it only ranks scores that differ in late digits.
+    want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+    return t.to(device=device, dtype=want)

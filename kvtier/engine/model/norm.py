@@ -1,0 +1,26 @@
+"""RMSNorm as DeepSeek-V3 computes it: normalise in fp32, cast back, then scale by the weight.
+
+Its eps matters for the cache: the cached latent is kv_a_layernorm's output, and that
+norm (like q_a_layernorm) uses eps 1e-6 in DeepSeek's and transformers' code whatever
+rms_norm_eps says (rms_norm_eps applies to the layer norms and the final norm only).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# The eps of the MLA-internal norms (q_a_layernorm, kv_a_layernorm): hard-coded upstream.
+MLA_NORM_EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

@@ -1,0 +1,62 @@
+"""One generation request and everything the engine tracks for it.
+
+A request's tokens are its prompt followed by what it generated so far. `computed` of
+them have KV in the request's pages; every step computes the next ones (a prefill chunk,
+or the single newest token when decoding) and, when it reaches the last token, samples
+one more. `pages[i]` is the device-tier slot of block i: a cached block the request
+holds (`held[i]`, release its key at the end) or a slot lent to it (free it at the end).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.adapter import PrefixLoad
+from kvtier.engine.sampling import SamplingParams
+from kvtier.keys import BlockKeys
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    session: str | None = None
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None          # "length", "stop"
+    computed: int = 0                         # leading tokens with KV in `pages`
+    pages: list[int] = field(default_factory=list)
+    held: list[bool] = field(default_factory=list)
+    saved: int = 0                            # leading full blocks already cached (published or hit)
+    keys: BlockKeys | None = None             # keys of the full blocks of `tokens`, as far as computed
+    load: PrefixLoad | None = None            # a prefix load whose copies the next step waits for
+    generator: torch.Generator | None = None
+    # What the cache did for it (first admission only) and when things happened.
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival

@@ -1,0 +1,158 @@
+"""Step 1 of the engine loop: which requests run this step, and how many tokens each.
+
+Continuous batching with chunked prefill under a token budget. Running requests go
+first, in arrival order (a decode costs one token, an unfinished prefill the next chunk);
+waiting requests are admitted while budget, sequence slots and pages last. Admission is
+where the cache pays: the prompt is keyed, the longest cached prefix is looked up in
+every tier and loaded (device-tier blocks in place, lower tiers copied layer by layer),
+and only the rest is computed. When pages run out, the most recently admitted request is
+preempted: its pages are released (its full blocks are cached already) and it is
+admitted again later, finding its own blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvtier.adapter import KVAdapter
+from kvtier.engine.request import Request, Status
+from kvtier.errors import ConfigError
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step: `num_new` tokens starting at req.computed."""
+
+    req: Request
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so it samples the next one."""
+        return self.req.computed + self.num_new == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 512, max_seqs: int = 64,
+                 session_ttl: float = 300.0) -> None:
+        if max_batched_tokens < 1 or max_seqs < 1:
+            raise ConfigError("max_batched_tokens and max_seqs must be >= 1")
+        self.adapter = adapter
+        self.block_tokens = adapter.block_tokens
+        self.max_batched_tokens = max_batched_tokens
+        self.max_seqs = max_seqs
+        self.session_ttl = session_ttl
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- step 1: schedule ------------------------------------------------------------
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_batched_tokens
+        out: list[Scheduled] = []
+        i = 0
+        while i < len(self.running) and budget:
+            req = self.running[i]
+            n = min(req.num_tokens - req.computed, budget)
+            while not self._grow(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue                  # it was the victim: running[i] is the next one now
+            out.append(Scheduled(req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            if not req.pages:
+                self._admit(req)
+            n = min(req.num_tokens - req.computed, budget)
+            if not self._grow(req, n):
+                if not self.running:
+                    raise ConfigError(f"request {req.id!r} needs more KV pages than the device tier can free "
+                                      f"({len(req.pages)} held): give the engine a larger kv_cache")
+                self._drop_pages(req)
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(Scheduled(req, n))
+            budget -= n
+        return out
+
+    def _admit(self, req: Request) -> None:
+        """Key the request's tokens, look up the longest cached prefix and start loading it."""
+        a = self.adapter
+        match = a.lookup(req.tokens[:req.num_tokens - 1])   # the last token is always computed: it gives logits
+        if req.session is not None and match.keys:
+            a.pin(req.session, match.keys, self.session_ttl)
+        load = a.load(match)
+        req.pages, req.held = list(load.slots), list(load.held)
+        req.computed = load.blocks * self.block_tokens
+        req.saved = load.blocks
+        req.load = load if load._lent else None
+        if req.preemptions == 0:
+            req.cached_tokens = req.computed
+            req.cached_by_tier = dict(load.from_tiers)
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Give `req` pages for `n` more tokens; False if the device tier has none to spare."""
+        need = -(-(req.computed + n) // self.block_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        slots = self.adapter.allocate(need)
+        if slots is None:
+            return False
+        req.pages += slots
+        req.held += [False] * need
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._drop_pages(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- pages ---------------------------------------------------------------------------
+    def save(self, req: Request) -> None:
+        """Publish the request's newly completed full blocks as cached blocks (no copy)."""
+        a, bt = self.adapter, self.block_tokens
+        full = req.computed // bt
+        if full <= req.saved:
+            return
+        if req.keys is None or len(req.keys) < full:
+            req.keys = a.keys(req.tokens[:full * bt])
+        done = a.save(req.keys[req.saved:full], req.pages[req.saved:full])
+        for j, d in enumerate(done):
+            if d:
+                req.held[req.saved + j] = True
+        req.saved = full
+
+    def finish(self, req: Request, reason: str) -> None:
+        """A request is done: pin its session's blocks, then give its pages back."""
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.running.remove(req)
+        if req.session is not None and req.keys:
+            self.adapter.pin(req.session, req.keys, self.session_ttl)
+        self._drop_pages(req)
+
+    def _drop_pages(self, req: Request) -> None:
+        """Release held blocks and free lent pages (their full blocks are cached already)."""
+        if req.load is not None:          # copies into lent pages must finish before reuse
+            req.load.wait()
+            req.load = None
+        held = [i for i, h in enumerate(req.held) if h]
+        keys = self.adapter.keys(req.tokens[:(max(held) + 1) * self.block_tokens]) if held else []
+        self.adapter.release([keys[i] for i in held])
+        self.adapter.free([p for p, h in zip(req.pages, req.held) if not h])
+        req.pages, req.held, req.computed, req.saved, req.keys = [], [], 0, 0, None

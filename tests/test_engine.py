@@ -1,0 +1,150 @@
+"""The reference engine end to end on kimi-tiny: cached prefixes from every tier give the
+same greedy tokens as computing them, batching/chunking/preemption change nothing, the
+API, the CLI and the benchmark run."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from kvtier.cli import main
+from kvtier.engine import CacheConfig, LLM, SamplingParams
+from kvtier.errors import ConfigError
+
+torch.set_num_threads(1)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+BT = 16
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(256) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def block_bytes() -> int:
+    with LLM("kimi-tiny", cache=CacheConfig(kv_cache="4MiB", host_cache=None)) as llm:
+        return llm.store.layout.block_bytes
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Greedy outputs computed with nothing cached (a fresh engine per prompt)."""
+    memo: dict = {}
+
+    def get(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        key = (tuple(prompt), params)
+        if key not in memo:
+            with LLM("kimi-tiny", cache=CacheConfig(host_cache=None)) as llm:
+                out = llm.generate([prompt], params)[0]
+                assert out.cached_tokens == 0
+                memo[key] = out.token_ids
+        return memo[key]
+    return {"get": get}
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_greedy_output_with_a_cached_prefix_equals_it_without(tmp_path, block_bytes, reference, tier):
+    shared = tokens(1, 100)
+    first, second = shared + tokens(2, 20), shared + tokens(3, 20)
+    pages = 10     # one request's worth: a second request pushes the first one's blocks down
+    cache = CacheConfig(kv_cache=(64 if tier == "device" else pages) * block_bytes,
+                        host_cache="16MiB" if tier == "host" else None,
+                        disk_path=str(tmp_path / "kv") if tier == "disk" else None, disk_cache="16MiB")
+    with LLM("kimi-tiny", cache=cache) as llm:
+        llm.generate([first], GREEDY)
+        if tier != "device":
+            llm.generate([tokens(4, 130)], GREEDY)
+        out = llm.generate([second], GREEDY)[0]
+        assert out.cached_tokens == 96                       # 6 full blocks of the 100 shared tokens
+        assert out.cached_by_tier.get(tier, 0) > 0, out.cached_by_tier
+        assert sum(out.cached_by_tier.values()) == 6
+        assert out.token_ids == reference["get"](second)
+        # The loaded blocks were published in the device tier: a third request finds them there.
+        again = llm.generate([shared + tokens(5, 20)], GREEDY)[0]
+        assert again.cached_by_tier == {"device": 6}
+
+
+def test_a_restarted_engine_finds_the_prefix_on_disk(tmp_path, reference):
+    p = tokens(6, 80)
+    cache = CacheConfig(host_cache=None, disk_path=str(tmp_path / "kv"), disk_cache="16MiB")
+    with LLM("kimi-tiny", cache=cache) as llm:
+        llm.generate([p], GREEDY)
+    with LLM("kimi-tiny", cache=cache) as llm:                # close() flushed; this one recovers
+        out = llm.generate([p], GREEDY)[0]
+    assert out.cached_by_tier == {"disk": 4} and out.token_ids == reference["get"](p)
+    with pytest.raises(ConfigError, match="cannot be used here"):   # other weights: another namespace
+        LLM("kimi-tiny", seed=1, cache=cache)
+
+
+def test_batching_chunking_and_preemption_change_no_token(block_bytes, reference):
+    prompts = [tokens(10 + i, n) for i, n in enumerate((70, 33, 120, 5))]
+    want = [reference["get"](p) for p in prompts]
+    with LLM("kimi-tiny", cache=CacheConfig(host_cache=None), max_batched_tokens=24) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    # Two 64-token prompts fill 8 of 9 pages; as both decode past a page boundary one must
+    # be preempted (its blocks stay cached) and readmitted after the other finishes.
+    longer = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [tokens(30, 64), tokens(31, 64)]
+    want = [reference["get"](p, longer) for p in prompts]
+    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=9 * block_bytes, host_cache="8MiB")) as llm:
+        outs = llm.generate(prompts, longer)
+        assert [o.token_ids for o in outs] == want
+        assert llm.stats()["preemptions"] > 0 and sum(o.preemptions for o in outs) > 0
+        assert all(t.used_blocks <= t.capacity_blocks for t in llm.stats()["store"].tiers)
+
+
+def test_text_prompts_sampling_and_sessions():
+    with LLM("kimi-tiny") as llm:
+        out = llm.generate("Hello, kvtier!", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert out.prompt_token_ids[0] == llm.tokenizer.bos_token_id and len(out.token_ids) == 8
+        assert isinstance(out.text, str) and out.finish_reason == "length"
+        hot = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+        a, b = llm.generate([tokens(20, 40), tokens(20, 40)], [hot, hot])
+        assert a.token_ids == b.token_ids                 # same seed, same tokens
+        c = llm.generate([tokens(20, 40)], SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))[0]
+        assert c.token_ids != a.token_ids
+        stop = llm.generate([tokens(20, 40)], SamplingParams(max_tokens=16, stop_token_ids=(a.token_ids[0],),
+                                                            temperature=1.0, top_p=0.9, seed=7))[0]
+        assert stop.token_ids == a.token_ids[:1] and stop.finish_reason == "stop"
+        out = llm.generate([tokens(21, 64)], GREEDY, sessions=["agent-1"])[0]
+        st = llm.stats()["store"]
+        assert st.pinned_sessions == 1 and sum(t.pinned_blocks for t in st.tiers) == 4
+
+
+def test_bad_requests_say_what_to_do(block_bytes):
+    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=8 * block_bytes, host_cache=None)) as llm:
+        with pytest.raises(ConfigError, match="larger kv_cache"):
+            llm.generate([tokens(1, 200)], GREEDY)
+        with pytest.raises(ConfigError, match="token ids must be ints"):
+            llm.generate([[1, 2, 10**6]], GREEDY)
+        with pytest.raises(ConfigError, match="empty"):
+            llm.generate([[]], GREEDY)
+        with pytest.raises(ConfigError, match="3 prompts"):
+            llm.generate([[1], [2], [3]], [GREEDY, GREEDY])
+    with pytest.raises(ConfigError, match="neither a model preset"):
+        LLM("/no/such/checkpoint")
+
+
+def test_kvtier_generate_cli(capsys, tmp_path):
+    assert main(["generate", "--preset", "kimi-tiny", "--prompt", "The cache", "--prompt", "The cache",
+                 "--max-tokens", "5", "--json"]) == 0
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and all(len(r["token_ids"]) <= 5 for r in rows)
+    assert main(["generate", "--preset", "kimi-tiny", "--prompt-ids", "1,2,3", "--max-tokens", "3"]) == 0
+    assert "random weights" in capsys.readouterr().out
+    assert main(["generate", "--preset", "kimi-tiny"]) == 2
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_kvtier_bench_engine_runs(capsys):
+    assert main(["bench", "engine", "--prompt-tokens", "64", "--repeat", "1", "--decode-tokens", "4",
+                 "--batch", "1,2", "--json"]) == 0
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    ttft = {r["case"]: r for r in rows if r["bench"] == "engine-ttft"}
+    assert set(ttft) == {"device", "host", "disk"}
+    for case, r in ttft.items():
+        assert r["cached_tokens"] == 48 and r["cached_from"].get(case, 0) > 0, r
+    assert [r["batch"] for r in rows if r["bench"] == "engine-decode"] == [1, 2]
