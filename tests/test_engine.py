@@ -148,3 +148,31 @@ def test_kvtier_bench_engine_runs(capsys):
     for case, r in ttft.items():
         assert r["cached_tokens"] == 48 and r["cached_from"].get(case, 0) > 0, r
     assert [r["batch"] for r in rows if r["bench"] == "engine-decode"] == [1, 2]
+
+
+def test_a_checkpoint_folder_with_its_tokenizer(tmp_path, reference):
+    """LLM(path): Hugging Face layout weights (memory-mapped) and tokenizer.json; its cache
+    namespace follows the weights, so another checkpoint never hits this one's blocks."""
+    pytest.importorskip("safetensors")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from kvtier.engine.config import preset
+    from kvtier.engine.weights import random_weights, save_checkpoint
+
+    cfg = preset("kimi-tiny")
+    save_checkpoint(tmp_path / "ckpt", cfg, random_weights(cfg, seed=0))
+    words = ["<s>", "</s>", "[UNK]", "the", "agent", "calls", "a", "tool", "again"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    with LLM(str(tmp_path / "ckpt")) as llm:
+        assert not llm.info.random_weights and llm.info.revision.startswith("ckpt-")
+        out = llm.generate("the agent calls a tool again " * 6, GREEDY)[0]
+        assert out.prompt_token_ids[:4] == [0, 3, 4, 5]                 # BOS, then the words
+        assert isinstance(out.text, str) and len(out.token_ids) == GREEDY.max_tokens
+        ids = tokens(40, 50)
+        assert llm.generate([ids], GREEDY)[0].token_ids == reference["get"](ids)   # the same weights as the preset
+        assert llm.generate([ids], GREEDY)[0].cached_tokens == 48

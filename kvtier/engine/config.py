@@ -281,9 +281,9 @@ _KIMI_TINY = dict(
     n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
     routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
     rms_norm_eps=1e-6, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+    rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 512,
                   "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, torch_dtype="float32",
+    max_position_embeddings=8192, bos_token_id=256, eos_token_id=257, torch_dtype="float32",
     model_type="kimi_k2",
 )
 
