@@ -176,3 +176,24 @@ def test_a_checkpoint_folder_with_its_tokenizer(tmp_path, reference):
         ids = tokens(40, 50)
         assert llm.generate([ids], GREEDY)[0].token_ids == reference["get"](ids)   # the same weights as the preset
         assert llm.generate([ids], GREEDY)[0].cached_tokens == 48
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+def test_on_a_gpu_cached_prefixes_from_each_tier_give_the_same_tokens(tmp_path):
+    """The same path on CUDA: pages in GPU memory, layer-wise loads from host and disk."""
+    shared = tokens(1, 100)
+    with LLM("kimi-tiny", device="cuda", cache=CacheConfig(host_cache=None)) as llm:
+        want = llm.generate([shared + tokens(3, 20)], GREEDY)[0].token_ids
+        assert llm.adapter.device_tier.on_gpu
+        bb = llm.store.layout.block_bytes
+    for tier in ("device", "host", "disk"):
+        cache = CacheConfig(kv_cache=(64 if tier == "device" else 10) * bb,
+                            host_cache="16MiB" if tier == "host" else None,
+                            disk_path=str(tmp_path / tier) if tier == "disk" else None, disk_cache="16MiB")
+        with LLM("kimi-tiny", device="cuda", cache=cache) as llm:
+            llm.generate([shared + tokens(2, 20)], GREEDY)
+            if tier != "device":
+                llm.generate([tokens(4, 130)], GREEDY)
+            out = llm.generate([shared + tokens(3, 20)], GREEDY)[0]
+            assert out.cached_by_tier.get(tier, 0) > 0 and out.token_ids == want, (tier, out.cached_by_tier)
