@@ -159,12 +159,14 @@ class KVAdapter:
 
     def free(self, slots: Sequence[int]) -> None:
         """Pages that were allocate()d (or not published) and are no longer needed."""
+        self.device_tier
         self.store.give_back(slots)
 
     def save(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         """Publish full pages the engine wrote as cached blocks (no copy). True: the block is
         now cached and held (release its key when done); False: it was cached already, keep
         treating the slot as yours."""
+        self.device_tier
         return self.store.publish(keys, slots)
 
     def release(self, keys: Sequence[bytes]) -> None:
@@ -177,52 +179,45 @@ class KVAdapter:
         lower-tier and peer blocks read (verified) and copied into lent slots layer by layer.
         The prefix may come back shorter than match.blocks (a block failed verification,
         was evicted since the lookup, or no page was free): compute from load.blocks on."""
-        st = self.store
-        names = st.tier_names
+        st, tier = self.store, self.device_tier
         keys = match.keys[:match.blocks]
-        n_local = sum(1 for t in match.tiers if t != getattr(st.remote, "name", None))
-        locs: list[tuple[int, int]] = []
-        while n_local:
-            try:
-                locs = st.acquire(keys[:n_local])
-                break
-            except KeyNotCachedError:             # evicted since the lookup: look again
-                n_local = min(n_local, st.lookup(keys[:n_local]).blocks)
-                keys = keys[:n_local]
-        # Device-tier blocks stay held (they are the pages); the others are read by get(),
-        # which holds them itself and drops a copy that fails verification.
-        st.release([keys[i] for i, (t, _) in enumerate(locs) if t > 0])
-        locs += [(len(st.tiers), -1)] * (len(keys) - n_local)
-        lower = [i for i, (t, _) in enumerate(locs) if t > 0]
-        n = len(keys)
-        staging = None
-        if lower:
-            staging = torch.empty(len(lower), self.layout.block_bytes, dtype=torch.uint8,
-                                  pin_memory=self.device_tier.on_gpu)
-            try:
-                got = st.get([keys[i] for i in lower], staging.numpy(), promote=False).loaded
-            except KeyNotCachedError:             # evicted from a lower tier since: compute those
-                got = 0
-            if got < len(lower):
-                n = lower[got]                    # the prefix ends at the first block that failed
-            lower = lower[:got]
-        lent = st.lend(len(lower)) if lower else []
-        if lent is None:                          # no free page for them: keep the device-tier part
-            n = lower[0]
-            lower, lent = [], []
+        locs = st.hold_top(keys)                  # device-tier blocks held where they are
+        if st.remote is None:
+            keys = keys[:len(locs)]               # (shorter if blocks were evicted since the lookup)
+        locs += [(len(st.tiers), -1)] * (len(keys) - len(locs))   # the rest: fetched from peers
+        n, lower, lent = len(keys), [i for i, (t, _) in enumerate(locs) if t > 0], []
+        try:
+            staging = None
+            if lower:
+                staging = torch.empty(len(lower), self.layout.block_bytes, dtype=torch.uint8, pin_memory=tier.on_gpu)
+                try:
+                    got = st.get([keys[i] for i in lower], staging.numpy(), promote=False).loaded
+                except KeyNotCachedError:         # evicted from a lower tier since: compute those
+                    got = 0
+                if got < len(lower):
+                    n = lower[got]                # the prefix ends at the first block that failed
+                lower = lower[:got]
+            lent = (st.lend(len(lower)) if lower else []) or []
+            if len(lent) < len(lower):            # no free page for them: keep the device-tier part
+                n, lower = lower[0], []
+            handle = None
+            if lower:
+                if self._pool_loader is None:
+                    self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
+                handle = self._pool_loader.load(staging[:len(lower)], torch.tensor(lent, dtype=torch.int64)[:, None])
+        except BaseException:                     # nothing stays held or lent by a load that failed
+            st.release([keys[i] for i, (t, _) in enumerate(locs) if t == 0])
+            if lent:
+                st.give_back(lent)
+            raise
         st.release([keys[i] for i, (t, _) in enumerate(locs) if t == 0 and i >= n])
         slots = [s for _, s in locs[:n]]
         held = [True] * n
         for j, i in enumerate(lower):
             slots[i], held[i] = lent[j], False
-        handle = None
-        if lower:
-            if self._pool_loader is None:
-                self._pool_loader = LayerLoader(PagedKV.of_pool(self.device_tier.tensor, self.layout), self.layout)
-            handle = self._pool_loader.load(staging[:len(lower)], torch.tensor(lent, dtype=torch.int64)[:, None])
         counts: dict[str, int] = {}
         for t, _ in locs[:n]:
-            counts[names[t]] = counts.get(names[t], 0) + 1
+            counts[st.tier_names[t]] = counts.get(st.tier_names[t], 0) + 1
         return PrefixLoad(keys[:n], slots, held, counts, handle, lower)
 
     def commit(self, load: PrefixLoad) -> None:
@@ -232,10 +227,16 @@ class KVAdapter:
             return
         load.wait()
         pos = load._lent
-        done = self.save([load.keys[i] for i in pos], [load.slots[i] for i in pos])
-        for i, d in zip(pos, done):
-            load.held[i] = d
         load._lent = []
+        i = 0
+        while i < len(pos):                       # each run of consecutive blocks keeps its chain
+            j = i + 1
+            while j < len(pos) and pos[j] == pos[j - 1] + 1:
+                j += 1
+            done = self.save(load.keys[pos[i]:pos[j - 1] + 1], [load.slots[p] for p in pos[i:j]])
+            for p, d in zip(pos[i:j], done):
+                load.held[p] = d
+            i = j
 
     # -- the engine owns its pages -------------------------------------------------------
     def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
@@ -278,7 +279,8 @@ class KVAdapter:
         last memory tier, so a pinned prefix may leave the GPU but not memory)."""
         if tier is None:
             mem = [i for i, t in enumerate(self.store.tiers) if not t.persistent]
-            tier = mem[-1] if mem else 0
+            # Pinning into the engine's own pages would shrink them: below them when possible.
+            tier = mem[-1] if mem and mem[-1] > 0 else len(self.store.tiers) - 1
         return self.store.pin(session, keys, ttl, tier)
 
     def unpin(self, session: str) -> int:

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import xxhash
 
-from kvtier.errors import ClosedError, ConfigError, LayoutError, TransferError
+from kvtier.errors import ClosedError, ConfigError, KeyNotCachedError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
@@ -121,6 +121,7 @@ class Store:
         self._lock = threading.Lock()
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
+        self._lent: set[int] = set()    # top-tier slots lent to an engine (lend/give_back/publish)
         self._closed = False
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
@@ -382,17 +383,26 @@ class Store:
                 self._discard(bad)
 
     # -- an engine whose pages are the top tier (kvtier.adapter) ---------------------------
-    def acquire(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
-        """Hold cached blocks where they are and return each one's (tier, slot): nothing held
-        is evicted or moved until release(keys). All or nothing (KeyNotCachedError)."""
+    def hold_top(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """The locally cached prefix of `keys`: (tier, slot) of each of its blocks, where the
+        blocks in the top tier are held in place (not evicted or moved until release()) and
+        the others are not held (slot -1: read them with get())."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
-            return self.index.acquire(keys)
+            n, tiers = self.index.lookup(keys)
+            top = [keys[i] for i in range(n) if tiers[i] == 0]
+            slots = iter(s for _, s in self.index.acquire(top))
+            return [(t, next(slots) if t == 0 else -1) for t in tiers]
 
     def release(self, keys: Sequence[bytes]) -> None:
-        """End holds taken by acquire() or publish()."""
+        """End holds taken by hold_top() or publish()."""
         with self._lock:
+            entries = self.index.entries
+            for k in keys:
+                e = entries.get(k)
+                if e is None or e.refs <= 0:
+                    raise KeyNotCachedError("release() of a block that is not held: release each held key once")
             self.index.release(keys)
 
     def lend(self, n: int) -> list[int] | None:
@@ -405,12 +415,20 @@ class Store:
             self._check_open()
             moves: list[Move] = []
             slots = self.index.lend(0, n, moves)
-            self._apply(Reservation(moves=moves))
+            try:
+                self._apply(Reservation(moves=moves))
+            except BaseException:
+                if slots:
+                    self.index.give_back(0, slots)
+                raise
+            if slots:
+                self._lent.update(slots)
             return slots
 
     def give_back(self, slots: Sequence[int]) -> None:
         """Return lent top-tier slots that hold nothing worth keeping."""
         with self._lock:
+            self._take_lent(slots)
             self.index.give_back(0, slots)
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
@@ -422,17 +440,33 @@ class Store:
             raise LayoutError(f"publish: {len(keys)} keys but {len(slots)} slots; give one slot per key")
         with self._lock:
             self._check_open()
+            self._take_lent(slots, check_only=True)
             done = self.index.publish(0, keys, slots)
-            self.counters.puts += 1
-            self.counters.put_blocks += sum(done)
-            self.counters.put_bytes += sum(done) * self.layout.block_bytes
-            self.counters.put_present += len(keys) - sum(done)
-        if self.write_through and any(done):
+            self._lent.difference_update(s for s, d in zip(slots, done) if d)
+            c, n = self.counters, sum(done)
+            c.puts += 1
+            c.put_blocks += n
+            c.put_bytes += n * self.layout.block_bytes
+            c.put_present += len(keys) - n
+        if self.write_through and n:
             new = [k for k, d in zip(keys, done) if d]
             for i, tier in enumerate(self.tiers):
                 if i > 0 and tier.persistent:
-                    self._copy_into(i, new)
+                    try:          # best effort: the blocks are cached and held either way
+                        self._copy_into(i, new)
+                    except Exception as e:
+                        log.warning("write-through of %d published blocks to %s failed: %s", len(new), tier.name, e)
         return done
+
+    def _take_lent(self, slots: Sequence[int], check_only: bool = False) -> None:
+        """Check (under the lock) that `slots` are distinct slots lent by this store; forget them."""
+        seen: set[int] = set()
+        bad = [s for s in slots if s in seen or s not in self._lent or seen.add(s)]   # type: ignore[func-returns-value]
+        if bad:
+            raise LayoutError(f"slots {bad[:8]} were not lent by this store (or are named twice): give back or "
+                              "publish only slots lend() returned, each once")
+        if not check_only:
+            self._lent.difference_update(slots)
 
     # -- tiers: prefetch and durability ---------------------------------------------------
     def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:

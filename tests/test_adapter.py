@@ -195,3 +195,43 @@ def test_lending_and_publishing_never_exceed_capacity_or_share_a_page(ops):
             ks, ps, hs, _ = live.pop(0)
             a.release([k for k, h in zip(ks, hs) if h])
             a.free([p for p, h in zip(ps, hs) if not h])
+
+
+def test_slots_and_holds_are_checked_at_the_boundary():
+    a = make()
+    slots = a.allocate(2)
+    a.free(slots)
+    with pytest.raises(kvtier.LayoutError, match="not lent"):
+        a.free(slots)                                  # twice
+    with pytest.raises(kvtier.LayoutError, match="not lent"):
+        a.free([-5])
+    slots = a.allocate(2)
+    with pytest.raises(kvtier.LayoutError, match="named twice"):
+        a.save(a.keys(list(range(8))), [slots[0], slots[0]])
+    keys = a.keys(list(range(8)))
+    assert a.save(keys, slots) == [True, True]
+    with pytest.raises(kvtier.LayoutError, match="not lent"):
+        a.free(slots)                                  # published: no longer the engine's
+    a.release(keys)
+    with pytest.raises(kvtier.KeyNotCachedError, match="not held"):
+        a.release(keys)
+
+
+def test_a_failed_load_leaves_nothing_held_or_lent(monkeypatch):
+    a = make(device_blocks=4)
+    tokens = list(range(16))
+    keys, _, _ = compute(a, tokens, 7)
+    a.release(keys)
+    other, _, _ = compute(a, list(range(300, 308)), 8)   # two of the first prompt's blocks go to host
+    a.release(other)
+    match = a.lookup(tokens)
+    assert "host" in match.tiers and "device" in match.tiers
+
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+    monkeypatch.setattr(a.store, "get", broken)
+    with pytest.raises(OSError):
+        a.load(match)
+    monkeypatch.undo()
+    assert all(e.refs == 0 for e in a.store.index.entries.values())
+    assert a.allocate(4) is not None                   # every device slot can be had again

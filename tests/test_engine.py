@@ -197,3 +197,19 @@ def test_on_a_gpu_cached_prefixes_from_each_tier_give_the_same_tokens(tmp_path):
                 llm.generate([tokens(4, 130)], GREEDY)
             out = llm.generate([shared + tokens(3, 20)], GREEDY)[0]
             assert out.cached_by_tier.get(tier, 0) > 0 and out.token_ids == want, (tier, out.cached_by_tier)
+
+
+def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_cannot_fit(block_bytes):
+    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=10 * block_bytes, host_cache=None)) as llm:
+        with pytest.raises(ConfigError, match="other weights"):
+            LLM("kimi-tiny", seed=1, store=llm.store)
+        # A session pins its blocks; a long request then cannot get enough pages: it fails
+        # alone, and the engine serves the next request.
+        import numpy as np
+        llm.generate([np.array(tokens(50, 60))], GREEDY, sessions=["s"])
+        with pytest.raises(ConfigError, match="larger kv_cache"):
+            llm.generate([tokens(51, 140)], GREEDY)
+        assert not llm.scheduler.waiting and not llm.scheduler.running
+        assert len(llm.generate([tokens(52, 20)], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        with pytest.raises(ConfigError, match="ints"):
+            llm.generate([[1, True]], GREEDY)

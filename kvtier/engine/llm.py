@@ -68,14 +68,21 @@ class LLM:
         self._own_store = store is None
         if self.store.layout != layout:
             raise ConfigError(f"the store's layout ({self.store.layout.describe()}) is not this model's "
-                              f"({layout.describe()}): build the store with LLM.kv_layout")
+                              f"({layout.describe()}): build it with model.kv_layout(block_tokens)")
+        if self.store.namespace != self.info.namespace(self.store.namespace.salt, self.store.namespace.shard):
+            raise ConfigError(f"the store's namespace {self.store.namespace} is not this model's "
+                              f"(model {self.info.name!r}, revision {self.info.revision!r}): its blocks came from "
+                              "other weights; build the store with info.namespace()")
         self.adapter = KVAdapter(self.store)
-        self.adapter.device_tier    # the pages must be the device tier
+        if self.adapter.device_tier.device != self.model.device:   # the pages must be the device tier, by the model
+            raise ConfigError(f"the store's device tier is on {self.adapter.device_tier.device} but the model is on "
+                              f"{self.model.device}: put both on one device")
         self.tokenizer = load_tokenizer(self.info.tokenizer_path, self.config.vocab_size)
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    session_ttl=session_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
         self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
         self.eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id
 
     # -- requests ----------------------------------------------------------------------
@@ -89,11 +96,11 @@ class LLM:
             bos = self.tokenizer.bos_token_id      # text starts with BOS, as the checkpoints were trained
             ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
+            ids = _token_ids(prompt)
         if not ids:
             raise ConfigError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not all(0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
         limit = self.config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
@@ -107,7 +114,14 @@ class LLM:
             raise ConfigError("session must be a non-empty string (e.g. the x-session-affinity header)")
         req = Request(f"req-{next(self._ids)}", ids, params, session, generator=make_generator(params, self.model.device))
         self.scheduler.add(req)
+        self._requests[req.id] = req
         return req.id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a queued or running request; its pages go back to the store."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -120,12 +134,19 @@ class LLM:
         slist = list(sessions) if sessions is not None else [None] * n
         if len(plist) != n or len(slist) != n:
             raise ConfigError(f"got {n} prompts, {len(plist)} sampling params and {len(slist)} sessions")
-        order = {self.add_request(p, sp, s): i for i, (p, sp, s) in enumerate(zip(prompts, plist, slist))}
+        order: dict[str, int] = {}
         out: list[RequestOutput | None] = [None] * n
-        while any(o is None for o in out):
-            for done in self.step():
-                if done.id in order:
-                    out[order[done.id]] = done
+        try:
+            for i, (p, sp, s) in enumerate(zip(prompts, plist, slist)):
+                order[self.add_request(p, sp, s)] = i
+            while any(o is None for o in out):
+                for done in self.step():
+                    if done.id in order:
+                        out[order[done.id]] = done
+        except BaseException:
+            for rid in order:                                     # nothing of this call stays queued
+                self.abort(rid)
+            raise
         return out                                                # type: ignore[return-value]
 
     # -- the loop ----------------------------------------------------------------------
@@ -161,6 +182,7 @@ class LLM:
             reason = self._stop_reason(r, tok)
             if reason is not None:
                 self.scheduler.finish(r, reason)
+                self._requests.pop(r.id, None)
                 finished.append(self._output(r))
         return finished
 
@@ -191,3 +213,22 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """Token ids from a list, a numpy array or a tensor of integers (not bools, not floats)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dtype.is_floating_point or prompt.dtype == torch.bool or prompt.dim() != 1:
+            raise ConfigError(f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} {list(prompt.shape)}")
+        return prompt.tolist()
+    if hasattr(prompt, "tolist") and hasattr(prompt, "dtype"):            # numpy
+        if getattr(prompt.dtype, "kind", "") not in "iu" or getattr(prompt, "ndim", 1) != 1:
+            raise ConfigError(f"a prompt array must be 1-D integer token ids, got {prompt.dtype}")
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise ConfigError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+    ids = list(prompt)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__") and not isinstance(t, float)):
+            raise ConfigError(f"prompt token ids must be ints, got {t!r}")
+    return [int(t) for t in ids]

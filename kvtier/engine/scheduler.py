@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self._blocked = False     # the head of the queue found no pages; retry when some are freed
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -70,16 +71,21 @@ class Scheduler:
             out.append(Scheduled(req, n))
             budget -= n
             i += 1
-        while self.waiting and budget and len(self.running) < self.max_seqs:
+        while self.waiting and budget and len(self.running) < self.max_seqs and not self._blocked:
             req = self.waiting[0]
             if not req.pages:
                 self._admit(req)
             n = min(req.num_tokens - req.computed, budget)
             if not self._grow(req, n):
-                if not self.running:
-                    raise ConfigError(f"request {req.id!r} needs more KV pages than the device tier can free "
-                                      f"({len(req.pages)} held): give the engine a larger kv_cache")
                 self._drop_pages(req)
+                if not self.running:
+                    self.waiting.popleft()
+                    req.status, req.finish_reason = Status.FINISHED, "error"
+                    raise ConfigError(f"request {req.id!r} needs more KV pages than the device tier can free "
+                                      "(the rest is pinned or held): give the engine a larger kv_cache")
+                # Speed: admitting it again costs a lookup and a load; wait until a running
+                # request finishes or is preempted and pages come back.
+                self._blocked = True
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -118,6 +124,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._drop_pages(req)
+        self._blocked = False
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions += 1
@@ -145,6 +152,18 @@ class Scheduler:
         if req.session is not None and req.keys:
             self.adapter.pin(req.session, req.keys, self.session_ttl)
         self._drop_pages(req)
+        self._blocked = False
+
+    def abort(self, req: Request) -> None:
+        """Drop a request wherever it is (a failed generate() must not leave work queued)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages:
+            self._drop_pages(req)
+        req.status, req.finish_reason = Status.FINISHED, req.finish_reason or "abort"
+        self._blocked = False
 
     def _drop_pages(self, req: Request) -> None:
         """Release held blocks and free lent pages (their full blocks are cached already)."""
