@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
              device=args.device, cache=cache) as llm:
         if not args.json:
             print(f"model: {llm.info.describe()}")
+            if llm.info.random_weights:
+                print("note: this preset's weights are random (made from a seed), so its text is noise; "
+                      "it runs the whole engine and cache path. Pass --model CHECKPOINT_DIR for real output.")
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, sessions=[args.session] * len(prompts))
         wall = time.perf_counter() - t0
@@ -59,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
                                   "cached_tokens": o.cached_tokens, "cached_by_tier": o.cached_by_tier,
                                   "finish_reason": o.finish_reason, "ttft_s": o.ttft, "wall_s": wall}))
             else:
-                print(f"\n{o.text!r}\n  {len(o.prompt_token_ids)} prompt tokens ({o.cached_tokens} from the cache "
-                      f"{o.cached_by_tier or ''}), {len(o.token_ids)} generated ({o.finish_reason}), "
+                where = ", ".join(f"{n} blocks from {t}" for t, n in o.cached_by_tier.items())
+                print(f"\n{o.text!r}\n  {len(o.prompt_token_ids)} prompt tokens, {o.cached_tokens} of them from the "
+                      f"cache{f' ({where})' if where else ''}; {len(o.token_ids)} generated ({o.finish_reason}); "
                       f"first token after {o.ttft * 1000:.1f} ms")
         if not args.json:
             n = sum(len(o.token_ids) for o in outs)
