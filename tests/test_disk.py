@@ -95,9 +95,9 @@ def test_write_through_keeps_a_disk_copy_of_every_put(tmp_path):
 
 def test_another_layout_or_namespace_is_refused(tmp_path):
     open_store(tmp_path / "kv").close()
-    with pytest.raises(ConfigError, match="another layout.*read_only=True"):
+    with pytest.raises(ConfigError, match="another layout.*kvtier inspect"):
         open_store(tmp_path / "kv", layout=ODD)
-    with pytest.raises(ConfigError, match="another namespace"):
+    with pytest.raises(ConfigError, match="by model 'disk-test' revision 'r1'.*this store is model 'other-model'"):
         open_store(tmp_path / "kv", ns=kvtier.Namespace("other-model"))
     open_store(tmp_path / "kv").close()   # the right store still opens it
 

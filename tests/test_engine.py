@@ -11,7 +11,7 @@ import torch
 
 from kvtier.cli import main
 from kvtier.engine import CacheConfig, LLM, SamplingParams
-from kvtier.errors import ConfigError
+from kvtier.errors import ClosedError, ConfigError
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -213,3 +213,23 @@ def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_
         assert len(llm.generate([tokens(52, 20)], GREEDY)[0].token_ids) == GREEDY.max_tokens
         with pytest.raises(ConfigError, match="ints"):
             llm.generate([[1, True]], GREEDY)
+
+
+def test_an_engine_never_closed_still_leaves_its_blocks_on_disk(tmp_path, children):
+    """The documented script without close(): the store is flushed at interpreter exit."""
+    code = ("from kvtier.engine import LLM, CacheConfig, SamplingParams\n"
+            f"llm = LLM('kimi-tiny', cache=CacheConfig(host_cache=None, disk_path={str(tmp_path / 'kv')!r}, disk_cache='16MiB'))\n"
+            "llm.generate([list(range(80))], SamplingParams(max_tokens=2))\n"
+            "print('generated', flush=True)\n")
+    proc, _ = children(code)
+    assert proc.wait(timeout=120) == 0
+    with LLM("kimi-tiny", cache=CacheConfig(host_cache=None, disk_path=str(tmp_path / "kv"), disk_cache="16MiB")) as llm:
+        assert llm.generate([list(range(80))], SamplingParams(max_tokens=2))[0].cached_by_tier == {"disk": 4}
+        with pytest.raises(ConfigError, match="one session id"):
+            llm.generate(["a"], GREEDY, sessions="s1")
+    with pytest.raises(ClosedError, match="LLM is closed"):
+        llm.generate(["a"], GREEDY)
+    with pytest.raises(ConfigError, match="CacheConfig"):
+        LLM("kimi-tiny", cache={"kv_cache": "1GiB"})
+    with pytest.raises(ConfigError, match="CUDA"):
+        LLM("kimi-tiny", device="cuda:7" if torch.cuda.is_available() else "cuda:0")

@@ -31,6 +31,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine import CacheConfig, LLM, SamplingParams
     from kvtier.errors import ConfigError
 
+    try:
+        batches = [int(x) for x in args.batch.split(",") if x.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--batch takes comma-separated batch sizes, e.g. 1,16: {e}") from e
+    if any(b < 1 for b in batches) or args.repeat < 1 or args.decode_tokens < 2:
+        raise ConfigError("--batch sizes and --repeat must be >= 1, --decode-tokens >= 2")
     cases = [c.strip() for c in args.tiers.split(",") if c.strip()]
     if not set(cases) <= {"device", "host", "disk"}:
         raise ConfigError(f"--tiers takes device, host and disk, got {args.tiers!r}")
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                      "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
                      "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
     tmp.cleanup()
-    for b in [int(x) for x in args.batch.split(",") if x.strip()]:
+    for b in batches:
         llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None)
         try:
             params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
@@ -106,11 +112,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _layout_bytes(args: argparse.Namespace) -> int:
     """Bytes of one KV block of the model, to size the tiers in blocks."""
+    from pathlib import Path
+
     import torch
 
     from kvtier.engine.config import ModelConfig, preset, preset_names
+    from kvtier.errors import ConfigError
     from kvtier.engine.model.loader import _dtype
 
+    if args.preset not in preset_names() and not Path(args.preset).is_dir():
+        raise ConfigError(f"--preset {args.preset!r} is neither a preset ({', '.join(preset_names())}) nor a "
+                          "checkpoint folder")
     cfg = preset(args.preset) if args.preset in preset_names() else ModelConfig.from_hf(args.preset)
     itemsize = torch.empty((), dtype=_dtype(args.dtype, cfg)).element_size()
     return cfg.num_hidden_layers * args.block_tokens * cfg.kv_entry_dim * itemsize

@@ -23,8 +23,8 @@ class CacheConfig:
     block_tokens: int = 16                 # tokens per page and per kvtier block
     kv_cache: int | str = "256MiB"         # device tier: the engine's KV pages
     host_cache: int | str | None = "1GiB"  # host-memory tier below it (None: none)
-    disk_path: str | None = None           # a disk tier below that (None: none)
-    disk_cache: int | str = "4GiB"
+    disk_path: str | None = None           # a disk tier below that (None: none); kept across runs
+    disk_cache: int | str = "4GiB"         # its size, allocated when the folder is first used
     policy: str = DEFAULT_POLICY
 
 

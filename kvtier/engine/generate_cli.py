@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: float32 on a CPU)")
     p.add_argument("--kv-cache", default="256MiB", help="device tier: the engine's KV pages (default 256MiB)")
     p.add_argument("--host-cache", default="1GiB", help="host-memory tier below it; 0 for none")
-    p.add_argument("--disk", default=None, help="a folder for a disk tier below host memory")
+    p.add_argument("--disk", default=None, help="a folder for a disk tier below host memory (kept across runs)")
+    p.add_argument("--disk-cache", default="1GiB", help="size of the disk tier (default 1GiB, allocated up front)")
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--prompt-ids must be comma-separated integers: {e}") from e
     cache = CacheConfig(block_tokens=args.block_tokens, kv_cache=args.kv_cache,
                         host_cache=None if str(args.host_cache) in ("0", "none", "") else args.host_cache,
-                        disk_path=args.disk)
+                        disk_path=args.disk, disk_cache=args.disk_cache)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     with LLM(args.model or args.preset or "kimi-tiny", seed=args.weights_seed, dtype=args.dtype,
              device=args.device, cache=cache) as llm:
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         for o in outs:
             if args.json:
-                print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_tokens": len(o.prompt_token_ids),
+                print(json.dumps({"random_weights": llm.info.random_weights, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": len(o.prompt_token_ids),
                                   "cached_tokens": o.cached_tokens, "cached_by_tier": o.cached_by_tier,
                                   "finish_reason": o.finish_reason, "ttft_s": o.ttft, "wall_s": wall}))
             else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,7 +29,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, make_generator, sample
 from kvtier.engine.scheduler import Scheduled, Scheduler
 from kvtier.engine.tokenizer import load_tokenizer
-from kvtier.errors import ConfigError
+from kvtier.errors import ClosedError, ConfigError
 from kvtier.store import Store
 
 
@@ -59,6 +60,8 @@ class LLM:
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: CacheConfig | None = None, store: Store | None = None,
                  max_batched_tokens: int = 512, max_seqs: int = 64, session_ttl: float = 300.0) -> None:
+        if cache is not None and not isinstance(cache, CacheConfig):
+            raise ConfigError(f"cache must be a kvtier.engine.CacheConfig(...), not {type(cache).__name__}")
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
         self.config = self.model.config
         cache = cache or CacheConfig()
@@ -81,6 +84,10 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    session_ttl=session_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
+        # A store this engine built is closed (flushed down to disk) even if the caller never
+        # calls close(): at garbage collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None)
+        self._closed = False
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id
@@ -129,6 +136,8 @@ class LLM:
         """Run prompts (text or token-id lists) to completion; outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]                                   # type: ignore[list-item]
+        if isinstance(sessions, str):
+            raise ConfigError("sessions is a list with one session id (or None) per prompt, e.g. [\"agent-1\"]")
         n = len(prompts)
         plist = list(params) if isinstance(params, Sequence) else [params] * n
         slist = list(sessions) if sessions is not None else [None] * n
@@ -152,6 +161,8 @@ class LLM:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
+        if self._closed:
+            raise ClosedError("this LLM is closed; create a new one")
         scheduled = self.scheduler.schedule()                     # 1. schedule
         if not scheduled:
             return []
@@ -204,15 +215,21 @@ class LLM:
         return {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
 
     def close(self) -> None:
-        self.adapter.close()
-        if self._own_store:
-            self.store.close()
+        """Finish, flush the cache's blocks down to its persistent tiers, release everything."""
+        self._closed = True
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(adapter: KVAdapter, store: Store | None) -> None:
+    adapter.close()
+    if store is not None:
+        store.close()
 
 
 def _token_ids(prompt: object) -> list[int]:

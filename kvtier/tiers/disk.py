@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -162,10 +162,17 @@ class DiskTier(Tier):
         have = msgpack.unpackb(raw)
         for field in (*self.identity, "format", "block_bytes", "slot_bytes"):
             if have.get(field) != want.get(field):
+                if field == "namespace_seed" and have.get("namespace") == want.get("namespace"):
+                    what = "under another tenant salt, key hash or layout"
+                elif field in ("namespace", "namespace_seed"):
+                    what = (f"by model {have.get('namespace', {}).get('model')!r} revision "
+                            f"{have.get('namespace', {}).get('revision')!r}; this store is model "
+                            f"{want.get('namespace', {}).get('model')!r} revision {want.get('namespace', {}).get('revision')!r}")
+                else:
+                    what = f"with another {field} ({have.get(field)!r}, this store has {want.get(field)!r})"
                 raise ConfigError(
-                    f"disk tier {self.path} was written with another {field} ({have.get(field)!r}, this "
-                    f"store has {want.get(field)!r}): its blocks cannot be used here. Point the store at "
-                    "another directory, or open this one with DiskTier(path, read_only=True) to inspect it")
+                    f"disk tier {self.path} was written {what}: its blocks cannot be used here. Use another "
+                    "folder for this store (`kvtier inspect PATH` shows what this one holds)")
         if not self.read_only and have.get("capacity_blocks") != slots:
             with self._env.begin(db=self._meta_db, write=True) as txn:
                 txn.put(b"meta", msgpack.packb({**have, "capacity_blocks": slots}))
@@ -307,8 +314,19 @@ class DiskTier(Tier):
         for s, js in _runs_by_slot([slots[j] for j in by_slot], by_slot):
             for c in range(0, len(js), self._chunk_slots):
                 runs.append((js[c:c + self._chunk_slots], s + c))
-        futures = [self._pool.submit(fn, js, s0, rows, order) for js, s0 in runs]
+        futures = [self._submit(fn, js, s0, rows, order) for js, s0 in runs]
         return [f.result() for f in futures] if wait else futures
+
+    def _submit(self, fn, *args: Any) -> Future:
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError:    # interpreter shutdown (a store closed at exit): run it on this thread
+            f: Future = Future()
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:
+                f.set_exception(e)
+            return f
 
     def _staging_buffer(self) -> tuple[int, mmap.mmap]:
         """One of the per-thread staging buffers (there is one per I/O thread)."""

@@ -56,7 +56,9 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
     CUDA when there is one."""
     from kvtier.engine import weights
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from kvtier.tiers.device import resolve_device
+
+    device = resolve_device(device)    # cuda when present; a ConfigError for a device this machine lacks
     if isinstance(source, ModelConfig) or (isinstance(source, str) and source in preset_names()):
         if isinstance(source, str) and source not in PRESET_RANDOM_WEIGHTS:
             raise ConfigError(f"preset {source!r} names a real model whose weights are not shipped: pass its "
@@ -71,8 +73,9 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
     else:
         path = Path(source)
         if not path.is_dir():
+            why = "is a file, not a folder" if path.exists() else "does not exist"
             raise ConfigError(f"{str(source)!r} is neither a model preset ({', '.join(preset_names())}) nor a "
-                              "checkpoint directory")
+                              f"checkpoint directory: that path {why}")
         config = ModelConfig.from_hf(path)
         dt = _dtype(dtype, config)
         state = weights.load_checkpoint(path, config, dtype=dt, device=device)
