@@ -12,9 +12,10 @@ Two ways to hold the KV pages:
   found lower down is read (verified), copied into lent slots layer by layer, and published
   as top-tier blocks once the copy is done. A new full block is saved by publishing the
   slot the engine wrote: zero copies. `allocate / load / commit / save / release / free`.
-- The engine owns its pages (vLLM and most engines): `load_into` reads the cached blocks
-  and scatters them into the given pages layer by layer; `save_from` gathers pages into
-  host blocks without blocking the engine's stream and puts them into the store.
+- The engine owns its pages (vLLM and most engines): `load_into` returns at once; a loader
+  thread reads the cached blocks (verified) and scatters them into the given pages layer
+  by layer, flagging each layer (on a CPU too); `save_from` gathers pages into host blocks
+  without blocking the engine's stream and puts them into the store.
 
 docs/adapter.md maps each call onto vLLM's KV-connector API.
 """
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from kvtier.errors import ConfigError, KeyNotCachedError, LayoutError
+from kvtier.errors import ConfigError, KeyNotCachedError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.keys import BlockKeys
 from kvtier.store import Store
@@ -81,19 +82,47 @@ class PrefixLoad:
 
 @dataclass
 class PagesLoad:
-    """A load into engine-owned pages: `loaded` leading blocks are arriving layer by layer;
-    the engine computes the rest (a block that failed verification is never written)."""
+    """A load into engine-owned pages, running on a loader thread: the store read (verified),
+    then the scatter, layer by layer. Of the `requested` blocks the leading `loaded` ones
+    arrive; the engine computes the rest (their pages are never written).
 
-    loaded: int
+    `loaded` waits for the read. A load that fails (an I/O error, a failed copy) counts as
+    loading nothing: `loaded` drops to 0 and `error` says why; the waits never raise, so
+    read `loaded` after wait() to know which pages to recompute."""
+
+    requested: int
     handle: LoadHandle | None
 
-    def wait_for_layer(self, layer: int) -> None:
-        if self.handle is not None:
-            self.handle.wait_for_layer(layer)
+    @property
+    def error(self) -> BaseException | None:
+        return self.handle.error if self.handle is not None else None
 
-    def wait(self) -> None:
-        if self.handle is not None:
+    @property
+    def loaded(self) -> int:
+        if self.handle is None:
+            return 0
+        try:
+            rows = self.handle.wait_rows()
+        except TransferError:
+            return 0
+        return 0 if self.handle.error is not None else rows
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Before layer `layer` reads the pages: on a GPU the current stream waits for that layer's copy."""
+        if self.handle is None:
+            return
+        try:
+            self.handle.wait_for_layer(layer)
+        except TransferError:       # failed: `loaded` is 0 now and the engine recomputes
+            pass
+
+    def wait(self) -> int:
+        """Block until every layer is in place (or the load failed); the blocks loaded."""
+        for layer in range(self.handle.num_layers if self.handle is not None else 0):
+            self.wait_for_layer(layer)
+        if self.handle is not None and self.handle.error is None:
             self.handle.wait()
+        return self.loaded
 
 
 @dataclass
@@ -124,6 +153,9 @@ class KVAdapter:
         self.layout = store.layout
         self.block_tokens = store.layout.block_tokens
         self._pool_loader: LayerLoader | None = None
+        self._paged: PagedKV | None = None        # the engine's pages load_into/save_from last moved,
+        self._loader: LayerLoader | None = None   # and their movers (made on first use)
+        self._saver: Saver | None = None
 
     # -- tokens -> keys -> lookup -----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
@@ -239,54 +271,82 @@ class KVAdapter:
             i = j
 
     # -- the engine owns its pages -------------------------------------------------------
-    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
-                  loader: LayerLoader | None = None) -> PagesLoad:
-        """Read the cached blocks `keys` (verified) and scatter them into the engine's pages
-        named by `page_table` ([n, pages_per_block]) layer by layer. Blocks past `loaded`
-        (not cached any more, or corrupt) are not written: the engine recomputes them."""
+    def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[bytes]) -> torch.Tensor:
+        """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
+        if paged.layout.fingerprint != self.layout.fingerprint:
+            raise LayoutError(f"paged was built for {paged.layout.describe()} but the store holds "
+                              f"{self.layout.describe()}: build the PagedKV with the store's layout")
         table = paged.table(page_table)
         if table.shape[0] != len(keys):
             raise LayoutError(f"page_table has {table.shape[0]} rows for {len(keys)} keys: one row per block")
-        st = self.store
-        n = st.lookup(keys).blocks
-        if n == 0:
+        if self._paged is not paged:
+            if self._loader is not None:
+                self._loader.close(wait=False)           # its loads still finish
+            self._paged, self._loader, self._saver = paged, None, None
+        return table
+
+    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
+                  loader: LayerLoader | None = None) -> PagesLoad:
+        """Load the cached blocks `keys` into the engine's pages named by `page_table`
+        ([n, pages_per_block], one row per key). Returns at once: a loader thread reads the
+        blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
+        reads its pages. Blocks past `loaded` (not cached any more, corrupt, or the load
+        failed) are not written: the engine recomputes them."""
+        table = self._engine_pages(paged, page_table, keys)
+        if not len(keys):
             return PagesLoad(0, None)
+        if loader is None:
+            if self._loader is None:
+                self._loader = LayerLoader(paged, self.layout, threaded=True)
+            loader = self._loader
         cuda = paged.device.type == "cuda"
-        host = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, pin_memory=cuda)
-        try:
-            got = st.get(keys[:n], host.numpy(), promote=False).loaded
-        except KeyNotCachedError:                 # evicted between lookup and get: recompute
-            return PagesLoad(0, None)
-        if got == 0:
-            return PagesLoad(0, None)
-        loader = loader or LayerLoader(paged, self.layout)
-        return PagesLoad(got, loader.load(host[:got], table[:got]))
+        st = self.store
+
+        def read() -> torch.Tensor:               # on the loader's thread
+            n = st.lookup(keys).blocks            # evicted since the engine looked: fewer
+            host = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, pin_memory=cuda and n > 0)
+            if n == 0:
+                return host
+            try:
+                got = st.get(keys[:n], host.numpy()).loaded    # verified; promotes as the store is set to
+            except KeyNotCachedError:             # evicted between lookup and get: recompute
+                got = 0
+            return host[:got]
+
+        return PagesLoad(len(keys), loader.load(read, table))
 
     def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
                   saver: Saver | None = None) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
-        the engine's stream; wait() on the result puts them into the store."""
-        if not isinstance(paged, PagedKV):
-            raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
-        saver = saver or Saver(paged, self.layout)
-        return PagesSave(saver.save(page_table), keys, self.store)   # type: ignore[arg-type]
+        the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
+        them; wait() on the result puts them into the store (from any thread)."""
+        table = self._engine_pages(paged, page_table, keys)
+        if saver is None:
+            if self._saver is None:
+                self._saver = Saver(paged, self.layout)
+            saver = self._saver
+        return PagesSave(saver.save(table), keys, self.store)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str | None = None) -> int:
         """Keep a session's prefix in `tier` or above for `ttl` seconds (default tier: the
         last memory tier, so a pinned prefix may leave the GPU but not memory)."""
         if tier is None:
-            mem = [i for i, t in enumerate(self.store.tiers) if not t.persistent]
-            # Pinning into the engine's own pages would shrink them: below them when possible.
-            tier = mem[-1] if mem and mem[-1] > 0 else len(self.store.tiers) - 1
+            tiers = self.store.tiers
+            mem = [i for i, t in enumerate(tiers) if not t.persistent]
+            tier = mem[-1] if mem else 0
+            if tier == 0 and isinstance(tiers[0], DeviceTier) and len(tiers) > 1:
+                tier = len(tiers) - 1      # not into the engine's own pages: that would shrink them
         return self.store.pin(session, keys, ttl, tier)
 
     def unpin(self, session: str) -> int:
         return self.store.unpin(session)
 
     def close(self) -> None:
-        if self._pool_loader is not None:
-            self._pool_loader.close()
-            self._pool_loader = None
+        """Stop the loader threads (after the loads in flight)."""
+        for loader in (self._pool_loader, self._loader):
+            if loader is not None:
+                loader.close()
+        self._pool_loader = self._paged = self._loader = self._saver = None

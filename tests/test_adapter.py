@@ -141,6 +141,86 @@ def test_pages_the_engine_owns_round_trip():
     assert miss.loaded == 0
 
 
+def _engine_pages_with_cached(n_pages: int = 10) -> tuple[KVAdapter, list[torch.Tensor], kvtier.BlockKeys]:
+    """A host-tier adapter holding 3 blocks saved from random engine pages 7, 2, 5."""
+    a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS))
+    pages = [torch.randn(n_pages, 4, 24) for _ in range(LAYOUT.num_layers)]
+    keys = a.keys(list(range(12)))
+    a.save_from(keys, PagedKV(pages, LAYOUT, "mla"), [[7], [2], [5]]).wait()
+    return a, pages, keys
+
+
+def test_load_into_reads_and_copies_off_the_callers_thread(monkeypatch):
+    """load_into returns before the store read; wait_for_layer(l) waits for layer l only."""
+    import threading
+
+    from kvtier.transfer import streams
+
+    a, pages, keys = _engine_pages_with_cached()
+    dst = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
+    paged = PagedKV(dst, LAYOUT, "mla")
+    reading, layer1 = threading.Event(), threading.Event()
+    real_get, real_copy = a.store.get, streams.copy
+
+    def slow_get(*args, **kw):
+        assert reading.wait(10)
+        return real_get(*args, **kw)
+
+    def slow_copy(views, *args, **kw):
+        if views[0] is paged.views[1]:
+            assert layer1.wait(10)
+        return real_copy(views, *args, **kw)
+
+    monkeypatch.setattr(a.store, "get", slow_get)
+    monkeypatch.setattr(streams, "copy", slow_copy)
+    load = a.load_into(keys, paged, [[0], [1], [9]])     # returns while the read is held
+    assert load.requested == 3 and not load.handle.done()
+    reading.set()
+    assert load.loaded == 3                               # known once the read finished
+    load.wait_for_layer(0)
+    assert torch.equal(dst[0][[0, 1, 9]], pages[0][[7, 2, 5]])
+    assert torch.count_nonzero(dst[1]) == 0               # layer 1 is still held back
+    layer1.set()
+    assert load.wait() == 3
+    for l in range(LAYOUT.num_layers):
+        assert torch.equal(dst[l][[0, 1, 9]], pages[l][[7, 2, 5]])
+    a.close()
+
+
+def test_load_into_reports_blocks_it_did_not_write(monkeypatch):
+    a, pages, keys = _engine_pages_with_cached()
+    dst = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
+    paged = PagedKV(dst, LAYOUT, "mla")
+    real_get = a.store.get
+
+    def short_get(*args, **kw):                           # block 1 fails its checksum
+        t = real_get(*args, **kw)
+        t.loaded = min(t.loaded, 1)
+        return t
+
+    monkeypatch.setattr(a.store, "get", short_get)
+    load = a.load_into(keys, paged, [[0], [1], [9]])
+    assert load.wait() == 1 and load.error is None
+    assert torch.equal(dst[2][0], pages[2][7]) and torch.count_nonzero(dst[2][[1, 9]]) == 0
+
+    def broken(*args, **kw):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(a.store, "get", broken)
+    dst2 = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
+    load = a.load_into(keys, PagedKV(dst2, LAYOUT, "mla"), [[0], [1], [9]])
+    for l in range(LAYOUT.num_layers):
+        load.wait_for_layer(l)                            # never raises: the engine recomputes
+    assert load.wait() == 0 and isinstance(load.error, OSError)
+    assert all(torch.count_nonzero(t) == 0 for t in dst2)
+    monkeypatch.undo()
+    with pytest.raises(kvtier.LayoutError, match="one row per block"):
+        a.load_into(keys, paged, [[0], [1]])              # a bad call fails at once, in the caller
+    with pytest.raises(kvtier.LayoutError, match="one row per block"):
+        a.save_from(keys, paged, [[0]])
+    a.close()
+
+
 def test_errors_say_what_to_do():
     host_only = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS))
     with pytest.raises(kvtier.ConfigError, match="DeviceTier"):

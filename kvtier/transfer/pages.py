@@ -119,6 +119,38 @@ class PagedKV:
         self.tensors = [pool]
         return self
 
+    @classmethod
+    def of_pages(cls, pages_per_layer: Sequence[torch.Tensor], layout: KVLayout, num_pages: int) -> PagedKV:
+        """An engine's pages as opaque bytes (page_format "pages"): each layer a contiguous
+        tensor [num_pages, ...] (one run of bytes per page) or [2, num_pages, ...] (K pages,
+        then V pages: two runs). A kvtier block holds, layer after layer, its pages' bytes in
+        the engine's own order; layout.layer_bytes must equal pages_per_block x page bytes.
+        What the bytes mean is the engine's business: say it in layout.variant."""
+        if isinstance(pages_per_layer, torch.Tensor) or len(pages_per_layer) != layout.num_layers:
+            raise LayoutError(f"pages_per_layer must be a list of {layout.num_layers} tensors (one per layer)")
+        first = pages_per_layer[0]
+        runs = 2 if first.dim() >= 2 and first.shape[0] == 2 and first.shape[1] == num_pages else 1
+        if runs == 1 and (first.dim() < 1 or first.shape[0] != num_pages):
+            raise LayoutError(f"pages_per_layer[0] is {_shape_str(first)}: expected [{num_pages}, ...] or [2, {num_pages}, ...]")
+        page_bytes = first.numel() * first.element_size() // num_pages
+        if page_bytes == 0 or layout.layer_bytes % page_bytes:
+            raise LayoutError(f"a page is {page_bytes} bytes, which does not divide the layout's "
+                              f"{layout.layer_bytes} bytes per layer: block_tokens must be whole pages")
+        for i, t in enumerate(pages_per_layer):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or not t.is_contiguous():
+                raise LayoutError(f"pages_per_layer[{i}] is {_shape_str(t)} {t.dtype} on {t.device}: every layer "
+                                  f"must be contiguous, shaped and typed like layer 0 ({_shape_str(first)} {first.dtype})")
+        self = cls.__new__(cls)
+        self.layout, self.format = layout, "pages"
+        self.num_pages, self.device, self.parts = num_pages, first.device, runs
+        self.pages_per_block = layout.layer_bytes // page_bytes
+        self.page_tokens = layout.block_tokens // self.pages_per_block
+        self.chunk_bytes = page_bytes // runs
+        self.views = [_byte_view(t, "vllm" if runs == 2 else "mla", num_pages, self.chunk_bytes)
+                      for t in pages_per_layer]
+        self.tensors = list(pages_per_layer)
+        return self
+
     # -- checks --------------------------------------------------------------------
     def table(self, block_table: object, unique: bool = False) -> torch.Tensor:
         """block_table as int64 [n, pages_per_block] on the pages' device, checked."""

@@ -15,14 +15,19 @@ scatters it into the engine's pages and records an event, layer after layer, so 
 engine computes layer 0 while later layers are in flight (`blocks` must stay unchanged
 until wait() returns). A save waits for the engine's stream (it sees every write queued
 so far), gathers on its own stream and copies to pinned host memory without blocking
-the engine. On a CPU the same calls copy synchronously and every wait
-returns at once.
+the engine. On a CPU a save copies synchronously; a load does too (every wait returns at
+once) unless the loader is `threaded`: then a thread copies layer after layer and flags
+each, exactly as the GPU staging thread does, and wait_for_layer(i) waits for layer i only.
+
+A load's blocks may be a function that returns them (a store read): it runs on the
+loader's thread before layer 0, and may return fewer rows than the table has; only those
+rows' pages are written (`handle.wait_rows()` says how many).
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -44,14 +49,20 @@ def _host_blocks(blocks: object, n: int, layout: KVLayout, what: str) -> torch.T
 
 
 class LoadHandle:
-    """A load in flight. wait_for_layer(i): the current CUDA stream waits until layer i is in place."""
+    """A load in flight. wait_for_layer(i): layer i is in place (a GPU: the current stream waits for it)."""
 
-    def __init__(self, num_layers: int, device: torch.device | None = None) -> None:
+    def __init__(self, num_layers: int, device: torch.device | None = None, rows: int | None = None) -> None:
         self.num_layers, self.device = num_layers, device
+        self.rows = rows                           # blocks written; None until a deferred read returned
         self._events: list = [None] * num_layers   # per layer: a CUDA event, or True once copied on a CPU
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._keep: tuple = ()                     # staging and device buffers live until the copies finish
+
+    def _set_rows(self, rows: int) -> None:
+        with self._cond:
+            self.rows = rows
+            self._cond.notify_all()
 
     def _ready(self, layer: int, event: object) -> None:
         with self._cond:
@@ -63,8 +74,21 @@ class LoadHandle:
             self._error = error
             self._cond.notify_all()
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the load failed (layers not flagged by then are never written), or None."""
+        return self._error
+
+    def wait_rows(self) -> int:
+        """How many blocks this load writes, once its blocks were read (TransferError if the read failed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.rows is not None or self._error is not None)
+            if self.rows is None:
+                raise TransferError(f"reading the blocks to load failed: {self._error}") from self._error
+            return self.rows
+
     def _event(self, layer: int) -> object:
-        """Layer i's event, once the staging thread has queued its copies (host waits only for that)."""
+        """Layer i's event, once the loader's thread has queued (GPU) or done (CPU) its copies."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise LayoutError(f"layer {layer!r} out of range: this load has layers 0..{self.num_layers - 1}")
         with self._cond:
@@ -74,7 +98,7 @@ class LoadHandle:
             return self._events[layer]
 
     def wait_for_layer(self, layer: int) -> None:
-        """Make the current stream wait for layer `layer` (returns at once on a CPU)."""
+        """Wait until layer `layer` is in place (a GPU: make the current stream wait for it)."""
         ev = self._event(layer)
         if ev is not True:
             torch.cuda.current_stream(self.device).wait_event(ev)
@@ -127,53 +151,85 @@ class _Mover:
         self.stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
 
 
+Blocks = Union[torch.Tensor, Callable[[], torch.Tensor]]
+
+
 class LayerLoader(_Mover):
-    """Host blocks -> engine pages, layer by layer, on a dedicated CUDA stream (sync on a CPU).
+    """Host blocks -> engine pages, layer by layer, off the caller's thread.
 
     On a GPU a staging thread packs layer l of every block into pinned memory and queues
-    its copy and scatter, so load() returns at once and the engine starts on layer 0
-    while the thread packs layer 1. Loads run one after another, in call order."""
+    its copy and scatter on the loader's stream, so load() returns at once and the engine
+    starts on layer 0 while the thread packs layer 1. On a CPU, `threaded=True` runs the
+    same loop on the thread with plain copies, flagging each layer as it lands; without it
+    load() copies every layer before it returns. Loads run one after another, in call order."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, threaded: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") if self.cuda else None
+        self.threaded = self.cuda or threaded
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") if self.threaded else None
 
-    def load(self, blocks: torch.Tensor, block_table: object) -> LoadHandle:
+    def load(self, blocks: Blocks, block_table: object) -> LoadHandle:
+        """Write `blocks` ([n, block_bytes] host rows, or a function returning up to n of them,
+        called on the loader's thread) into the pages of block_table's n rows."""
         ids = self.kv.table(block_table, unique=True)
-        n, L, lb = ids.shape[0], self.layout.num_layers, self.layout.layer_bytes
-        src = _host_blocks(blocks, n, self.layout, "blocks")
-        handle = LoadHandle(L, self.kv.device)
+        n = ids.shape[0]
+        read = blocks if callable(blocks) and not isinstance(blocks, torch.Tensor) else None
+        src = None if read is not None else _host_blocks(blocks, n, self.layout, "blocks")
+        handle = LoadHandle(self.layout.num_layers, self.kv.device, None if read is not None else n)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # ids and earlier engine work
+            ids.record_stream(self.stream)
+        if self._thread is None:               # a CPU, synchronous: errors reach the caller
+            self._load(handle, read, src, ids)
+            return handle
+        handle._keep = (src, ids)
+        self._thread.submit(self._run, handle, read, src, ids)
+        return handle
+
+    def _run(self, handle: LoadHandle, read: Callable[[], torch.Tensor] | None, src: torch.Tensor | None,
+             ids: torch.Tensor) -> None:
+        try:
+            self._load(handle, read, src, ids)
+        except BaseException as e:   # the engine's wait_for_layer raises it instead of hanging
+            handle._failed(e)
+
+    def _load(self, handle: LoadHandle, read: Callable[[], torch.Tensor] | None, src: torch.Tensor | None,
+              ids: torch.Tensor) -> None:
+        L, lb = self.layout.num_layers, self.layout.layer_bytes
+        if read is not None:
+            got = read()
+            m = got.shape[0] if isinstance(got, torch.Tensor) and got.dim() > 0 else -1
+            if not 0 <= m <= ids.shape[0]:
+                raise LayoutError(f"the read returned {m} blocks for a table of {ids.shape[0]} rows")
+            src, ids = _host_blocks(got, m, self.layout, "the read's blocks"), ids[:m]
+            handle._keep += (src,)
+            handle._set_rows(m)
+        assert src is not None
+        if src.shape[0] == 0:
+            for l in range(L):
+                handle._ready(l, True)
+            return
         if not self.cuda:
             for l in range(L):
                 copy([self.kv.views[l]], ids, src[:, l * lb:(l + 1) * lb], to_blocks=False, impl=self.impl)
                 handle._ready(l, True)
-            return handle
-        self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # ids and earlier engine work
-        ids.record_stream(self.stream)
-        staging = torch.empty(L, n, lb, dtype=torch.uint8, pin_memory=True)
-        handle._keep = (src, staging, ids)
-        self._thread.submit(self._stage, handle, src, staging, ids)
-        return handle
+            return
+        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
+            staging = torch.empty(L, src.shape[0], lb, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(staging.shape, dtype=torch.uint8, device=self.kv.device)
+            handle._keep += (staging, dev)
+            for l in range(L):
+                staging[l].copy_(src[:, l * lb:(l + 1) * lb])            # CPU: pack layer l contiguously
+                dev[l].copy_(staging[l], non_blocking=True)              # DMA while the CPU packs l+1
+                copy([self.kv.views[l]], ids, dev[l], to_blocks=False, impl=self.impl)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                handle._ready(l, ev)
 
-    def _stage(self, handle: LoadHandle, src: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
-        L, lb = self.layout.num_layers, self.layout.layer_bytes
-        try:
-            with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
-                dev = torch.empty(staging.shape, dtype=torch.uint8, device=self.kv.device)
-                handle._keep += (dev,)
-                for l in range(L):
-                    staging[l].copy_(src[:, l * lb:(l + 1) * lb])            # CPU: pack layer l contiguously
-                    dev[l].copy_(staging[l], non_blocking=True)              # DMA while the CPU packs l+1
-                    copy([self.kv.views[l]], ids, dev[l], to_blocks=False, impl=self.impl)
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    handle._ready(l, ev)
-        except BaseException as e:   # the engine's wait_for_layer raises it instead of hanging
-            handle._failed(e)
-
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the loader's thread (loads already started still finish)."""
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=wait)
 
 
 class Saver(_Mover):

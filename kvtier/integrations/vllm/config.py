@@ -1,0 +1,253 @@
+"""The connector's configuration: vLLM's `kv_connector_extra_config` and/or a kvtier config file.
+
+Every key is optional; unknown keys are a ConfigError (a typo must not silently mean
+"default"). A `config_file` (JSON, or TOML on Python 3.11+) holds the same keys; keys
+given inline override the file's.
+
+    {"host_capacity": "8GiB",                       # the host-memory tier (always present)
+     "disk_path": "/nvme/kvtier", "disk_capacity": "200GiB",   # optional disk tier
+     "peers": ["10.0.0.2:7700"] | "directory": "redis://10.0.0.9:6379",   # optional remote tier
+     "secret_file": "/etc/kvtier/secret",           # cluster secret (or KVTIER_SECRET)
+     "listen": "127.0.0.1:0", "advertise": null,    # where this worker's node serves its store
+     "policy": "lru+nopartial", "write_through": false, "hash": "xxh3",
+     "model": null, "revision": null, "salt": "",  # namespace overrides
+     "pin_ttl": 600, "max_pending_save": "1GiB", "failure_policy": "recompute"}
+
+Or an explicit tier list: "tiers": [{"kind": "host", "capacity": "8GiB"},
+{"kind": "disk", "path": "/nvme/kvtier", "capacity": "200GiB", "direct": null}].
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_bytes
+
+_KEYS = {
+    "config_file", "tiers", "host_capacity", "disk_path", "disk_capacity", "disk_direct", "disk_io_threads",
+    "peers", "directory", "lease_s", "remote_timeout", "secret", "secret_file", "listen", "advertise",
+    "transport", "policy", "write_through", "promote", "hash", "pin_budget", "io_threads", "model",
+    "revision", "salt", "pin_ttl", "session_param", "max_pending_save", "failure_policy", "min_hit_blocks",
+}
+
+
+@dataclass
+class TierSpec:
+    """One tier: kind "host", "disk" or "remote", and its arguments."""
+
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ConnectorConfig:
+    """What the connector was asked for, checked; `tiers()` builds the store's tiers."""
+
+    tiers_spec: list[TierSpec]
+    secret: bytes | None = None          # None: a random per-process secret (scheduler <-> own workers only)
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    transport: str = "tcp"
+    policy: str | list[str] = "lru+nopartial"
+    write_through: bool = False
+    promote: bool = True
+    hash: str = "xxh3"
+    pin_budget: float = 0.5
+    io_threads: int = 1
+    model: str | None = None
+    revision: str | None = None
+    salt: bytes = b""
+    pin_ttl: float = 600.0
+    session_param: str = "x-session-affinity"
+    max_pending_save: int = 1 << 30
+    failure_policy: str = "recompute"    # "recompute": vLLM recomputes blocks that failed to load; "keep": vLLM's own setting
+    min_hit_blocks: int = 1              # shorter external hits are not worth a load
+
+    @property
+    def remote(self) -> TierSpec | None:
+        return next((t for t in self.tiers_spec if t.kind == "remote"), None)
+
+    def tiers(self, subdir: str = "") -> list[Any]:
+        """Fresh tier objects, fastest first. `subdir` is appended to disk paths: each
+        namespace (model, revision, tensor-parallel rank, layout) is a store of its own."""
+        from kvtier.net import PeerList, RedisDirectory
+        from kvtier.tiers import DiskTier, HostTier
+        from kvtier.tiers.remote import RemoteTier
+
+        out: list[Any] = []
+        for t in self.tiers_spec:
+            a = dict(t.args)
+            if t.kind == "host":
+                out.append(HostTier(**a))
+            elif t.kind == "disk":
+                path = Path(a.pop("path"))
+                out.append(DiskTier(path / subdir if subdir else path, **a))
+            else:
+                assert self.secret is not None
+                directory = a.pop("directory", None)
+                peers = a.pop("peers", None)
+                lease = a.pop("lease_s", 10.0)
+                d = (RedisDirectory(directory, lease_s=lease) if directory else PeerList(peers))
+                out.append(RemoteTier(directory=d, secret=self.secret, transport=self.transport, **a))
+        return out
+
+
+def model_revision(model: str, revision: str | None) -> str:
+    """The namespace revision: vLLM's `revision` if given; for a local checkpoint directory, a
+    fingerprint of its config.json and of each weight file's name, size, first and last 64 KiB
+    (a checkpoint rewritten in place must not reuse the old one's KV; reading whole weights
+    would cost seconds); else "" (pin one with the `revision` setting)."""
+    if revision:
+        return revision
+    p = Path(model)
+    if not p.is_dir():
+        return ""
+    h = xxhash.xxh3_64()
+    cfg = p / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(p.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".pt", ".gguf") and f.is_file():
+            size = f.stat().st_size
+            h.update(json.dumps([f.name, size]).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 16))
+                fh.seek(max(0, size - (1 << 16)))
+                h.update(fh.read(1 << 16))
+    return "dir-" + h.hexdigest()
+
+
+def _load_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the kvtier config file {path}: {e.strerror}") from None
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:     # Python 3.10
+                raise ConfigError(f"{path}: TOML config files need Python 3.11+; use JSON") from None
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold one object of settings (see docs/vllm.md)")
+    data = data.get("vllm", data) if isinstance(data.get("vllm"), dict) else data
+    if "config_file" in data:
+        raise ConfigError(f"{path}: a config file cannot name another config_file")
+    return data
+
+
+def _secret(cfg: dict[str, Any]) -> bytes | None:
+    if cfg.get("secret_file"):
+        try:
+            s = Path(cfg["secret_file"]).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read secret_file {cfg['secret_file']}: {e.strerror}") from None
+    elif cfg.get("secret"):
+        s = str(cfg["secret"]).encode()
+    else:
+        s = os.environ.get("KVTIER_SECRET", "").encode()
+    if not s:
+        return None
+    if len(s) < 16:
+        raise ConfigError("the kvtier cluster secret must be at least 16 bytes (secret_file, secret or KVTIER_SECRET)")
+    return s
+
+
+def _num(cfg: dict[str, Any], key: str, default: float, lo: float = 0.0) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a number >= {lo}, got {v!r}")
+    return v
+
+
+def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
+    if "tiers" in cfg:
+        flat = {"host_capacity", "disk_path", "disk_capacity", "disk_direct", "peers", "directory"} & cfg.keys()
+        if flat:
+            raise ConfigError(f"give either 'tiers' or the shorthand keys {sorted(flat)}, not both")
+        raw = cfg["tiers"]
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError("'tiers' must be a non-empty list like [{'kind': 'host', 'capacity': '8GiB'}]")
+        specs = []
+        for t in raw:
+            if not isinstance(t, dict) or t.get("kind") not in ("host", "disk", "remote"):
+                raise ConfigError(f"each tier needs kind 'host', 'disk' or 'remote', got {t!r}")
+            args = {k: v for k, v in t.items() if k != "kind"}
+            specs.append(TierSpec(t["kind"], args))
+    else:
+        specs = [TierSpec("host", {"capacity": cfg.get("host_capacity", "4GiB")})]
+        if cfg.get("disk_path"):
+            d: dict[str, Any] = {"path": cfg["disk_path"], "capacity": cfg.get("disk_capacity", "64GiB")}
+            if "disk_direct" in cfg:
+                d["direct"] = cfg["disk_direct"]
+            if "disk_io_threads" in cfg:
+                d["io_threads"] = cfg["disk_io_threads"]
+            specs.append(TierSpec("disk", d))
+        elif "disk_capacity" in cfg:
+            raise ConfigError("disk_capacity needs disk_path (the directory of the disk tier)")
+        if cfg.get("peers") or cfg.get("directory"):
+            r: dict[str, Any] = {"timeout": _num(cfg, "remote_timeout", 0.5)}
+            if cfg.get("directory"):
+                r["directory"] = cfg["directory"]
+                r["lease_s"] = _num(cfg, "lease_s", 10.0)
+            else:
+                r["peers"] = list(cfg["peers"])
+            specs.append(TierSpec("remote", r))
+    kinds = [t.kind for t in specs]
+    if kinds[0] != "host" or kinds.count("host") != 1:
+        raise ConfigError(f"the first tier must be the one host tier (vLLM's pages live elsewhere), got {kinds}")
+    if "remote" in kinds and kinds[-1] != "remote":
+        raise ConfigError(f"the remote tier must come last, got {kinds}")
+    for t in specs:
+        if t.kind in ("host", "disk"):
+            if "capacity" not in t.args and "blocks" not in t.args:
+                raise ConfigError(f"the {t.kind} tier needs a capacity, e.g. '8GiB'")
+            if "capacity" in t.args:
+                parse_bytes(t.args["capacity"])          # fail now, not in the worker
+        if t.kind == "disk" and not t.args.get("path"):
+            raise ConfigError("the disk tier needs a path (a directory; one vLLM instance at a time)")
+    return specs
+
+
+def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """Check `kv_connector_extra_config` (and the config_file it names) into a ConnectorConfig."""
+    extra = dict(extra or {})
+    cfg: dict[str, Any] = {}
+    if extra.get("config_file"):
+        cfg.update(_load_file(str(extra["config_file"])))
+    cfg.update({k: v for k, v in extra.items() if k != "config_file"})
+    unknown = sorted(set(cfg) - _KEYS)
+    if unknown:
+        raise ConfigError(f"unknown kvtier connector setting(s) {unknown}; known: {', '.join(sorted(_KEYS))}")
+    specs = _tier_list(cfg)
+    secret = _secret(cfg)
+    if any(t.kind == "remote" for t in specs) and secret is None:
+        raise ConfigError("a remote tier (peers or directory) needs the cluster's shared secret: "
+                          "secret_file, secret, or the KVTIER_SECRET environment variable (16+ bytes)")
+    failure = cfg.get("failure_policy", "recompute")
+    if failure not in ("recompute", "keep"):
+        raise ConfigError(f"failure_policy must be 'recompute' or 'keep', got {failure!r}")
+    salt = cfg.get("salt", b"")
+    return ConnectorConfig(
+        tiers_spec=specs, secret=secret, listen=str(cfg.get("listen", "127.0.0.1:0")),
+        advertise=cfg.get("advertise"), transport=str(cfg.get("transport", "tcp")),
+        policy=cfg.get("policy", "lru+nopartial"), write_through=bool(cfg.get("write_through", False)),
+        promote=bool(cfg.get("promote", True)), hash=str(cfg.get("hash", "xxh3")),
+        pin_budget=_num(cfg, "pin_budget", 0.5), io_threads=int(_num(cfg, "io_threads", 1, 1)),
+        model=cfg.get("model"), revision=cfg.get("revision"),
+        salt=salt.encode() if isinstance(salt, str) else bytes(salt),
+        pin_ttl=_num(cfg, "pin_ttl", 600.0), session_param=str(cfg.get("session_param", "x-session-affinity")),
+        max_pending_save=parse_bytes(cfg.get("max_pending_save", "1GiB")), failure_policy=failure,
+        min_hit_blocks=int(_num(cfg, "min_hit_blocks", 1, 1)))

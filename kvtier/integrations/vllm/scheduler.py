@@ -1,0 +1,218 @@
+"""The scheduler side of the connector: how long a prefix kvtier can supply, and each step's plan.
+
+    match(request, n_local)     keys the prompt's full blocks (per rank: each rank's store has
+                                its own namespace) and asks every worker's store how long a
+                                prefix it holds; vLLM loads min(...) blocks past its own hit
+    after_alloc(...)            vLLM gave pages for those blocks: remember them
+    build(scheduler_output)     the step's plan: new requests' tokens, loads, and the blocks
+                                that become full this step (to save after the forward)
+    on_output(invalid ids)      a load failed: vLLM recomputes from the failed block, and
+                                those blocks are saved again once recomputed
+
+The workers' stores live in the worker processes; lookups go to the worker's kvtier node
+(loopback TCP, one authenticated HAS round trip), or straight to the store when the
+worker runs in this process. Nothing here imports vLLM: requests and scheduler outputs
+are read through the attributes vLLM gives them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.plan import BlockRange, NewRequest, StepPlan, request_keys
+from kvtier.keys import BlockKeys
+from kvtier.net.client import PeerClient, PeerError
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class WorkerStore:
+    """One worker's store as the scheduler sees it: `has(keys)` -> cached prefix length."""
+
+    def __init__(self, info: dict[str, Any], timeout: float = 0.5) -> None:
+        self.info = info
+        self.seed: bytes = info["seed"]
+        self.hash: str = info["hash"]
+        self.block_tokens: int = info["block_tokens"]
+        self._client: PeerClient | None = None
+        self._timeout = timeout
+        self._warned = 0.0
+
+    def has(self, keys: list[bytes]) -> int:
+        from kvtier.integrations.vllm.worker import LOCAL
+
+        if not keys:
+            return 0
+        local = LOCAL.get(self.info["address"])
+        if local is not None and local.store is not None:
+            return local.store.lookup(keys).blocks
+        if self._client is None:
+            self._client = PeerClient(self.info["address"], self.info["secret"], self.seed, 1, self._timeout)
+        try:
+            return self._client.has(keys)
+        except PeerError as e:          # a worker that cannot answer in time is a miss, not an error
+            if time.monotonic() - self._warned > 10:
+                self._warned = time.monotonic()
+                log.warning("kvtier: prefix lookup at worker %s failed (a miss): %s", self.info["address"], e)
+            return 0
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+@dataclass
+class _Req:
+    tokens: list[int]            # the prompt's full blocks
+    n_blocks: int
+    tag: bytes
+    session: str | None
+    ttl: float
+    skip: bool = False           # not keyed (multimodal or embedding inputs): never loaded or saved
+    keys: list[BlockKeys] | None = None       # per worker
+    hit: int = 0                 # blocks the stores hold (all workers), at the last match
+    plan: tuple[int, int] | None = None       # blocks [start, end) match() offered
+    pending: BlockRange | None = None         # a load waiting for its step
+    loading: BlockRange | None = None         # the last load sent (its pages are this request's)
+    saved: int = 0               # blocks [0, saved) are in the store or being saved
+    sent: bool = False           # the workers know this request's tokens
+    resync: bool = False         # a load failed; tell the workers saves may resume
+
+
+class SchedulerSide:
+    """Per-request bookkeeping of the scheduler-side connector."""
+
+    def __init__(self, cfg: ConnectorConfig, block_tokens: int) -> None:
+        self.cfg = cfg
+        self.block_tokens = block_tokens
+        self.workers: list[WorkerStore] = []
+        self._reqs: dict[str, _Req] = {}
+        self.counters = {"lookups": 0, "hit_blocks": 0, "load_blocks": 0, "save_blocks": 0, "failed_loads": 0}
+
+    def set_workers(self, infos: list[dict[str, Any]]) -> None:
+        """The workers' handshakes: where their stores answer lookups, and their key seeds."""
+        for w in self.workers:
+            w.close()
+        self.workers = [WorkerStore(i) for i in sorted(infos, key=lambda i: i["rank"])]
+        for w in self.workers:
+            if w.block_tokens != self.block_tokens:
+                from kvtier.errors import ConfigError
+                raise ConfigError(f"worker {w.info['rank']} keys blocks of {w.block_tokens} tokens but vLLM's block "
+                                  f"size here is {self.block_tokens}")
+
+    # -- lookup ------------------------------------------------------------------------
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        prompt = list(request.prompt_token_ids or [])
+        B = self.block_tokens
+        n = len(prompt) // B
+        params = getattr(request, "kv_transfer_params", None) or {}
+        session = params.get(self.cfg.session_param) if isinstance(params, dict) else None
+        ttl = params.get("x-session-ttl", self.cfg.pin_ttl) if isinstance(params, dict) else self.cfg.pin_ttl
+        lora = getattr(request, "lora_request", None)
+        tag = b""
+        if lora is not None:
+            tag += b"lora:" + str(getattr(lora, "lora_name", lora)).encode() + b"\0"
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            tag += b"salt:" + str(salt).encode() + b"\0"
+        skip = bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, float(ttl), skip=skip or n == 0)
+        self._reqs[request.request_id] = st
+        return st
+
+    def match(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past `num_computed_tokens` (vLLM's own hit) that kvtier will load (whole blocks)."""
+        st = self._state(request)
+        st.plan = None
+        if st.skip or not self.workers:
+            return 0
+        if st.keys is None:
+            st.keys = [request_keys(st.tokens, self.block_tokens, w.seed, w.hash, st.tag) for w in self.workers]
+        st.hit = min(w.has(k) for w, k in zip(self.workers, st.keys))
+        self.counters["lookups"] += 1
+        self.counters["hit_blocks"] += st.hit
+        B = self.block_tokens
+        # At least one prompt token must be computed (vLLM needs its logits).
+        usable = min(st.hit, (request.num_tokens - 1) // B)
+        local = num_computed_tokens // B
+        if usable - local < self.cfg.min_hit_blocks:
+            return 0
+        st.plan = (local, usable)
+        return (usable - local) * B
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's pages (block_ids: all of them, in order)."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.skip:
+            return
+        st.saved = st.hit            # the store has these already; save the rest as vLLM computes it
+        st.pending = None
+        if num_external_tokens > 0 and st.plan is not None:
+            start = st.plan[0]
+            end = start + num_external_tokens // self.block_tokens
+            st.pending = BlockRange(request.request_id, start, end, list(block_ids[start:end]))
+
+    # -- each step -----------------------------------------------------------------------
+    def build(self, so: Any, block_ids_of: Callable[[str], list[int]]) -> StepPlan:
+        """The plan for the step `so` (vLLM's SchedulerOutput) describes."""
+        plan = StepPlan()
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.loading = st.pending = None
+        for r in so.scheduled_new_reqs:
+            ids = r.block_ids[0] if r.block_ids else []
+            self._step(plan, so, r.req_id, r.num_computed_tokens, lambda ids=ids: ids)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self._step(plan, so, rid, cached.num_computed_tokens[i], lambda rid=rid: block_ids_of(rid))
+        return plan
+
+    def _step(self, plan: StepPlan, so: Any, rid: str, computed: int, ids: Callable[[], list[int]]) -> None:
+        st = self._reqs.get(rid)
+        if st is None or st.skip:
+            return
+        if not st.sent:
+            plan.new.append(NewRequest(rid, st.tokens, st.tag, st.session, st.ttl))
+            st.sent = True
+        if st.resync:
+            plan.resync.append(rid)
+            st.resync = False
+        if st.pending is not None:
+            plan.loads.append(st.pending)
+            self.counters["load_blocks"] += st.pending.end - st.pending.start
+            st.loading, st.pending = st.pending, None
+        full = min((computed + so.num_scheduled_tokens.get(rid, 0)) // self.block_tokens, st.n_blocks)
+        if full > st.saved:
+            pages = ids()
+            plan.saves.append(BlockRange(rid, st.saved, full, list(pages[st.saved:full])))
+            self.counters["save_blocks"] += full - st.saved
+            st.saved = full
+
+    def on_output(self, invalid_block_ids: set[int] | None) -> None:
+        """Blocks that failed to load: vLLM recomputes from the first one; save them again."""
+        if not invalid_block_ids:
+            return
+        for st in self._reqs.values():
+            r = st.loading
+            if r is None:
+                continue
+            bad = [j for j, p in enumerate(r.pages) if p in invalid_block_ids]
+            if bad:
+                st.saved = min(st.saved, r.start + bad[0])
+                st.resync = True
+                st.loading = None
+                self.counters["failed_loads"] += 1
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
