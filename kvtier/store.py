@@ -410,7 +410,7 @@ class Store:
         cannot free that many (everything else held or pinned). Lower-priority blocks are
         evicted (demoted) to make room. Give them back with give_back() or publish()."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"lend(n): n is a number of slots >= 0, got {n!r}")
+            raise ConfigError(f"allocate/lend(n): n is a number of pages (slots) >= 0, got {n!r}")
         with self._lock:
             self._check_open()
             moves: list[Move] = []
@@ -437,7 +437,7 @@ class Store:
         in the top tier (or not admitted) the answer is False and the slot stays the caller's."""
         self._check_keys(keys)
         if len(slots) != len(keys):
-            raise LayoutError(f"publish: {len(keys)} keys but {len(slots)} slots; give one slot per key")
+            raise LayoutError(f"save/publish: {len(keys)} keys but {len(slots)} pages (slots); give one slot per key")
         with self._lock:
             self._check_open()
             self._take_lent(slots, check_only=True)
