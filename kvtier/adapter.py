@@ -275,7 +275,7 @@ class KVAdapter:
         """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
-        if paged.layout.fingerprint != self.layout.fingerprint:
+        if paged.layout != self.layout:
             raise LayoutError(f"paged was built for {paged.layout.describe()} but the store holds "
                               f"{self.layout.describe()}: build the PagedKV with the store's layout")
         table = paged.table(page_table)
@@ -287,8 +287,7 @@ class KVAdapter:
             self._paged, self._loader, self._saver = paged, None, None
         return table
 
-    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
-                  loader: LayerLoader | None = None) -> PagesLoad:
+    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object) -> PagesLoad:
         """Load the cached blocks `keys` into the engine's pages named by `page_table`
         ([n, pages_per_block], one row per key). Returns at once: a loader thread reads the
         blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
@@ -297,10 +296,9 @@ class KVAdapter:
         table = self._engine_pages(paged, page_table, keys)
         if not len(keys):
             return PagesLoad(0, None)
-        if loader is None:
-            if self._loader is None:
-                self._loader = LayerLoader(paged, self.layout, threaded=True)
-            loader = self._loader
+        if self._loader is None:
+            self._loader = LayerLoader(paged, self.layout, threaded=True)
+        loader = self._loader
         cuda = paged.device.type == "cuda"
         st = self.store
 
@@ -317,17 +315,14 @@ class KVAdapter:
 
         return PagesLoad(len(keys), loader.load(read, table))
 
-    def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object,
-                  saver: Saver | None = None) -> PagesSave:
+    def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
         the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
         them; wait() on the result puts them into the store (from any thread)."""
         table = self._engine_pages(paged, page_table, keys)
-        if saver is None:
-            if self._saver is None:
-                self._saver = Saver(paged, self.layout)
-            saver = self._saver
-        return PagesSave(saver.save(table), keys, self.store)   # type: ignore[arg-type]
+        if self._saver is None:
+            self._saver = Saver(paged, self.layout)
+        return PagesSave(self._saver.save(table), keys, self.store)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str | None = None) -> int:

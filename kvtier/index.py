@@ -359,8 +359,7 @@ class BlockIndex:
         """
         self.expire_pins()
         ts = self.tiers[tier]
-        prefix = keys.prefix() if hasattr(keys, "prefix") else []
-        start = getattr(keys, "start", len(prefix))
+        start = getattr(keys, "start", 0)
         parent = getattr(keys, "parent", None)
         bt, n = self.block_tokens, len(keys)
         done = [False] * n

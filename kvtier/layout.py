@@ -31,6 +31,19 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def dtype_from_name(name: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:
+    """The torch dtype named `name` ("bfloat16", or an alias: "bf16", "fp32", ...); a
+    ConfigError naming the choices when it is unknown or not in `allowed`."""
+    canon = _ALIASES.get(name, name) if isinstance(name, str) else name
+    choices = allowed or tuple(_DTYPES)
+    if canon not in choices:
+        raise ConfigError(f"dtype {name!r} is not supported here; use one of {', '.join(choices)}")
+    return _DTYPES[canon]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical name of a supported dtype ("bfloat16"), or a LayoutError."""
     for name, dt in _DTYPES.items():

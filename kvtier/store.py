@@ -441,13 +441,17 @@ class Store:
         with self._lock:
             self._check_open()
             self._take_lent(slots, check_only=True)
+            top = self.index.tiers[0].counters
+            refused = top.rejected
             done = self.index.publish(0, keys, slots)
+            refused = top.rejected - refused
             self._lent.difference_update(s for s, d in zip(slots, done) if d)
             c, n = self.counters, sum(done)
             c.puts += 1
             c.put_blocks += n
             c.put_bytes += n * self.layout.block_bytes
-            c.put_present += len(keys) - n
+            c.put_rejected += refused
+            c.put_present += len(keys) - n - refused
         if self.write_through and n:
             new = [k for k, d in zip(keys, done) if d]
             for i, tier in enumerate(self.tiers):

@@ -118,11 +118,11 @@ def _layout_bytes(args: argparse.Namespace) -> int:
 
     from kvtier.engine.config import ModelConfig, preset, preset_names
     from kvtier.errors import ConfigError
-    from kvtier.engine.model.loader import _dtype
+    from kvtier.engine.model.loader import compute_dtype
 
     if args.preset not in preset_names() and not Path(args.preset).is_dir():
         raise ConfigError(f"--preset {args.preset!r} is neither a preset ({', '.join(preset_names())}) nor a "
                           "checkpoint folder")
     cfg = preset(args.preset) if args.preset in preset_names() else ModelConfig.from_hf(args.preset)
-    itemsize = torch.empty((), dtype=_dtype(args.dtype, cfg)).element_size()
+    itemsize = torch.empty((), dtype=compute_dtype(args.dtype, cfg)).element_size()
     return cfg.num_hidden_layers * args.block_tokens * cfg.kv_entry_dim * itemsize

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.layout import dtype_from_name
 
 # model_type values whose config.json carries DeepSeek-V3 fields and whose weights use its names.
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # what the engine computes in
 _YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate", "rope_theta"}
 
@@ -87,7 +88,7 @@ class ModelConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.torch_dtype]
+        return dtype_from_name(self.torch_dtype, _COMPUTE_DTYPES)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
@@ -144,8 +145,8 @@ class ModelConfig:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not (isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0):
             raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
-        if self.torch_dtype not in _DTYPES:
-            raise ConfigError(f"torch_dtype {self.torch_dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        if self.torch_dtype not in _COMPUTE_DTYPES:
+            raise ConfigError(f"torch_dtype {self.torch_dtype!r} is not supported; use one of {', '.join(_COMPUTE_DTYPES)}")
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
 

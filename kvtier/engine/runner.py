@@ -29,7 +29,7 @@ class ModelRunner:
         loads = [s.req.load for s in scheduled if s.req.load is not None]
         for s in scheduled:
             r, start = s.req, len(ids)
-            ids += r.tokens[r.computed:r.computed + s.num_new]
+            ids += r.token_range(r.computed, r.computed + s.num_new)
             pos += range(r.computed, r.computed + s.num_new)
             seqs.append(SeqSlice(start, s.num_new, r.computed, torch.tensor(r.pages, dtype=torch.int64, device=self.device)))
             if s.samples:

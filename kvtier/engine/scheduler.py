@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvtier.adapter import KVAdapter
 from kvtier.engine.request import Request, Status
 from kvtier.errors import ConfigError
+from kvtier.keys import BlockKeys
 
 
 @dataclass
@@ -49,9 +50,6 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -- step 1: schedule ------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
@@ -101,6 +99,7 @@ class Scheduler:
         if req.session is not None and match.keys:
             a.pin(req.session, match.keys, self.session_ttl)
         load = a.load(match)
+        req.keys = match.keys                 # keyed once; save() extends the chain as blocks fill
         req.pages, req.held = list(load.slots), list(load.held)
         req.computed = load.blocks * self.block_tokens
         req.saved = load.blocks
@@ -137,9 +136,12 @@ class Scheduler:
         full = req.computed // bt
         if full <= req.saved:
             return
-        if req.keys is None or len(req.keys) < full:
-            req.keys = a.keys(req.tokens[:full * bt])
-        done = a.save(req.keys[req.saved:full], req.pages[req.saved:full])
+        keys = req.keys
+        assert keys is not None               # set at admission
+        if len(keys) < full:                  # key only the new blocks, continuing the chain
+            more = a.keys(req.token_range(len(keys) * bt, full * bt), parent=keys)
+            req.keys = keys = BlockKeys([*keys, *more], parent=keys.parent, start=keys.start)
+        done = a.save(keys[req.saved:full], req.pages[req.saved:full])
         for j, d in enumerate(done):
             if d:
                 req.held[req.saved + j] = True
@@ -170,8 +172,9 @@ class Scheduler:
         if req.load is not None:          # copies into lent pages must finish before reuse
             req.load.wait()
             req.load = None
-        held = [i for i, h in enumerate(req.held) if h]
-        keys = self.adapter.keys(req.tokens[:(max(held) + 1) * self.block_tokens]) if held else []
-        self.adapter.release([keys[i] for i in held])
+        if any(req.held):
+            keys = req.keys                   # covers every held block: loaded or published
+            assert keys is not None
+            self.adapter.release([keys[i] for i, h in enumerate(req.held) if h])
         self.adapter.free([p for p, h in zip(req.pages, req.held) if not h])
         req.pages, req.held, req.computed, req.saved, req.keys = [], [], 0, 0, None

@@ -320,7 +320,10 @@ class DiskTier(Tier):
     def _submit(self, fn, *args: Any) -> Future:
         try:
             return self._pool.submit(fn, *args)
-        except RuntimeError:    # interpreter shutdown (a store closed at exit): run it on this thread
+        except RuntimeError as e:
+            if "interpreter shutdown" not in str(e):
+                raise
+            # A store closed at exit (an engine never closed): the pools are gone; run it here.
             f: Future = Future()
             try:
                 f.set_result(fn(*args))

@@ -14,10 +14,9 @@ import torch
 from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, ModelConfig, preset, preset_names
 from kvtier.engine.model.model import DeepseekV3
 from kvtier.errors import ConfigError
+from kvtier.layout import dtype_from_name
 from kvtier.keys import Namespace
 
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -38,14 +37,13 @@ class ModelInfo:
         return f"{self.name} ({weights}, {self.revision}, {str(self.dtype).replace('torch.', '')}) from {self.source}"
 
 
-def _dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    """The dtype to compute in: the given one (a dtype or a name like "bf16"), else the config's."""
     if dtype is None:
         return config.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[dtype]
+    return dtype_from_name(dtype, ("float32", "bfloat16", "float16"))
 
 
 def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | None = None,
@@ -66,7 +64,7 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
                               "of that shape (it needs that model's memory)")
         config = preset(source) if isinstance(source, str) else source
         name = source if isinstance(source, str) else f"random-{config.model_type}"
-        dt = _dtype(dtype, config)
+        dt = compute_dtype(dtype, config)
         model = DeepseekV3(config, weights.random_weights(config, seed=seed), dtype=dt, device=device,
                            random_weights=True, source=f"random(seed={seed})")
         info = ModelInfo(name, f"preset {name}", f"random-seed{seed}", True, None, dt)
@@ -77,7 +75,7 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
             raise ConfigError(f"{str(source)!r} is neither a model preset ({', '.join(preset_names())}) nor a "
                               f"checkpoint directory: that path {why}")
         config = ModelConfig.from_hf(path)
-        dt = _dtype(dtype, config)
+        dt = compute_dtype(dtype, config)
         state = weights.load_checkpoint(path, config, dtype=dt, device=device)
         model = DeepseekV3(config, state, dtype=dt, device=device, source=str(path))
         info = ModelInfo(path.resolve().name, str(path), weights.checkpoint_revision(path), False, str(path), dt)

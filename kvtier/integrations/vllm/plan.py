@@ -9,22 +9,16 @@ derived from that tag, so they never share blocks with untagged requests.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
-import xxhash
-
-from kvtier.keys import KEY_BYTES, BlockKeys, chain_keys
+from kvtier.keys import BlockKeys, _hasher, chain_keys
 
 
 def tagged_seed(seed: bytes, tag: bytes, hash_name: str) -> bytes:
     """The chain root for requests carrying `tag` (the store's seed itself when untagged)."""
     if not tag:
         return seed
-    data = b"kvtier-vllm-tag-v1\0" + seed + tag
-    if hash_name == "xxh3":
-        return xxhash.xxh3_128_digest(data)
-    return hashlib.sha256(data).digest()[:KEY_BYTES]
+    return _hasher(hash_name)(b"kvtier-vllm-tag-v1\0" + seed + tag)
 
 
 def request_keys(tokens: list[int], block_tokens: int, seed: bytes, hash_name: str, tag: bytes = b"") -> BlockKeys:
