@@ -71,6 +71,11 @@ class PrefixLoad:
     def blocks(self) -> int:
         return len(self.slots)
 
+    @property
+    def pending(self) -> bool:
+        """Whether some blocks are being copied into lent pages (commit() after the step)."""
+        return bool(self._lent)
+
     def wait_for_layer(self, layer: int) -> None:
         if self.handle is not None:
             self.handle.wait_for_layer(layer)

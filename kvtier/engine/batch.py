@@ -10,7 +10,7 @@ device tier is used where it is, with no copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -24,6 +24,9 @@ class SeqSlice:
     num_new: int             # tokens computed this step (a prefill chunk, or 1 when decoding)
     context: int             # tokens whose KV is already in its pages (positions 0..context-1)
     pages: torch.Tensor      # int64 [ceil((context + num_new) / block_tokens)] slots, in token order
+    # Which keys each new token sees (causal), the same in every layer: built by the first
+    # layer that needs it. None when decoding one token: it sees every key.
+    mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def total(self) -> int:

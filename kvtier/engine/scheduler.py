@@ -103,7 +103,7 @@ class Scheduler:
         req.pages, req.held = list(load.slots), list(load.held)
         req.computed = load.blocks * self.block_tokens
         req.saved = load.blocks
-        req.load = load if load._lent else None
+        req.load = load if load.pending else None
         if req.preemptions == 0:
             req.cached_tokens = req.computed
             req.cached_by_tier = dict(load.from_tiers)

@@ -108,9 +108,10 @@ class MLA(nn.Module):
             kv = read_kv(kv_pool, self.layer, seq, x.dtype)                   # [total, rank + rope]
             keys = kv.unsqueeze(0).expand(self.num_heads, -1, -1)
             values = kv[:, :self.rank].unsqueeze(0).expand(self.num_heads, -1, -1)
-            visible = torch.arange(seq.total, device=x.device)[None, :] <= positions.to(x.device)[:, None]
+            if seq.mask is None and seq.num_new > 1:   # speed: once per step, not per layer
+                seq.mask = torch.arange(seq.total, device=x.device)[None, :] <= positions.to(x.device)[:, None]
             o = F.scaled_dot_product_attention(query[rows].transpose(0, 1), keys, values,
-                                               attn_mask=visible, scale=self.scale)
+                                               attn_mask=seq.mask, scale=self.scale)
             out[rows] = o.transpose(0, 1)
         attn = torch.einsum("thr,hvr->thv", out, w_uv).reshape(t, self.num_heads * self.v_dim)
         return self.o_proj(attn)
