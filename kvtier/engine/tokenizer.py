@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib
 import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -99,16 +100,21 @@ class ByteTokenizer:
         return "".join(out)
 
 
+def _optional(module: str, file: str) -> Any:
+    """An optional dependency of the `engine` extra, or a ConfigError saying how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"reading {file} needs the `{module}` package: "
+                          "pip install 'kvtier[engine]' (or pass token ids)") from e
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`, with BOS/EOS from tokenizer_config.json or config.json."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
-        try:
-            from tokenizers import Tokenizer as _HFTok
-        except ImportError as e:
-            raise ConfigError("reading tokenizer.json needs the `tokenizers` package: "
-                              "pip install 'kvtier[engine]' (or pass token ids)") from e
+        _HFTok = _optional("tokenizers", "tokenizer.json").Tokenizer
         file = path / "tokenizer.json"
         try:
             self._tok = _HFTok.from_file(str(file))
@@ -134,11 +140,7 @@ class TiktokenTokenizer:
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
-        try:
-            import tiktoken
-        except ImportError as e:
-            raise ConfigError("reading tiktoken.model needs the `tiktoken` package: "
-                              "pip install 'kvtier[engine]' (or pass token ids)") from e
+        tiktoken = _optional("tiktoken", "tiktoken.model")
         file = path / "tiktoken.model"
         ranks = _load_bpe_ranks(file)
         num_base = len(ranks)
