@@ -78,6 +78,33 @@ class Namespace:
         return _hasher(hash_name)(packed)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def checkpoint_revision(path: str | os.PathLike, sample_bytes: int = 1 << 20) -> str:
+    """A Namespace revision for a checkpoint folder: a digest of its config.json and, per
+    weight file, its name, size and first and last `sample_bytes` (a safetensors header is
+    at the start). A checkpoint rewritten in place (a fine-tune) gets another revision, so
+    its KV never mixes with the old weights'; hashing a terabyte of weights would take minutes."""
+    folder = os.fspath(path)
+    h = hashlib.sha256()
+    cfg = os.path.join(folder, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg, "rb") as fh:
+            h.update(fh.read())
+    for name in sorted(os.listdir(folder)):
+        f = os.path.join(folder, name)
+        if not name.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(f):
+            continue
+        size = os.path.getsize(f)
+        h.update(f"{name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(sample_bytes))
+            fh.seek(max(0, size - sample_bytes))
+            h.update(fh.read(sample_bytes))
+    return "ckpt-" + h.hexdigest()[:16]
+
+
 class BlockKeys(list):
     """The keys of consecutive full blocks of one prompt, in prefix order.
 

@@ -15,7 +15,8 @@ import torch
 from kvtier.engine.batch import SeqSlice, StepBatch
 from kvtier.engine.config import ModelConfig, preset, preset_names
 from kvtier.engine.model import DeepseekV3, load_model
-from kvtier.engine.weights import checkpoint_revision, load_checkpoint, random_weights, save_checkpoint
+from kvtier.engine.weights import load_checkpoint, random_weights, save_checkpoint
+from kvtier.keys import checkpoint_revision
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import Namespace
 

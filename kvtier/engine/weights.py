@@ -20,7 +20,6 @@ weight_block_size block) are dequantized to the compute dtype at load time.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -135,24 +134,6 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None, *, dtyp
             want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
             state[name] = t.to(device=device, dtype=want)
     return state
-
-
-def checkpoint_revision(path: str | Path, sample_bytes: int = 1 << 20) -> str:
-    """A cheap identity of a checkpoint's weights, for the kvtier Namespace revision: a digest of
-    config.json and, per shard, its name, size, safetensors header and first and last
-    `sample_bytes` of data (a fine-tune changes them; hashing a terabyte would take minutes)."""
-    path = Path(path)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in _shard_files(path):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(n))
-            h.update(fh.read(sample_bytes))
-            fh.seek(max(8 + n, size - sample_bytes))
-            h.update(fh.read(sample_bytes))
-    return "ckpt-" + h.hexdigest()[:16]
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -15,7 +15,7 @@ from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, ModelConfig, preset, pre
 from kvtier.engine.model.model import DeepseekV3
 from kvtier.errors import ConfigError
 from kvtier.layout import dtype_from_name
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, checkpoint_revision
 
 
 
@@ -78,6 +78,6 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
         dt = compute_dtype(dtype, config)
         state = weights.load_checkpoint(path, config, dtype=dt, device=device)
         model = DeepseekV3(config, state, dtype=dt, device=device, source=str(path))
-        info = ModelInfo(path.resolve().name, str(path), weights.checkpoint_revision(path), False, str(path), dt)
+        info = ModelInfo(path.resolve().name, str(path), checkpoint_revision(path), False, str(path), dt)
     model.info = info
     return model, info

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from kvtier.errors import ConfigError
+from kvtier.keys import checkpoint_revision
 from kvtier.units import parse_bytes
 
 _KEYS = {
@@ -99,28 +98,12 @@ class ConnectorConfig:
 
 
 def model_revision(model: str, revision: str | None) -> str:
-    """The namespace revision: vLLM's `revision` if given; for a local checkpoint directory, a
-    fingerprint of its config.json and of each weight file's name, size, first and last 64 KiB
-    (a checkpoint rewritten in place must not reuse the old one's KV; reading whole weights
-    would cost seconds); else "" (pin one with the `revision` setting)."""
+    """The namespace revision: vLLM's `revision` if given; for a local checkpoint folder,
+    kvtier.keys.checkpoint_revision (a checkpoint rewritten in place must not reuse the old
+    one's KV); else "" (pin one with the `revision` setting)."""
     if revision:
         return revision
-    p = Path(model)
-    if not p.is_dir():
-        return ""
-    h = xxhash.xxh3_64()
-    cfg = p / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for f in sorted(p.iterdir()):
-        if f.suffix in (".safetensors", ".bin", ".pt", ".gguf") and f.is_file():
-            size = f.stat().st_size
-            h.update(json.dumps([f.name, size]).encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(1 << 16))
-                fh.seek(max(0, size - (1 << 16)))
-                h.update(fh.read(1 << 16))
-    return "dir-" + h.hexdigest()
+    return checkpoint_revision(model) if Path(model).is_dir() else ""
 
 
 def _load_file(path: str) -> dict[str, Any]:

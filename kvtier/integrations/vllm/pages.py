@@ -47,7 +47,6 @@ class VllmPages:
     layout: KVLayout
     paged: PagedKV
     layer_names: list[str]
-    page_shape: tuple[int, ...]
 
     def layer_index(self, name: str) -> int | None:
         return self._index.get(name)
@@ -106,4 +105,4 @@ def describe_caches(kv_caches: Mapping[str, torch.Tensor], spec: KVSpec,
             raise ConfigError(f"KV cache pages {_shape(first)} are {page_bytes} bytes, not K and V of {T} tokens x "
                               f"{H} heads x {D} ({first.dtype}): padded or quantized caches are not supported")
         layout = KVLayout.mha(L, num_kv_heads=H, head_dim=D, block_tokens=T, dtype=first.dtype, variant=variant)
-    return VllmPages(layout, PagedKV.of_pages(tensors, layout, P), names, page_shape)
+    return VllmPages(layout, PagedKV.of_pages(tensors, layout, P), names)
