@@ -1,16 +1,23 @@
 """The `kvtier` command: demo, benchmarks and tools.
 
-Each benchmark is a module in kvtier/bench/ exposing HELP, add_arguments(parser) and
-run(args) -> exit code; list it in BENCHES. Modules import heavy things inside run(),
-so `kvtier --help` stays fast.
+Each command is a module exposing HELP, add_arguments(parser) and run(args) -> exit code;
+list it in COMMANDS or BENCHES. Modules import heavy things inside run(), so
+`kvtier --help` stays fast.
+
+Exit codes: 0 success, 1 a failure while running (out of memory, a file that cannot be
+written, a damaged store), 2 bad usage (an option or input that can never work). Every
+error is one line `kvtier: error: ...`; `--log-level debug` adds the traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+from typing import NoReturn
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError, LayoutError
 
 BENCHES: dict[str, str] = {
     "lookup": "kvtier.bench.lookup",
@@ -26,6 +33,28 @@ COMMANDS: dict[str, str] = {
     "node": "kvtier.node_cli",
     "generate": "kvtier.engine.generate_cli",
 }
+LOG_LEVELS = ("debug", "info", "warning", "error")
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with kvtier's one-line errors (`kvtier: error: ...`, exit 2) instead of a
+    usage dump; subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"kvtier: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default unless its help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
 
 
 def _load(module: str):
@@ -33,48 +62,104 @@ def _load(module: str):
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name == module:
-            return None   # a benchmark not built yet in this checkout
+            return None   # a command not built yet in this checkout
         raise
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes (after its name, too)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="how much kvtier logs to stderr; debug also prints tracebacks "
+                             "(default: $KVTIER_LOG_LEVEL or warning)")
+    return common
+
+
+def _add_modules(sub: argparse._SubParsersAction, modules: dict[str, str], parents: list) -> None:
+    for name, module in modules.items():
+        mod = _load(module)
+        if mod is not None:
+            p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, parents=parents,
+                               formatter_class=_DefaultsHelp)
+            mod.add_arguments(p)
+            p.set_defaults(run=mod.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
 
-    parser = argparse.ArgumentParser(prog="kvtier", description="A tiered KV-cache store for LLM inference.")
+    common = _common()
+    parser = Parser(prog="kvtier", description="A tiered KV-cache store for LLM inference.",
+                    parents=[common], formatter_class=_DefaultsHelp)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
-        mod = _load(module)
-        if mod is not None:
-            p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-            mod.add_arguments(p)
-            p.set_defaults(run=mod.run)
-    bench = sub.add_parser("bench", help="benchmarks, each against a raw baseline in the same run")
+    _add_modules(sub, COMMANDS, [common])
+    bench = sub.add_parser("bench", help="benchmarks, each against a raw baseline in the same run",
+                           parents=[common])
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    for name, module in BENCHES.items():
-        mod = _load(module)
-        if mod is not None:
-            p = bsub.add_parser(name, help=mod.HELP, description=mod.HELP)
-            mod.add_arguments(p)
-            p.set_defaults(run=mod.run)
-    bench.set_defaults(run=lambda _args: (bench.print_help(), 2)[1])
+    _add_modules(bsub, BENCHES, [common])
+    bench.set_defaults(run=lambda _args: (bench.print_help(), EXIT_USAGE)[1])
     return parser
+
+
+def setup_logging(level: str | None) -> None:
+    """Log to stderr at `level`, else $KVTIER_LOG_LEVEL, else warning."""
+    name = (level or os.environ.get("KVTIER_LOG_LEVEL") or "warning").lower()
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"KVTIER_LOG_LEVEL={name!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
+    logging.basicConfig(level=getattr(logging, name.upper()), stream=sys.stderr,
+                        format="kvtier: %(levelname)s %(name)s: %(message)s")
+
+
+def _fail(message: str, code: int) -> int:
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        import traceback
+        traceback.print_exc(file=sys.stderr)
+    print(f"kvtier: error: {message}", file=sys.stderr)
+    return code
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout went away (`kvtier ... | head`): stop quietly, as `cat` does."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # so the interpreter's final flush cannot fail again
+    except (OSError, ValueError):
+        pass
+    return 128 + 13   # as if killed by SIGPIPE, like other Unix tools in a pipe
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        setup_logging(getattr(args, "log_level", None))
+    except ConfigError as e:
+        return _fail(str(e), EXIT_USAGE)
     if not hasattr(args, "run"):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()
+        return code
+    except (ConfigError, LayoutError) as e:
+        return _fail(str(e), EXIT_USAGE)
     except KvtierError as e:
-        print(f"kvtier: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), EXIT_FAILURE)
+    except BrokenPipeError:
+        return _broken_pipe()
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        return _fail("out of memory: give a smaller --capacity (or free memory) and run again", EXIT_FAILURE)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        return _fail(f"{e.strerror or e}{where}", EXIT_FAILURE)
+    except Exception as e:   # a bug: one line for the user, the traceback with --log-level debug
+        return _fail(f"unexpected {type(e).__name__}: {e} (run with --log-level debug for the traceback, "
+                     "and please report it)", EXIT_FAILURE)
 
 
 if __name__ == "__main__":

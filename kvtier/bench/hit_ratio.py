@@ -62,21 +62,9 @@ def _load_traces(args: argparse.Namespace) -> list[Any]:
     return traces
 
 
-def _progress(total: int, enabled: bool):
-    """A rich progress bar on stderr, or a no-op context when disabled or rich is missing."""
-    import contextlib
-    if not enabled:
-        return contextlib.nullcontext(None)
-    try:
-        from rich.console import Console
-        from rich.progress import Progress
-    except ImportError:
-        return contextlib.nullcontext(None)
-    return Progress(console=Console(stderr=True), transient=True)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
+    from kvtier.progress import progress
     from kvtier.sim.capacity import parse_capacities
     from kvtier.sim.replay import replay
 
@@ -89,25 +77,21 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.layout import preset_layout
         block_bytes = preset_layout(args.layout, args.block_tokens or 512).block_bytes
     traces = _load_traces(args)
-    show = sys.stderr.isatty() and not args.json
     results = []
     work = sum(len(t) for t in traces) * len(policies) * len(caps)
-    with _progress(work, show) as bar:
-        task = bar.add_task("replaying", total=work) if bar is not None else None
+    with progress("replaying", work, enabled=not args.json) as bar:
         for tr in traces:
             for cap in caps:
                 blocks = cap.blocks_for(tr.unique_blocks, block_bytes)
                 for pol in policies:
-                    if bar is not None:
-                        bar.update(task, description=f"{tr.name} {pol} {cap.text}")
+                    bar.describe(f"{tr.name} {pol} {cap.text}")
                     done = [0]
 
                     def tick(i: int, done: list[int] = done) -> None:
-                        bar.advance(task, i - done[0])
+                        bar.advance(i - done[0])
                         done[0] = i
-                    r = replay(tr, pol, blocks, progress=tick if bar is not None else None)
-                    if bar is not None:
-                        bar.advance(task, len(tr) - done[0])
+                    r = replay(tr, pol, blocks, progress=tick if bar.shown else None)
+                    bar.advance(len(tr) - done[0])
                     results.append((cap, r))
                     if args.json:
                         print(json.dumps(r.to_json()), flush=True)
