@@ -53,3 +53,20 @@ def children():
     for p in procs:
         p.kill()
         p.wait()
+
+
+def run_kvtier(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The `kvtier` command in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    """The command failed with exit `code` and said so on one `kvtier: error:` line (no traceback)
+    that contains each of `needles`."""
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvtier: error:")]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])

@@ -1,11 +1,7 @@
 """The `kvtier` command as a user runs it: subprocesses, real output."""
 import json
-import subprocess
-import sys
 
-
-def kvtier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=300)
+from conftest import assert_one_line_error, run_kvtier as kvtier
 
 
 def test_demo_runs_and_verifies_loads():
@@ -40,3 +36,29 @@ def test_errors_are_one_line_with_a_hint():
     assert r.stderr.startswith("kvtier: error: cannot parse size 'lots'") and "Traceback" not in r.stderr
     r = kvtier("demo", "--layout", "gpt-9")
     assert r.returncode == 2 and "kimi-k2" in r.stderr
+
+
+def test_usage_errors_are_one_line_exit_2():
+    r = kvtier("bench", "hit-ratio", "--no-such-option")
+    assert_one_line_error(r, 2, "--no-such-option", "--help")
+    r = kvtier("--log-level", "loud", "demo")
+    assert_one_line_error(r, 2, "--log-level")
+
+
+def test_log_level_from_the_environment_is_checked():
+    import os
+    r = kvtier("bench", "hit-ratio", "--capacity", "1%", "--policy", "lru", "--json",
+               env={**os.environ, "KVTIER_LOG_LEVEL": "chatty"})
+    assert_one_line_error(r, 2, "KVTIER_LOG_LEVEL")
+
+
+def test_broken_pipe_is_quiet():
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "bench", "hit-ratio", "--json", "--policy", "all"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()      # like `| head -1`
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) != 0
+    assert err == "", err

@@ -1,0 +1,39 @@
+"""Option types for the `kvtier` command: each checks its value where argparse reads it,
+so a bad value is a one-line usage error naming the option, never a traceback later."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_bytes
+
+
+def _number(cast: Callable[[str], float], low: float, inclusive: bool, what: str) -> Callable[[str], float]:
+    def check(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < low or (value == low and not inclusive) or value != value:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    check.__name__ = what   # argparse names the type in its messages
+    return check
+
+
+positive_int = _number(int, 0, False, "a whole number >= 1")
+non_negative_int = _number(int, 0, True, "a whole number >= 0")
+positive_float = _number(float, 0.0, False, "a number > 0")
+non_negative_float = _number(float, 0.0, True, "a number >= 0")
+
+
+def size(text: str) -> int:
+    """A byte count such as 8GiB, 512MB or 4096 (> 0)."""
+    try:
+        n = parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 bytes")
+    return n
