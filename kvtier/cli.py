@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "cluster": "kvtier.bench.cluster",
     "transport": "kvtier.bench.transport",
     "engine": "kvtier.bench.engine",
+    "adapter": "kvtier.bench.adapter",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",

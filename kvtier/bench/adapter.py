@@ -1,0 +1,120 @@
+"""`kvtier bench adapter`: the path an engine takes between its KV pages and kvtier.
+
+    save_from   the engine's pages (vLLM format, scattered page ids) -> the host tier
+    load_into   the host tier -> the engine's pages, layer by layer, waited for
+
+Each is timed against a raw memcpy of the same bytes in the same run, alternating the two
+so both see the same machine. The default layout is Llama-3-8B-like (32 layers, 8 KV
+heads, head_dim 128, bf16: 128 KiB a token); the engine's page is kvtier's block.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier import argtypes
+
+HELP = "time an engine's pages -> host tier (save_from) and back (load_into) against a raw memcpy"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--page-tokens", default="16,256",
+                   help="comma-separated page sizes in tokens; a page is one kvtier block (default: %(default)s)")
+    p.add_argument("--requests", type=argtypes.positive_int, default=2, help="requests moved per operation")
+    p.add_argument("--prompt-tokens", type=argtypes.positive_int, default=4096, help="tokens per request")
+    p.add_argument("--layers", type=argtypes.positive_int, default=32, help="model layers")
+    p.add_argument("--kv-heads", type=argtypes.positive_int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=argtypes.positive_int, default=128, help="head dimension")
+    p.add_argument("--repeat", type=argtypes.positive_int, default=5,
+                   help="timed repetitions; the median is reported")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _page_sizes(text: str) -> list[int]:
+    from kvtier.errors import ConfigError
+
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--page-tokens {text!r}: give comma-separated whole numbers >= 1, e.g. 16,256")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.common import emit, quiet_threads
+    from kvtier.progress import progress
+
+    quiet_threads()
+    sizes = _page_sizes(args.page_tokens)
+    rows: list[dict[str, Any]] = []
+    with progress("bench adapter", len(sizes), enabled=not args.json) as bar:
+        for pt in sizes:
+            bar.describe(f"{pt}-token pages")
+            rows += _one_size(args, pt)
+            bar.advance()
+    emit(rows, args.json, "Engine pages <-> host tier vs a raw memcpy of the same bytes (higher GB/s is better)",
+         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio"])
+    return 0
+
+
+def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]]:
+    import torch
+
+    import kvtier
+    from kvtier.adapter import KVAdapter
+    from kvtier.bench.common import timeit_pair
+    from kvtier.tiers.memory import allocate_host
+    from kvtier.transfer.pages import PagedKV
+
+    layout = kvtier.KVLayout.mha(args.layers, args.kv_heads, args.head_dim, page_tokens, torch.bfloat16)
+    n = args.requests * (args.prompt_tokens // page_tokens)
+    if n < 1:
+        from kvtier.errors import ConfigError
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} holds no full {page_tokens}-token page")
+    nbytes = n * layout.block_bytes
+    # The engine's pages: twice the pages the requests use, the used ones scattered (as in a busy engine).
+    g = torch.Generator().manual_seed(0)
+    num_pages = 2 * n
+    pages = [torch.randn(2, num_pages, page_tokens, args.kv_heads, args.head_dim, generator=g).to(torch.bfloat16)
+             for _ in range(args.layers)]
+    table = torch.randperm(num_pages, generator=g)[:n].reshape(n, 1)
+    paged = PagedKV(pages, layout, "vllm")
+    # Room for two rounds of saves, so a timed save evicts (as a full store does) but never fails.
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=2 * n + 1)], kvtier.Namespace("bench-adapter", "r1"))
+    adapter = KVAdapter(store)
+    src, dst = allocate_host(nbytes), allocate_host(nbytes)
+    src.tensor[:] = 1
+
+    def memcpy() -> None:
+        dst.tensor.copy_(src.tensor)
+
+    rounds = [0]
+
+    def save() -> None:          # fresh tokens each time: a save of blocks already cached does nothing
+        rounds[0] += 1
+        keys = adapter.keys(torch.arange(n * page_tokens) + rounds[0] * 1_000_003)
+        adapter.save_from(keys, paged, table).wait()
+
+    load_keys = adapter.keys(torch.arange(n * page_tokens))
+    adapter.save_from(load_keys, paged, table).wait()
+
+    def load() -> None:
+        got = adapter.load_into(load_keys, paged, table).wait()
+        assert got == n, f"only {got} of {n} blocks loaded"
+
+    rows = []
+    try:
+        for op, fn in (("load_into", load), ("save_from", save)):   # loads first: saves evict their blocks
+            t_op, t_copy = timeit_pair(fn, memcpy, args.repeat)
+            gbps, base = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
+            rows.append({"bench": "adapter", "op": op, "page_tokens": page_tokens, "blocks": n,
+                         "mib": round(nbytes / 2**20, 1), "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3),
+                         "ratio": round(gbps / base, 3)})
+    finally:
+        adapter.close()
+        store.close()
+        src.close()
+        dst.close()
+    return rows
