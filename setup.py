@@ -1,7 +1,8 @@
-"""Build of the optional C accelerator kvtier._chain; all other metadata is in pyproject.toml.
+"""Build of the optional C accelerators; all other metadata is in pyproject.toml.
 
-optional=True: where no C compiler exists the install still succeeds and kvtier.keys
-falls back to its pure-Python key chain.
+kvtier._chain chains xxh3 block keys; kvtier._copy moves page chunks between an engine's
+pages and tier slots in one copy. optional=True: where no C compiler exists the install
+still succeeds and kvtier falls back to pure Python / torch paths that give the same bytes.
 """
 from setuptools import Extension, setup
 
@@ -13,6 +14,7 @@ setup(
             include_dirs=["kvtier/_vendor/xxhash"],
             depends=["kvtier/_vendor/xxhash/xxhash.h"],
             optional=True,
-        )
+        ),
+        Extension("kvtier._copy", sources=["kvtier/_copy.c"], optional=True),
     ],
 )

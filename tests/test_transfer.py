@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -103,6 +104,9 @@ def test_gather_scatter_round_trip_byte_exact(case):
     got = gather(pages, torch.tensor(table, dtype=torch.int32).reshape(len(table), ppb), layout, fmt)
     assert got.dtype == torch.uint8 and tuple(got.shape) == (len(table), layout.block_bytes)
     assert torch.equal(got, expected_blocks(fmt, layout, pages, table))
+    # the torch fallback (no C module) gives the same bytes as the C loop `auto` uses on a CPU
+    assert torch.equal(gather(pages, table if table else torch.empty(0, ppb, dtype=torch.int64), layout, fmt,
+                              impl="torch"), got)
     # scatter into a fresh cache: named pages get the bytes, holes keep their old bytes
     blocks = gather(pages, unique if unique else torch.empty(0, ppb, dtype=torch.int64), layout, fmt)
     dst = random_pages(fmt, layout, num_pages, page_tokens, seed + 1)
@@ -119,6 +123,24 @@ def test_gather_scatter_round_trip_byte_exact(case):
     # and gathering the scattered pages gives the blocks back
     if unique:
         assert torch.equal(gather(dst, unique, layout, fmt), blocks)
+        dst2 = random_pages(fmt, layout, num_pages, page_tokens, seed + 1)
+        scatter(blocks, dst2, unique, layout, fmt, impl="torch")
+        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(dst, dst2))
+
+
+def test_native_chunk_copy_checks_every_offset_first():
+    copy_chunks = pytest.importorskip("kvtier._copy").copy_chunks
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    copy_chunks(dst, np.array([0, 56], dtype=np.int64), src, np.array([8, 0], dtype=np.int64), 8)
+    assert list(dst[:8]) == list(range(8, 16)) and list(dst[56:]) == list(range(8))
+    dst[:] = 0
+    for d, s in (([0, 57], [0, 0]), ([0, 0], [-1, 0]), ([0], [0, 8])):
+        with pytest.raises(ValueError):
+            copy_chunks(dst, np.array(d, dtype=np.int64), src, np.array(s, dtype=np.int64), 8)
+    assert not dst.any()          # a bad call moved nothing
+    with pytest.raises(TypeError):
+        copy_chunks(src.tobytes(), np.zeros(1, dtype=np.int64), src, np.zeros(1, dtype=np.int64), 8)   # read-only dst
 
 
 def mha_case(fmt="vllm"):

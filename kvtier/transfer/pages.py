@@ -236,7 +236,51 @@ def copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor,
             return
     elif impl == "cuda":
         raise LayoutError("impl='cuda' needs tensors on a CUDA device")
+    if impl == "auto" and not blocks.is_cuda and _native_copy(views, ids, blocks, to_blocks):
+        return
     _torch_copy(views, ids, blocks, to_blocks)
+
+
+# The optional C loop (kvtier/_copy.c, built by `pip install`): one memcpy per page chunk.
+try:
+    from kvtier._copy import copy_chunks as _copy_chunks
+except ImportError:   # no C compiler at install time: the torch ops below give the same bytes
+    _copy_chunks = None
+
+
+def _storage_bytes(t: torch.Tensor) -> np.ndarray:
+    """The whole allocation under `t` as a flat uint8 array (no copy): offsets index into it."""
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),)).numpy()
+
+
+def _native_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> bool:
+    """Pages <-> blocks on the host with exactly one copy of each byte: the offsets of every
+    (block, K/V part, page) chunk on both sides are computed with a few tensor ops, then
+    one C loop per layer moves them. False where the C module is missing."""
+    if _copy_chunks is None:
+        return False
+    n, ppb = ids.shape
+    if n == 0:
+        return True
+    _, parts, chunk = views[0].shape
+    part = torch.arange(parts, dtype=torch.int64)[None, :, None]
+    # The block side: block b's layer l lies at b * row_stride + l * layer_bytes, then its
+    # chunks in (part, page) order (kvtier/layout.py's layer-major block).
+    layer_bytes = parts * ppb * chunk
+    block_side = (torch.arange(n, dtype=torch.int64) * blocks.stride(0))[:, None, None] + \
+        (part * ppb + torch.arange(ppb, dtype=torch.int64)[None, None, :]) * chunk + blocks.storage_offset()
+    blocks_mem = _storage_bytes(blocks)
+    pages = ids.to("cpu", torch.int64)[:, None, :]
+    for l, v in enumerate(views):
+        page_side = (pages * v.stride(0) + part * v.stride(1) + v.storage_offset()).reshape(-1).numpy()
+        block_l = (block_side + l * layer_bytes).reshape(-1).numpy()
+        page_mem = _storage_bytes(v)
+        if to_blocks:
+            _copy_chunks(blocks_mem, block_l, page_mem, page_side, chunk)
+        else:
+            _copy_chunks(page_mem, page_side, blocks_mem, block_l, chunk)
+    return True
 
 
 def _torch_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> None:

@@ -1,0 +1,102 @@
+/* kvtier._copy: many same-sized chunk copies between two host buffers in one C call.
+ *
+ * copy_chunks(dst, dst_offsets, src, src_offsets, chunk) -> None
+ *
+ *   dst, src       bytes-like buffers (dst writable); the same buffer is fine if no
+ *                  destination chunk overlaps a source chunk
+ *   dst_offsets    int64 buffer: where each chunk goes, in bytes from dst's start
+ *   src_offsets    int64 buffer of the same length: where each chunk comes from
+ *   chunk          bytes per chunk (> 0)
+ *
+ * It is how engine pages reach tier slots on a CPU host (and back) with one copy: the
+ * caller computes where every (block, layer, K/V, page) chunk lives on both sides with
+ * a few vectorised ops, and this loop moves them at memcpy speed. torch's indexing ops
+ * either go element by element or build an intermediate tensor (a second copy).
+ *
+ * Every offset is checked against its buffer before a byte moves (a bad call raises
+ * ValueError and writes nothing). The copies run with the GIL released, so an engine's
+ * thread keeps running while a loader thread copies.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many bytes releasing and re-taking the GIL costs more than it lets others gain. */
+#define NOGIL_MIN_BYTES (1 << 20)
+
+static int
+check_offsets(const int64_t *off, Py_ssize_t n, Py_ssize_t chunk, Py_ssize_t len, const char *what)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (off[i] < 0 || off[i] > (int64_t)(len - chunk)) {
+            PyErr_Format(PyExc_ValueError, "%s offset %lld of chunk %zd is outside the %zd-byte buffer",
+                         what, (long long)off[i], i, len);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+copy_chunks(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, dst_off, src, src_off;
+    Py_ssize_t chunk;
+    PyObject *result = NULL;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "w*y*y*y*n:copy_chunks", &dst, &dst_off, &src, &src_off, &chunk))
+        return NULL;
+    Py_ssize_t n = dst_off.len / (Py_ssize_t)sizeof(int64_t);
+    if (chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk must be > 0 bytes");
+        goto done;
+    }
+    if (dst_off.len % (Py_ssize_t)sizeof(int64_t) || src_off.len != dst_off.len) {
+        PyErr_SetString(PyExc_ValueError, "dst_offsets and src_offsets must be int64 buffers of one length");
+        goto done;
+    }
+    if (chunk > dst.len || chunk > src.len) {
+        PyErr_Format(PyExc_ValueError, "chunk of %zd bytes is larger than a buffer", chunk);
+        goto done;
+    }
+    const int64_t *doff = (const int64_t *)dst_off.buf, *soff = (const int64_t *)src_off.buf;
+    if (check_offsets(doff, n, chunk, dst.len, "dst") || check_offsets(soff, n, chunk, src.len, "src"))
+        goto done;
+    char *d = (char *)dst.buf;
+    const char *s = (const char *)src.buf;
+    if ((size_t)n * (size_t)chunk >= NOGIL_MIN_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(d + doff[i], s + soff[i], (size_t)chunk);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(d + doff[i], s + soff[i], (size_t)chunk);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&dst_off);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&src_off);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_chunks", copy_chunks, METH_VARARGS,
+     "copy_chunks(dst, dst_offsets, src, src_offsets, chunk): dst[dst_offsets[i]:+chunk] = "
+     "src[src_offsets[i]:+chunk] for every i, offsets checked first, GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier._copy", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__copy(void)
+{
+    return PyModule_Create(&module);
+}
