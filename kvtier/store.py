@@ -126,7 +126,8 @@ class Store:
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
-        """Chained keys of the full blocks of `tokens` (continuing `parent` if given)."""
+        """Chained keys of the full blocks of `tokens` (continuing `parent` if given), tagged
+        with this store's origin: a store of another namespace, layout or hash refuses them."""
         return self.keyer(tokens, parent)
 
     def lookup(self, keys: Sequence[bytes]) -> Hit:
