@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, KvtierError,
                            LayoutError, TraceError, TransferError)
 from kvtier.handles import Transfer
-from kvtier.keys import BlockKeys, Keyer, Namespace
+from kvtier.keys import BlockKeys, ForeignKeysError, KeyOrigin, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
 from kvtier.stats import StoreStats, TierStats
 from kvtier.store import Hit, Store
@@ -19,8 +19,8 @@ from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
 from kvtier.tiers.remote import RemoteTier
 
 __all__ = [
-    "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "Keyer",
+    "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "KeyOrigin", "Keyer",
     "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
-    "TransferError", "TraceError",
+    "TransferError", "TraceError", "ForeignKeysError",
 ]

@@ -126,7 +126,8 @@ class Store:
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
-        """Chained keys of the full blocks of `tokens` (continuing `parent` if given)."""
+        """Chained keys of the full blocks of `tokens` (continuing `parent` if given), tagged
+        with this store's origin: a store of another namespace, layout or hash refuses them."""
         return self.keyer(tokens, parent)
 
     def lookup(self, keys: Sequence[bytes]) -> Hit:
@@ -570,10 +571,13 @@ class Store:
         if self._closed:
             raise ClosedError("this store is closed; create a new Store")
 
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> None:
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
+        """Keys must be 16-byte keys; BlockKeys made by another store are refused."""
         if isinstance(keys, BlockKeys):
-            return   # made by Keyer: already the right type and size
+            # Made by a Keyer: the right type and size. Speed: one comparison, not one per key.
+            if keys.origin is not None and keys.origin is not self.keyer.origin:
+                self.keyer.check(keys)
+            return
         if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
             raise LayoutError("keys must be a list of 16-byte block keys, e.g. from store.keys(tokens)")
         for i, k in enumerate(keys):

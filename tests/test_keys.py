@@ -1,4 +1,6 @@
+import copy
 import os
+import pickle
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from kvtier.errors import ConfigError, LayoutError
-from kvtier.keys import Keyer, Namespace
+from kvtier.keys import BlockKeys, ForeignKeysError, Keyer, Namespace, chain_keys
 
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
@@ -119,3 +121,77 @@ def test_keys_are_the_same_in_other_processes():
         outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                    check=True).stdout.strip())
     assert outs[0] == outs[1] and len(outs[0]) == 62 * 32
+
+
+def test_keys_carry_their_origin_through_slices_joins_and_copies():
+    k = keyer()
+    keys = k(list(range(40)))
+    assert keys.origin is k.origin and keys[3:].origin is k.origin and keys[3:][1:4].origin is k.origin
+    more = k(list(range(40, 48)), parent=keys)
+    joined = keys + more
+    assert isinstance(joined, BlockKeys) and joined.origin is k.origin
+    assert list(joined) == list(k(list(range(48)))) and joined.start == 0 and joined.parent == keys.parent
+    tail = keys[4:] + more              # a slice continued: keeps its place in the chain
+    assert isinstance(tail, BlockKeys) and tail.start == 4 and tail.prefix() == keys[:4]
+    assert keys[:2] + keys[2:] == keys and (keys[:2] + keys[2:]).origin is k.origin
+    gap = keys[:2] + keys[5:]           # not one chain: a plain list, as list + list is
+    assert type(gap) is list and gap == list(keys[:2]) + list(keys[5:])
+    assert type(keys[::2]) is list
+    for copied in (pickle.loads(pickle.dumps(keys[3:])), copy.copy(keys[3:]), copy.deepcopy(keys[3:])):
+        assert copied == keys[3:] and copied.start == 3 and copied.origin.seed == k.seed
+
+
+def test_keys_of_two_stores_are_never_joined_or_continued():
+    a, b = keyer(), keyer(model="other")
+    ka, kb = a(list(range(16))), b(list(range(16, 32)))
+    with pytest.raises(ForeignKeysError, match="model 'other'"):
+        ka + kb
+    with pytest.raises(ForeignKeysError, match="model 'm'"):
+        b(list(range(8)), parent=ka)
+    with pytest.raises(ForeignKeysError):
+        ka += kb
+    with pytest.raises(LayoutError, match="parent must be the BlockKeys"):
+        a(list(range(8)), parent=list(ka))
+    # Keys with no origin (chain_keys from a seed: a trace, a peer's chain) may be continued.
+    free = chain_keys(list(range(16)), 4, a.seed)
+    assert free.origin is None and a(list(range(16, 24)), parent=free).origin is None
+    assert list(free + a(list(range(16, 24)), parent=free)) == list(a(list(range(24))))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([1.5, 2, 3, 4], r"got 1.5 at position 0: a fractional id"),
+    ((1, 2, 3, 4.25), r"got 4.25 at position 3"),
+    ([1.0, 2.0, 3.0, 4.0], r"got float64 values: convert"),
+    (np.array([1, 2, 3, 4.5]), r"got 4.5 at position 3"),
+    (np.array([1, 2, 3, np.nan]), r"got nan at position 3"),
+    (np.ones(4, dtype=np.float32), r"got float32 values"),
+    (torch.tensor([1, 2, 3, 4.0]), r"got a torch.float32 tensor"),
+    (torch.ones(4, dtype=torch.bfloat16), r"got a torch.bfloat16 tensor"),
+    (torch.ones(4, dtype=torch.bool), r"got a torch.bool tensor"),
+    (np.ones(4, dtype=bool), r"booleans"),
+    ([1, 2, "3", 4], r"got '3' \(str\) at position 2: tokenize text first"),
+    ("abcd", r"not bytes or a string"),
+    ([1, None, 3, 4], r"got None \(NoneType\) at position 1"),
+    ([1, 2, 3, 2**70], r"\[0, 2\*\*32\), got 1180591620717411303424 at position 3"),
+    ([1, 2, 2**32, 4], r"\[0, 2\*\*32\), got 4294967296 at position 2"),
+    (np.array([0, -1, 2, 3], dtype=np.int8), r"\[0, 2\*\*32\), got -1 at position 1"),
+    (torch.tensor([1, 2, 3, 2**33]), r"\[0, 2\*\*32\), got 8589934592 at position 3"),
+    ([[1, 2], [3]], r"flat sequence"),
+    ([[1, 2], [3, 4]], r"one-dimensional"),
+])
+def test_token_ids_that_are_not_ids_are_refused(bad, match):
+    with pytest.raises(LayoutError, match=match):
+        keyer()(bad)
+
+
+def test_integer_ids_of_every_kind_give_the_same_keys():
+    toks = [0, 7, 65535, 2**32 - 1] * 4
+    want = keyer()(toks)
+    for same in (tuple(toks), np.array(toks, dtype=np.uint32), np.array(toks, dtype=np.int64),
+                 np.array(toks, dtype=np.uint64), torch.tensor(toks, dtype=torch.int64),
+                 [np.int64(t) for t in toks]):
+        assert keyer()(same) == want
+    small = [1, 2, 3, 4, 200, 100, 0, 255]
+    assert keyer()(np.array(small, dtype=np.uint8)) == keyer()(small) == keyer()(range(1, 5)) + keyer()(small)[1:]
+    for empty in ([], (), np.array([]), torch.tensor([]), np.array([], dtype=np.int32)):
+        assert keyer()(empty) == []

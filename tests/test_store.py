@@ -175,6 +175,69 @@ def test_bad_keys_and_config(layout, ns):
         kvtier.Store(layout, [kvtier.HostTier(blocks=4)], "model")
 
 
+@pytest.mark.parametrize("other", [
+    dict(namespace=dict(model="another-model")),
+    dict(namespace=dict(model="test-model", revision="r1", salt=b"tenant-b")),
+    dict(layout=dict(dtype=torch.bfloat16)),
+    dict(hash="sha256"),
+])
+def test_keys_of_another_store_are_refused(layout, ns, other):
+    store = make(layout, ns)
+    theirs = make(kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4,
+                                      **{"dtype": torch.float16, **other.get("layout", {})}),
+                  kvtier.Namespace(**other.get("namespace", {"model": "test-model", "revision": "r1"})),
+                  hash=other.get("hash", "xxh3"))
+    toks = list(range(24))
+    keys = theirs.keys(toks)
+    data = payload(keys, layout.block_bytes)
+    for call in (lambda: store.put(keys, data), lambda: store.lookup(keys),
+                 lambda: store.get(keys[:2], torch.zeros(2, layout.block_bytes, dtype=torch.uint8)),
+                 lambda: store.pin("s", keys[1:], ttl=60), lambda: store.keys(toks[24:], parent=keys)):
+        with pytest.raises(kvtier.ForeignKeysError, match=r"another store's keys\(\).*this store's keys\(tokens\)"):
+            call()
+    assert store.stats().counters.puts == store.stats().counters.lookups == 0
+    assert store.stats().tiers[0].used_blocks == 0
+
+
+def test_foreign_keys_error_says_what_differs(layout, ns):
+    store = make(layout, ns)
+    keys = make(layout, kvtier.Namespace("model-a", revision="r9")).keys(list(range(8)))
+    with pytest.raises(ConfigError) as e:
+        store.lookup(keys)
+    msg = str(e.value)
+    assert "model 'model-a' (this store: 'test-model')" in msg and "revision 'r9' (this store: 'r1')" in msg
+    assert "layout" not in msg.split(". ")[0]   # only what differs is named
+
+
+def test_keys_of_an_equal_store_and_untagged_keys_are_accepted(layout, ns):
+    store = make(layout, ns)
+    twin = make(layout, kvtier.Namespace(model="test-model", revision="r1"))   # same identity, same keys
+    keys = twin.keys(list(range(16)))
+    assert keys == store.keys(list(range(16)))
+    store.put(keys[:2], payload(keys[:2], layout.block_bytes))
+    assert store.lookup(keys).blocks == 2
+    # Keys with no origin (from a peer, a trace, a plain list) are accepted as before.
+    assert store.lookup(list(keys)).blocks == 2
+    assert store.lookup(kvtier.BlockKeys(keys)).blocks == 2
+    store.put(list(keys[2:]), payload(keys[2:], layout.block_bytes))
+    assert store.lookup(keys).blocks == 4
+
+
+def test_float_token_ids_never_hit_another_tokens_blocks(layout, ns):
+    store = make(layout, ns)
+    keys = store.keys([1, 2, 3, 4])
+    store.put(keys, payload(keys, layout.block_bytes))
+    for bad in ([1.5, 2, 3, 4], [1.0, 2, 3, 4], np.array([1.5, 2, 3, 4]), torch.tensor([1, 2, 3, 4.0]),
+                torch.tensor([1, 2, 3, 4], dtype=torch.bfloat16)):
+        with pytest.raises(LayoutError, match="token ids must be integers"):
+            store.keys(bad)
+    for bad in ([1, 2, 3, -4], [1, 2, 3, 2**32 + 4], np.array([1, 2, 3, 2**40])):
+        with pytest.raises(LayoutError, match=r"\[0, 2\*\*32\), got .* at position 3"):
+            store.keys(bad)
+    for ok in ([1, 2, 3, 4], (1, 2, 3, 4), np.array([1, 2, 3, 4], dtype=np.int32), torch.tensor([1, 2, 3, 4])):
+        assert store.lookup(store.keys(ok)).blocks == 1
+
+
 def test_capacity_smaller_than_one_block(layout, ns):
     with pytest.raises(CapacityError, match="smaller than one block"):
         kvtier.Store(layout, [kvtier.HostTier(capacity="100B")], ns)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from kvtier.adapter import KVAdapter
 from kvtier.engine.request import Request, Status
 from kvtier.errors import ConfigError
-from kvtier.keys import BlockKeys
 
 
 @dataclass
@@ -140,7 +139,7 @@ class Scheduler:
         assert keys is not None               # set at admission
         if len(keys) < full:                  # key only the new blocks, continuing the chain
             more = a.keys(req.token_range(len(keys) * bt, full * bt), parent=keys)
-            req.keys = keys = BlockKeys([*keys, *more], parent=keys.parent, start=keys.start)
+            req.keys = keys = keys + more     # still one chain, and still this store's keys
         done = a.save(keys[req.saved:full], req.pages[req.saved:full])
         for j, d in enumerate(done):
             if d:
