@@ -7,10 +7,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, KvtierError,
-                           LayoutError, TraceError, TransferError)
+from kvtier.errors import (CapacityError, ClosedError, ConfigError, ForeignKeysError, KeyNotCachedError,
+                           KvtierError, LayoutError, TraceError, TransferError)
 from kvtier.handles import Transfer
-from kvtier.keys import BlockKeys, ForeignKeysError, KeyOrigin, Keyer, Namespace
+from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
 from kvtier.stats import StoreStats, TierStats
 from kvtier.store import Hit, Store

@@ -22,6 +22,13 @@ class CapacityError(KvtierError):
     """A request cannot fit in a tier however much is evicted (e.g. a put larger than the tier)."""
 
 
+class ForeignKeysError(ConfigError):
+    """Keys made by a store of another namespace, layout or hash were given to this store.
+
+    Such keys name other blocks: they would never hit, and a put would file blocks under
+    names no request of this store ever asks for."""
+
+
 class KeyNotCachedError(KvtierError, LookupError):
     """get() was asked for a block the store does not hold (call lookup() first)."""
 

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvtier.errors import ConfigError, LayoutError
+from kvtier.errors import ConfigError, ForeignKeysError, LayoutError
 from kvtier.layout import KVLayout
 
 # The optional C accelerator for xxh3 chains (kvtier/_chain.c, built by `pip install`
@@ -116,13 +116,6 @@ def checkpoint_revision(path: str | os.PathLike, sample_bytes: int = 1 << 20) ->
             fh.seek(max(0, size - sample_bytes))
             h.update(fh.read(sample_bytes))
     return "ckpt-" + h.hexdigest()[:16]
-
-
-class ForeignKeysError(ConfigError):
-    """Keys made by a store of another namespace, layout or hash were given to this store.
-
-    Such keys name other blocks: they would never hit, and a put would file blocks under
-    names no request of this store ever asks for."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import kvtier
 from kvtier.errors import ConfigError, LayoutError
-from kvtier.keys import BlockKeys, ForeignKeysError, Keyer, Namespace, chain_keys
+from kvtier.errors import ForeignKeysError
+from kvtier.keys import BlockKeys, Keyer, Namespace, chain_keys
 
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
