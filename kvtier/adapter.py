@@ -31,7 +31,7 @@ from kvtier.handles import Transfer
 from kvtier.keys import BlockKeys
 from kvtier.store import Store
 from kvtier.tiers.device import DeviceTier
-from kvtier.transfer.pages import PagedKV
+from kvtier.transfer.pages import PagedKV, copy
 from kvtier.transfer.streams import LayerLoader, LoadHandle, SaveHandle, Saver
 
 
@@ -134,16 +134,18 @@ class PagesLoad:
 class PagesSave:
     """A save from engine-owned pages: wait_for_pages() before overwriting them, wait() for the store."""
 
-    saved: SaveHandle
+    saved: SaveHandle | None       # None: the pages were already copied into the store
     keys: BlockKeys
     store: Store
     _put: Transfer | None = None
 
     def wait_for_pages(self) -> None:
-        self.saved.wait_for_pages()
+        if self.saved is not None:
+            self.saved.wait_for_pages()
 
     def wait(self) -> Transfer:
         if self._put is None:
+            assert self.saved is not None
             self._put = self.store.put(self.keys, self.saved.wait())
         return self._put
 
@@ -306,6 +308,10 @@ class KVAdapter:
         loader = self._loader
         cuda = paged.device.type == "cuda"
         st = self.store
+        if not cuda and st.remote is None:
+            # Host pages: scattered straight from the slots holding the blocks (one copy);
+            # blocks on disk are read (verified) into a reused buffer first.
+            return PagesLoad(len(keys), loader.load_held(lambda: st.reading(keys), table))
 
         def read() -> torch.Tensor:               # on the loader's thread
             n = st.lookup(keys).blocks            # evicted since the engine looked: fewer
@@ -325,9 +331,19 @@ class KVAdapter:
         the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
         them; wait() on the result puts them into the store (from any thread)."""
         table = self._engine_pages(paged, page_table, keys)
+        st = self.store
+        if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
+            # Host pages: gathered straight into reserved top-tier slots (one copy), which
+            # become cached blocks when the copy is done.
+            with st.writing(keys) as w:
+                if w.positions:
+                    copy(paged.views, table[w.positions], w.memory, to_blocks=True, rows=w.slots)
+            done = Transfer("put", len(w.positions), len(w.positions) * self.layout.block_bytes,
+                            w.present, w.rejected)
+            return PagesSave(None, keys, st, done)
         if self._saver is None:
             self._saver = Saver(paged, self.layout)
-        return PagesSave(self._saver.save(table), keys, self.store)   # type: ignore[arg-type]
+        return PagesSave(self._saver.save(table), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str | None = None) -> int:

@@ -286,6 +286,7 @@ class BlockIndex:
     def abort(self, res: Reservation) -> None:
         """The write failed: forget the reserved blocks (or copies) and free their slots."""
         t = self.tiers[res.tier]
+        t.counters.inserted -= len(res.keys)      # counted at reserve; nothing arrived
         for k, slot in zip(res.keys, res.slots):
             t.policy.remove(k)
             t.free.append(slot)

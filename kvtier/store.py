@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+import torch
 import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, KeyNotCachedError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.index import BlockIndex, Move, Reservation
+from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
 from kvtier.payload import as_rows
@@ -122,6 +124,7 @@ class Store:
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._lent: set[int] = set()    # top-tier slots lent to an engine (lend/give_back/publish)
+        self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
         self._closed = False
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
@@ -344,31 +347,119 @@ class Store:
         return transfer
 
     @contextmanager
-    def hold(self, keys: Sequence[bytes]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
-        """Hold the longest cached prefix of `keys` and yield its blocks' bytes and xxh3-64
-        checksums: views of slot memory for memory tiers (no copy: a node sends them straight
-        to a peer), verified copies for disk. Nothing held is evicted or overwritten until
-        the block exits."""
+    def writing(self, keys: Sequence[bytes]) -> Iterator[WriteSlots]:
+        """A save written in place: reserve top-tier slots for the blocks of `keys` (prefix
+        order) not cached yet and yield them; the caller writes each block's bytes straight
+        into its slot (e.g. gathers an engine's pages there: one copy, no staging buffer).
+        When the `with` block ends the blocks become readable (and are written through to
+        disk if the store is set so); if it raises, they are forgotten and the slots freed.
+        Needs a memory top tier (host or device memory), not a disk."""
+        self._check_keys(keys)
+        memory = self.tiers[0].memory()
+        if memory is None:
+            raise ConfigError(f"writing() needs a memory top tier; this store's is {self.tiers[0].name}: use put()")
+        with self._lock:
+            self._check_open()
+            res = self.index.reserve(keys)
+            self._apply(res)
+            c = self.counters
+            c.puts += 1
+            c.put_present += res.present
+            c.put_rejected += res.rejected
+        try:
+            yield WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
+                             res.present, res.rejected)
+        except BaseException:
+            with self._lock:
+                self.index.abort(res)
+            raise
+        with self._lock:
+            self.index.commit(res)
+            self.counters.put_blocks += len(res.keys)
+            self.counters.put_bytes += len(res.keys) * self.layout.block_bytes
+        if self.write_through and res.keys:
+            for i, tier in enumerate(self.tiers):
+                if i > 0 and tier.persistent:
+                    self._copy_into(i, res.keys)
+
+    @contextmanager
+    def reading(self, keys: Sequence[bytes], promote: bool | None = None) -> Iterator[HeldBlocks]:
+        """A load read in place: hold the longest locally cached prefix of `keys` and yield
+        where each block's bytes are. Blocks in memory tiers are their slots (no copy);
+        blocks on disk are read into a buffer of the store's and verified (the prefix ends
+        at the first that fails; with `promote`, default the store's, they are also copied
+        up into the top tier). Nothing held is evicted or overwritten until the block exits."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
             n, _ = self.index.lookup(keys)
             held = keys[:n]
             locs = self.index.acquire(held)
-            entries = [self.index.entries[k] for k in held]
-        rows: list[np.ndarray] = []
+            c = self.counters
+            c.gets += 1
+            c.get_blocks += n
+            c.get_bytes += n * self.layout.block_bytes
         bad: list[tuple[bytes, int]] = []
+        buffer = None
         try:
-            for key, (t, slot) in zip(held, locs):
-                tier = self.tiers[t]
-                if tier.persistent:
-                    buf = np.empty(self.layout.block_bytes, dtype=np.uint8)
-                    if tier.read([slot], [buf], keys=[key]):
-                        bad.append((key, t))
-                        break   # failed verification: the prefix ends here
-                    rows.append(buf)
-                else:
-                    rows.append(tier.block(slot))
+            groups, tiers, stored = [], [t for t, _ in locs], []
+            for t, slots, idx in _group(locs):
+                memory = self.tiers[t].memory()
+                if memory is not None:
+                    groups.append(ReadGroup(memory, torch.tensor(slots, dtype=torch.int64), idx))
+                    continue
+                buffer = self._read_buffer(len(slots))
+                rows = list(buffer.numpy()[:len(slots)])
+                failed = self.tiers[t].read(slots, rows, None, [keys[i] for i in idx])
+                bad += [(keys[idx[j]], t) for j in failed]
+                n = min([n, *(idx[j] for j in failed)])
+                groups.append(ReadGroup(buffer, torch.arange(len(slots), dtype=torch.int64), idx))
+                stored += [(i, rows[j]) for j, i in enumerate(idx)]
+            for g in groups:                      # the prefix ends at the first block that failed
+                keep = [j for j, i in enumerate(g.positions) if i < n]
+                if len(keep) < len(g.positions):
+                    g.rows, g.positions = g.rows[keep], [g.positions[j] for j in keep]
+            groups = [g for g in groups if g.positions]
+            if (self.promote if promote is None else promote) and len(self.tiers) > 1:
+                up = [(i, r) for i, r in stored if i < n]
+                if up:
+                    self._copy_into(0, [keys[i] for i, _ in up], [r for _, r in up], list(range(len(up))))
+            yield HeldBlocks(n, groups, tiers[:n])
+        finally:
+            with self._lock:
+                self.index.release(held)
+            if buffer is not None:
+                self._buffer_back(buffer)
+            if bad:
+                self._discard(bad)
+
+    def _read_buffer(self, rows: int) -> torch.Tensor:
+        """A page-aligned [>= rows, block_bytes] buffer for disk reads, reused between calls
+        (the first touch of fresh memory is slow); a second reader at once gets its own."""
+        with self._lock:
+            buf, self._spare = self._spare, None
+        if buf is None or buf.shape[0] < rows:
+            from kvtier.tiers.memory import allocate_host
+            size = 1 << max(0, rows - 1).bit_length()          # powers of two: few regrowths
+            host = allocate_host(size * self.layout.block_bytes)
+            buf = host.tensor[: size * self.layout.block_bytes].view(size, self.layout.block_bytes)
+        return buf
+
+    def _buffer_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._spare is None or self._spare.shape[0] < buf.shape[0]:
+                self._spare = buf
+
+    @contextmanager
+    def hold(self, keys: Sequence[bytes]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
+        """Hold the longest cached prefix of `keys` and yield its blocks' bytes and xxh3-64
+        checksums: views of slot memory for memory tiers (no copy: a node sends them straight
+        to a peer), verified copies for disk. Nothing held is evicted or overwritten until
+        the block exits."""
+        with self.reading(keys, promote=False) as held:
+            rows = held.rows()
+            with self._lock:
+                entries = [self.index.entries[k] for k in keys[:held.blocks]]
             # Speed: a block's bytes never change under its key, so its checksum is computed
             # once and kept on its entry; a hot prefix served again costs no hashing.
             sums = []
@@ -377,11 +468,6 @@ class Store:
                     e.checksum = xxhash.xxh3_64_intdigest(r)
                 sums.append(e.checksum)
             yield rows, sums
-        finally:
-            with self._lock:
-                self.index.release(held)
-            if bad:
-                self._discard(bad)
 
     # -- an engine whose pages are the top tier (kvtier.adapter) ---------------------------
     def hold_top(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:

@@ -2,6 +2,8 @@
 lower tiers, verified) and pages the engine owns (load_into / save_from)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -160,18 +162,20 @@ def test_load_into_reads_and_copies_off_the_callers_thread(monkeypatch):
     dst = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
     paged = PagedKV(dst, LAYOUT, "mla")
     reading, layer1 = threading.Event(), threading.Event()
-    real_get, real_copy = a.store.get, streams.copy
+    real_reading, real_copy = a.store.reading, streams.copy
 
-    def slow_get(*args, **kw):
+    @contextmanager
+    def slow_reading(*args, **kw):
         assert reading.wait(10)
-        return real_get(*args, **kw)
+        with real_reading(*args, **kw) as held:
+            yield held
 
     def slow_copy(views, *args, **kw):
         if views[0] is paged.views[1]:
             assert layer1.wait(10)
         return real_copy(views, *args, **kw)
 
-    monkeypatch.setattr(a.store, "get", slow_get)
+    monkeypatch.setattr(a.store, "reading", slow_reading)
     monkeypatch.setattr(streams, "copy", slow_copy)
     load = a.load_into(keys, paged, [[0], [1], [9]])     # returns while the read is held
     assert load.requested == 3 and not load.handle.done()
@@ -191,14 +195,15 @@ def test_load_into_reports_blocks_it_did_not_write(monkeypatch):
     a, pages, keys = _engine_pages_with_cached()
     dst = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
     paged = PagedKV(dst, LAYOUT, "mla")
-    real_get = a.store.get
+    real_reading = a.store.reading
 
-    def short_get(*args, **kw):                           # block 1 fails its checksum
-        t = real_get(*args, **kw)
-        t.loaded = min(t.loaded, 1)
-        return t
+    @contextmanager
+    def short_reading(*args, **kw):                       # block 1 fails its checksum
+        with real_reading(*args, **kw) as held:
+            held.blocks = min(held.blocks, 1)
+            yield held
 
-    monkeypatch.setattr(a.store, "get", short_get)
+    monkeypatch.setattr(a.store, "reading", short_reading)
     load = a.load_into(keys, paged, [[0], [1], [9]])
     assert load.wait() == 1 and load.error is None
     assert torch.equal(dst[2][0], pages[2][7]) and torch.count_nonzero(dst[2][[1, 9]]) == 0
@@ -206,7 +211,7 @@ def test_load_into_reports_blocks_it_did_not_write(monkeypatch):
     def broken(*args, **kw):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(a.store, "get", broken)
+    monkeypatch.setattr(a.store, "reading", broken)
     dst2 = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
     load = a.load_into(keys, PagedKV(dst2, LAYOUT, "mla"), [[0], [1], [9]])
     for l in range(LAYOUT.num_layers):

@@ -261,6 +261,48 @@ class StoreMachine(RuleBasedStateMachine):
             t = self.put_keys(rest, form, True)
             assert t.blocks + t.present + t.rejected == len(rest)
 
+    @rule(seq=st.integers(0, len(SEQS) - 1), data=st.data(), fail=st.booleans())
+    def save_in_place(self, seq, data, fail) -> None:
+        """An engine's save written straight into reserved slots (Store.writing); a copy
+        that fails leaves nothing readable and frees its slots."""
+        chain = self.chains[seq]
+        lo = data.draw(st.integers(0, len(chain) - 1), label="lo")
+        keys = chain[lo:data.draw(st.integers(lo + 1, len(chain)), label="hi")]
+        if len(keys) > self.caps[0]:
+            with pytest.raises(CapacityError):
+                with self.store.writing(keys):
+                    pass
+            return
+        quiet = not self.pending
+        self.ever.update(keys)
+        self.c["puts"] += 1
+        try:
+            with self.store.writing(keys) as w:
+                mem = w.memory.numpy()
+                for slot, pos in zip(w.slots.tolist(), w.positions):
+                    mem[slot] = payload_row(keys[pos])
+                if fail:
+                    raise OSError("the engine's copy failed")
+        except OSError:
+            pass
+        assert len(w.positions) + w.present + w.rejected == len(keys)
+        self.c["put_keys"] += w.present + w.rejected + (0 if fail else len(w.positions))
+        if fail and quiet:
+            for pos in w.positions:
+                assert self.lookup([keys[pos]]).blocks == 0, "a failed in-place save left a block readable"
+
+    @rule(seq=st.integers(0, len(SEQS) - 1))
+    def read_in_place(self, seq) -> None:
+        """An engine's load read straight from where the blocks are held (Store.reading)."""
+        keys = self.chains[seq]
+        with self.store.reading(keys) as held:
+            rows = held.rows()
+            assert len(rows) == held.blocks == len(held.tiers) <= len(keys)
+            for k, r in zip(keys, rows):
+                assert np.array_equal(r, payload_row(k)), "a held block's bytes are not the block's"
+        self.c["gets"] += 1
+        self.c["get_blocks"] += held.blocks
+
     @precondition(lambda self: not self.pending_puts())
     @rule(seq=st.integers(0, len(SEQS) - 1))
     def get_miss(self, seq) -> None:

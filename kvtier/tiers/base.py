@@ -75,6 +75,11 @@ class Tier(ABC):
     def block(self, slot: int) -> np.ndarray:
         """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
 
+    def memory(self) -> "torch.Tensor | None":
+        """The slots as one [capacity_blocks, block_bytes] uint8 tensor that callers may read
+        and write in place (memory tiers on the host), or None (disk, or GPU memory)."""
+        return None
+
     def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         """These blocks left the tier (a persistent tier forgets their records)."""
 

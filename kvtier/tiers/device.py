@@ -97,6 +97,9 @@ class DeviceTier(Tier):
             torch.from_numpy(dst).copy_(self.tensor[s:s + n])   # synchronous: the bytes are there on return
         return []
 
+    def memory(self) -> torch.Tensor | None:
+        return self.tensor if self.tensor is not None and not self.on_gpu else None
+
     def block(self, slot: int) -> np.ndarray:
         """A view of the slot on a CPU; a host copy on a GPU."""
         if self._np is not None:

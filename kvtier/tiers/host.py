@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from kvtier.tiers.base import Tier, rows_into_slots, slots_into_rows
 from kvtier.tiers.memory import HostBuffer, allocate_host
@@ -41,6 +42,9 @@ class HostTier(Tier):
 
     def block(self, slot: int) -> np.ndarray:
         return self.slots[slot]
+
+    def memory(self) -> torch.Tensor | None:
+        return None if self._buf is None else self._buf.tensor[: self.slots.size].view(self.slots.shape)
 
     def info(self) -> dict[str, Any]:
         if self._buf is None:

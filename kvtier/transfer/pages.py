@@ -222,14 +222,29 @@ class PagedKV:
 
 
 def copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, *, to_blocks: bool,
-         impl: str = "auto") -> None:
+         impl: str = "auto", rows: torch.Tensor | None = None) -> None:
     """Move bytes between byte views [num_pages, parts, chunk] of some layers and blocks
     [n, len(views) * parts * pages_per_block * chunk] (checked by the caller).
 
+    rows: block b is row rows[b] of `blocks` (a tier's slots, [slots, bytes]) instead of
+    row b, so pages move straight to and from a tier's memory with no staging copy.
     impl: "auto" (the CUDA kernel when the tensors are on a GPU and it compiled, else
     torch ops), "torch", or "cuda" (the kernel or an error)."""
     if impl not in ("auto", "torch", "cuda"):
         raise LayoutError(f"impl must be 'auto', 'torch' or 'cuda', got {impl!r}")
+    if rows is not None:
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
+            raise LayoutError(f"rows name a row outside the {blocks.shape[0]} rows of blocks")
+        if impl == "auto" and not blocks.is_cuda and _native_copy(views, ids, blocks, to_blocks, rows):
+            return
+        # Elsewhere through a temporary (the kernel and the torch ops address rows 0..n-1).
+        if to_blocks:
+            tmp = torch.empty(ids.shape[0], blocks.shape[1], dtype=torch.uint8, device=blocks.device)
+            copy(views, ids, tmp, to_blocks=True, impl=impl)
+            blocks[rows.to(blocks.device)] = tmp
+        else:
+            copy(views, ids, blocks[rows.to(blocks.device)], to_blocks=False, impl=impl)
+        return
     if impl != "torch" and blocks.is_cuda:
         from kvtier.transfer import kernels
         if kernels.paged_copy(views, ids, blocks, to_blocks, required=impl == "cuda"):
@@ -254,7 +269,8 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),)).numpy()
 
 
-def _native_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> bool:
+def _native_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool,
+                 rows: torch.Tensor | None = None) -> bool:
     """Pages <-> blocks on the host with exactly one copy of each byte: the offsets of every
     (block, K/V part, page) chunk on both sides are computed with a few tensor ops, then
     one C loop per layer moves them. False where the C module is missing."""
@@ -265,10 +281,11 @@ def _native_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch
         return True
     _, parts, chunk = views[0].shape
     part = torch.arange(parts, dtype=torch.int64)[None, :, None]
-    # The block side: block b's layer l lies at b * row_stride + l * layer_bytes, then its
-    # chunks in (part, page) order (kvtier/layout.py's layer-major block).
+    # The block side: block b's layer l lies at row(b) * row_stride + l * layer_bytes, then
+    # its chunks in (part, page) order (kvtier/layout.py's layer-major block).
     layer_bytes = parts * ppb * chunk
-    block_side = (torch.arange(n, dtype=torch.int64) * blocks.stride(0))[:, None, None] + \
+    row = torch.arange(n, dtype=torch.int64) if rows is None else rows.to("cpu", torch.int64)
+    block_side = (row * blocks.stride(0))[:, None, None] + \
         (part * ppb + torch.arange(ppb, dtype=torch.int64)[None, None, :]) * chunk + blocks.storage_offset()
     blocks_mem = _storage_bytes(blocks)
     pages = ids.to("cpu", torch.int64)[:, None, :]

@@ -21,19 +21,24 @@ each, exactly as the GPU staging thread does, and wait_for_layer(i) waits for la
 
 A load's blocks may be a function that returns them (a store read): it runs on the
 loader's thread before layer 0, and may return fewer rows than the table has; only those
-rows' pages are written (`handle.wait_rows()` says how many).
+rows' pages are written (`handle.wait_rows()` says how many). Host pages can also load
+straight from where the store holds the blocks (load_held: a Store.reading()), with no
+copy in between.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, Union
 
 import torch
 
 from kvtier.errors import LayoutError, TransferError
 from kvtier.layout import KVLayout
 from kvtier.transfer.pages import PagedKV, copy
+
+if TYPE_CHECKING:
+    from kvtier.inplace import HeldBlocks
 
 
 def _host_blocks(blocks: object, n: int, layout: KVLayout, what: str) -> torch.Tensor:
@@ -225,6 +230,41 @@ class LayerLoader(_Mover):
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 handle._ready(l, ev)
+
+    def load_held(self, hold: Callable[[], ContextManager[HeldBlocks]], block_table: object) -> LoadHandle:
+        """Write blocks straight from where a store holds them into the pages of block_table's
+        rows, layer by layer: `hold()` (called on the loader's thread, a Store.reading()) holds
+        the leading cached blocks while every layer is copied. Host pages only: one copy."""
+        if self.cuda:
+            raise LayoutError("load_held copies within host memory; pages on a GPU load with load()")
+        ids = self.kv.table(block_table, unique=True)
+        handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
+        handle._keep = (ids,)
+        if self._thread is None:
+            self._load_held(handle, hold, ids)
+        else:
+            self._thread.submit(self._run_held, handle, hold, ids)
+        return handle
+
+    def _run_held(self, handle: LoadHandle, hold: Callable[[], ContextManager[HeldBlocks]], ids: torch.Tensor) -> None:
+        try:
+            self._load_held(handle, hold, ids)
+        except BaseException as e:   # the engine's wait_for_layer raises it instead of hanging
+            handle._failed(e)
+
+    def _load_held(self, handle: LoadHandle, hold: Callable[[], ContextManager[HeldBlocks]], ids: torch.Tensor) -> None:
+        lb = self.layout.layer_bytes
+        with hold() as held:
+            n = min(held.blocks, ids.shape[0])
+            handle._set_rows(n)
+            groups = [(g.memory, g.rows[keep], ids[[g.positions[j] for j in keep]])
+                      for g in held.groups
+                      for keep in [[j for j, i in enumerate(g.positions) if i < n]] if keep]
+            for l in range(self.layout.num_layers):
+                for memory, rows, page_ids in groups:
+                    copy([self.kv.views[l]], page_ids, memory[:, l * lb:(l + 1) * lb], to_blocks=False,
+                         impl=self.impl, rows=rows)
+                handle._ready(l, True)
 
     def close(self, wait: bool = True) -> None:
         """Stop the loader's thread (loads already started still finish)."""
