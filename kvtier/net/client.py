@@ -28,7 +28,8 @@ _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
 
 class PeerError(KvtierError):
     """A peer could not answer in time or answered wrongly: treat its blocks as misses.
-    `refused`: it answered, with an error (another secret or namespace), rather than not at all."""
+    `refused`: it answered, but refused the request or its reply was not acceptable (another
+    secret or namespace, a malformed frame), rather than not answering at all."""
 
     def __init__(self, address: str, reason: str, refused: bool = False) -> None:
         super().__init__(f"peer {address}: {reason}")
@@ -94,8 +95,7 @@ class PeerClient:
                 return self._receive_blocks(chan, reply, rows, deadline)
             except (OSError, EOFError, FrameError) as e:
                 self._drop()    # the connection's state is unknown now: start afresh next time
-                reason = _reason(e)
-                raise PeerError(self.address, reason, refused=reason.startswith("refused")) from None
+                raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError)) from None
 
     def ping(self) -> None:
         """One HAS of no keys: raises PeerError unless the peer answers, with this cluster's
