@@ -1,29 +1,126 @@
-"""`kvtier inspect PATH`: what a disk tier directory holds, without opening a store."""
+"""`kvtier inspect PATH`: what a disk tier directory holds, without opening a store.
+
+Exit 0 with the report; 2 when PATH is not a disk tier directory; 1 when the index cannot
+be read (damaged) or, with --verify, when any block fails its checksum (the report is
+still printed, and one line on stderr says how many).
+"""
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
+
+from kvtier.errors import ConfigError, KvtierError
 
 HELP = "show what a disk tier directory holds (blocks, bytes, layout, namespace, age)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="the disk tier's directory")
-    p.add_argument("--verify", action="store_true", help="read every block and check its checksum")
+    p.add_argument("path", help="the disk tier's directory (the one holding index.lmdb and slab.bin)")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every block and check its checksum (reads the whole slab); "
+                        "exit 1 if any block is corrupt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
+    """kvtier.tiers.disk.read_directory with every failure as one clear error: ConfigError
+    (exit 2) when `path` is not a disk tier directory, KvtierError (exit 1) when its index
+    is damaged, saying what a store does with it and what to do."""
+    import lmdb
+
+    from kvtier.tiers.disk import read_directory
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist: give the directory of a disk tier (the path given to "
+                          "DiskTier or --disk)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is a file, not a disk tier directory: give the directory that holds "
+                          "index.lmdb and slab.bin")
+    index = os.path.join(path, "index.lmdb")
+    try:
+        return read_directory(path)
+    except ConfigError:
+        raise                 # not a disk tier directory: read_directory says so
+    except lmdb.Error as e:
+        what = f"the disk tier index {index} is damaged ({e})"
+        if _store_recovers(index):
+            raise KvtierError(f"{what}: opening a store on {path} moves it aside (index.lmdb.damaged-TIME) "
+                              "and starts the tier empty") from None
+        raise KvtierError(f"{what}, so a store cannot open it either: move it aside "
+                          f"(mv {index} {index}.damaged) and the next store opened on {path} starts "
+                          "the tier empty") from None
+    except ValueError as e:   # msgpack: a record that is not what kvtier wrote
+        raise KvtierError(f"the disk tier index {index} holds a damaged record ({type(e).__name__}: {e}); "
+                          f"if a store refuses to open {path} too, move the index aside "
+                          f"(mv {index} {index}.damaged) and the tier starts empty") from None
+
+
+def _store_recovers(index: str) -> bool:
+    """Whether a store opening this index would set it aside by itself: DiskTier does so
+    when opening the LMDB environment fails with one of the errors it counts as damage;
+    damage found later, in a page it reads, makes the store's open fail instead."""
+    import lmdb
+
+    from kvtier.tiers.disk import _CORRUPT
+
+    try:
+        env = lmdb.open(index, readonly=True, lock=False, max_dbs=4, subdir=True)
+    except _CORRUPT:
+        return True
+    except lmdb.Error:
+        return False
+    env.close()
+    return False
+
+
+def _valid(record: Any) -> bool:
+    return (isinstance(record, (list, tuple)) and len(record) == 4 and all(isinstance(v, int) for v in record[:2])
+            and all(isinstance(v, (int, float)) for v in record[2:]))
+
+
+def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], show: bool) -> int:
+    """How many of `records` fail their checksum (or lie past the slab's end), reading the
+    slab in slot order, with a progress bar when `show` and on a terminal."""
+    import xxhash
+
+    from kvtier.progress import progress
+    from kvtier.units import format_bytes
+
+    slab = os.path.join(path, "slab.bin")
+    sb, bb = meta["slot_bytes"], meta["block_bytes"]
+    ordered = sorted(rec for _, rec in records)
+    if not os.path.exists(slab):
+        return len(ordered)           # no bytes at all: a store reads every block as a miss
+    bad = 0
+    fd = os.open(slab, os.O_RDONLY)
+    try:
+        with progress(f"verifying {len(ordered)} blocks ({format_bytes(len(ordered) * bb)})", len(ordered),
+                      enabled=show) as bar:
+            for slot, checksum, _created, _access in ordered:
+                data = os.pread(fd, bb, slot * sb)
+                bad += len(data) != bb or xxhash.xxh3_64_intdigest(data) != checksum
+                bar.advance()
+    finally:
+        os.close(fd)
+    return bad
 
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import os
+    import sys
     import time
 
-    import xxhash
-
     from kvtier.layout import KVLayout
-    from kvtier.tiers.disk import read_directory
     from kvtier.units import format_bytes
 
-    meta, records = read_directory(args.path)
+    meta, raw_records = read_index(args.path)
+    for field in ("block_bytes", "slot_bytes", "capacity_blocks"):
+        if not isinstance(meta.get(field), int):
+            raise KvtierError(f"the index in {args.path} has no {field} in its meta record: it was written by "
+                              "another kvtier version or is damaged")
+    records = [(k, v) for k, v in raw_records if _valid(v)]
+    damaged = len(raw_records) - len(records)
     layout = KVLayout.from_dict(meta["layout"]) if "layout" in meta else None
     slab = os.path.join(args.path, "slab.bin")
     size = os.path.getsize(slab) if os.path.exists(slab) else 0
@@ -32,25 +129,31 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "path": os.path.abspath(args.path), "format": meta.get("format"),
         "layout": layout.describe() if layout else None, "namespace": meta.get("namespace"),
-        "hash": meta.get("hash"), "block_bytes": meta.get("block_bytes"), "slot_bytes": meta.get("slot_bytes"),
-        "capacity_blocks": meta.get("capacity_blocks"), "blocks": len(records),
-        "bytes": len(records) * meta.get("block_bytes", 0), "slab_bytes": size,
+        "hash": meta.get("hash"), "block_bytes": meta["block_bytes"], "slot_bytes": meta["slot_bytes"],
+        "capacity_blocks": meta["capacity_blocks"], "blocks": len(records),
+        "bytes": len(records) * meta["block_bytes"], "slab_bytes": size, "damaged_records": damaged,
         "created_age_s": round(now - meta["created"], 1) if "created" in meta else None,
         "newest_access_age_s": round(now - max(last), 1) if last else None,
         "oldest_access_age_s": round(now - min(last), 1) if last else None,
     }
     if args.verify:
-        bad = 0
-        sb, bb = meta["slot_bytes"], meta["block_bytes"]
-        with open(slab, "rb") as f:
-            for _, (slot, checksum, _c, _a) in records:
-                f.seek(slot * sb)
-                data = f.read(bb)
-                bad += len(data) != bb or xxhash.xxh3_64_intdigest(data) != checksum
-        report["corrupt_blocks"] = bad
+        report["corrupt_blocks"] = verify(args.path, meta, records, show=not args.json)
     if args.json:
-        print(json.dumps(report))
-        return 0
+        print(json.dumps(report), flush=True)
+    else:
+        _print(report, bool(last))
+    corrupt = report.get("corrupt_blocks", 0)
+    if corrupt:
+        why = " (its slab.bin is missing)" if not os.path.exists(slab) else ""
+        print(f"kvtier: error: {corrupt} of {len(records)} blocks in {args.path} failed verification{why}: a store "
+              "reads each as a miss (never as wrong KV) and the engine recomputes it", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print(report: dict[str, Any], accessed: bool) -> None:
+    from kvtier.units import format_bytes
+
     ns = report["namespace"] or {}
     print(f"disk tier {report['path']}")
     print(f"  layout     {report['layout']}")
@@ -58,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
           f"hash={report['hash']}")
     print(f"  blocks     {report['blocks']} of {report['capacity_blocks']} "
           f"({format_bytes(report['bytes'])} of {format_bytes(report['capacity_blocks'] * report['block_bytes'])})")
-    if last:
+    if report["damaged_records"]:
+        print(f"  damaged    {report['damaged_records']} records (a store drops them when it opens the tier)")
+    if accessed:
         print(f"  accessed   newest {report['newest_access_age_s']} s ago, oldest {report['oldest_access_age_s']} s ago")
-    if args.verify:
-        print(f"  verified   {len(records) - report['corrupt_blocks']} good, {report['corrupt_blocks']} corrupt")
-    return 0
+    if "corrupt_blocks" in report:
+        print(f"  verified   {report['blocks'] - report['corrupt_blocks']} good, {report['corrupt_blocks']} corrupt")

@@ -1,38 +1,110 @@
-"""`kvtier node`: run a store that serves its blocks to peers (and fetches theirs)."""
+"""`kvtier node`: run a store that serves its blocks to peers (and fetches theirs).
+
+Every option is checked before any memory is taken, so a typo is a one-line error at
+once. Peers and Redis may come up in any order: one that does not answer at start is
+reported on one line and retried with backoff (kvtier/net/health.py), and its coming
+back is reported too. Ctrl-C or SIGTERM stops the node cleanly: it stops serving,
+leaves the directory, and closes the store (writing host blocks down to a disk tier).
+"""
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
-HELP = "serve a store's blocks to peers over TCP (and fetch from peers with --peers)"
+from kvtier.argtypes import positive_float, positive_int, size
+from kvtier.errors import ConfigError
+
+HELP = "serve a store's blocks to peers over TCP (and fetch from peers with --peers or --directory)"
+PROBE_EVERY_S = 0.5     # how often a node looks for peers that were down and are due for a retry
+
+
+def _checked(check: Callable[[str], object], name: str) -> Callable[[str], object]:
+    """An argparse type from a library check that raises ConfigError."""
+    def parse(text: str) -> object:
+        try:
+            return check(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name
+    return parse
+
+
+def _address(text: str) -> str:
+    from kvtier.net.address import parse_address
+    parse_address(text)
+    return text
+
+
+def _peers(text: str) -> list[str]:
+    """Comma-separated host:port addresses (empty items ignored, duplicates dropped)."""
+    from kvtier.net.address import parse_address
+    peers: list[str] = []
+    for p in (x.strip() for x in text.split(",")):
+        if p:
+            try:
+                parse_address(p)
+            except ConfigError:
+                raise ConfigError(f"peer {p!r} must look like HOST:PORT, e.g. 10.0.0.2:7700 "
+                                  "(separate several with commas)") from None
+            if p not in peers:
+                peers.append(p)
+    return peers
+
+
+def _redis_url(text: str) -> str:
+    from kvtier.net.directory import check_redis_url
+    check_redis_url(text)
+    return text
+
+
+def _shard(text: str) -> str:
+    from kvtier.shard import check_shard
+    return check_shard(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:7700", help="host:port to serve on (port 0: any free port)")
-    p.add_argument("--layout", default="kimi-k2", help="layout preset (default kimi-k2)")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--model", default=None, help="namespace model id (default: the layout preset's name)")
-    p.add_argument("--revision", default="", help="namespace revision")
-    p.add_argument("--shard", default="", help="namespace shard, e.g. tp0/8")
-    p.add_argument("--capacity", default="8GiB", help="host tier capacity (default 8GiB)")
-    p.add_argument("--disk", default=None, help="directory of a disk tier (optional)")
-    p.add_argument("--disk-capacity", default="100GiB", help="disk tier capacity (default 100GiB)")
-    p.add_argument("--peers", default="", help="comma-separated host:port of other nodes to fetch from")
-    p.add_argument("--directory", default=None,
-                   help="redis://host:port of a Redis directory: publish what this node holds, find other nodes' blocks")
-    p.add_argument("--advertise", default=None, help="host:port peers should use to reach this node (default: --listen)")
-    p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays listed after it stops renewing")
+    from kvtier.layout import PRESETS
+
+    p.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT", type=_checked(_address, "address"),
+                   help="where to serve; port 0 picks any free port")
+    p.add_argument("--layout", default="kimi-k2", metavar="NAME", choices=list(PRESETS),
+                   help=f"KV layout preset: {', '.join(PRESETS)}")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block")
+    p.add_argument("--model", default=None,
+                   help="namespace model id; nodes share blocks only within one namespace "
+                        "(default: the --layout preset's name)")
+    p.add_argument("--revision", default="", help="namespace revision, e.g. the checkpoint's (default: none)")
+    p.add_argument("--shard", default="", type=_checked(_shard, "shard"),
+                   help="namespace shard: tpRANK/SIZE (tp0/8 is tensor-parallel rank 0 of 8), ppRANK/SIZE, "
+                        "or both as tp0/8,pp1/4 (default: unsharded)")
+    p.add_argument("--capacity", default="8GiB", type=size, metavar="SIZE", help="host tier capacity")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="directory of a disk tier below the host tier (default: none)")
+    p.add_argument("--disk-capacity", default="100GiB", type=size, metavar="SIZE",
+                   help="disk tier capacity (preallocated at start)")
+    p.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
+                   help="other nodes to fetch from, comma-separated; each is asked directly (default: none)")
+    p.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
+                   help="Redis directory (redis://HOST:PORT[/DB], rediss://... for TLS, unix:///PATH): "
+                        "publish what this node holds, find other nodes' blocks (default: none)")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
+                   help="with --directory: the address peers should use to reach this node "
+                        "(default: the --listen address)")
+    p.add_argument("--lease", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="with --directory: how long this node stays listed after it stops renewing "
+                        "(it renews every 50 ms)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"],
-                   help="tcp (default) or ucx (needs kvtier[ucx]); for serving and for fetching")
-    p.add_argument("--secret-file", default=None,
-                   help="file holding the cluster's shared secret (or set KVTIER_SECRET); at least 16 bytes")
-    p.add_argument("--policy", default="recommended", help="eviction policy (default: the recommended one)")
+                   help="how blocks travel, for serving and for fetching; ucx needs kvtier[ucx]")
+    p.add_argument("--secret-file", default=None, metavar="FILE",
+                   help="file holding the cluster's shared secret, at least 16 bytes "
+                        "(default: the KVTIER_SECRET variable)")
+    p.add_argument("--policy", default="recommended", metavar="NAME",
+                   help="eviction policy, e.g. lru or arc+nopartial (default: recommended)")
 
 
 def read_secret(path: str | None) -> bytes:
     """The cluster secret from a file or the KVTIER_SECRET variable."""
     import os
-
-    from kvtier.errors import ConfigError
 
     if path:
         try:
@@ -52,41 +124,67 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.layout import preset_layout
     from kvtier.net import Node
+    from kvtier.policies import make_policy
     from kvtier.store import Store
     from kvtier.tiers import DiskTier, HostTier
     from kvtier.tiers.remote import RemoteTier
+    from kvtier.units import format_bytes
 
+    # Everything that can be checked is checked before any memory or disk is taken.
     secret = read_secret(args.secret_file)
     layout = preset_layout(args.layout, args.block_tokens)
+    ns = Namespace(args.model or args.layout, args.revision, args.shard)
+    make_policy(args.policy, 1)
+    if args.directory and args.peers:
+        raise ConfigError("give --peers or --directory, not both")
+    if args.advertise and not args.directory:
+        raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
+
+    directory = remote = None
     tiers: list = [HostTier(capacity=args.capacity)]
+    where = [f"host {format_bytes(args.capacity)}"]
     if args.disk:
         tiers.append(DiskTier(args.disk, capacity=args.disk_capacity))
-    peers = [p for p in args.peers.split(",") if p]
-    directory = None
-    if args.directory and peers:
-        raise ConfigError("give --peers or --directory, not both")
+        where.append(f"disk {args.disk} {format_bytes(args.disk_capacity)}")
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
-        tiers.append(RemoteTier(directory=directory, secret=secret, transport=args.transport))
-    elif peers:
-        tiers.append(RemoteTier(peers, secret, transport=args.transport))
-    ns = Namespace(args.model or args.layout, args.revision, args.shard)
+        remote = RemoteTier(directory=directory, secret=secret, transport=args.transport)
+        where.append(f"directory {directory.url}")
+    elif args.peers:
+        remote = RemoteTier(args.peers, secret, transport=args.transport)
+        where.append(f"peers {','.join(args.peers)}")
+    if remote is not None:
+        tiers.append(remote)
+
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Store(layout, tiers, ns, policy=args.policy) as store, \
-            Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
-                 transport=args.transport) as node:
-        print(f"kvtier node: serving {ns.model!r} ({layout.describe()}) on {node.address}", flush=True)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            print("kvtier node: already stopping (closing the store); kill -9 aborts and loses what is "
+                  "not on disk yet", flush=True)
+        stop.set()
+
+    with Store(layout, tiers, ns, policy=args.policy) as store:
+        with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
+                  transport=args.transport) as node:
+            for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly
+                signal.signal(sig, on_signal)
+            print(f"kvtier node: serving {ns.model!r} (revision {ns.revision!r}, shard {ns.shard or 'none'}; "
+                  f"{layout.describe()}; {', '.join(where)}) on {node.address}", flush=True)
+            print("kvtier node: Ctrl-C or SIGTERM stops it", flush=True)
+            if remote is not None:
+                remote.probe()                       # logs each peer that does not answer, once
+            while not stop.wait(PROBE_EVERY_S):
+                if remote is not None:
+                    remote.probe(only_down=True)     # and logs when it answers again
+            print("kvtier node: stopping" + (" (writing host blocks down to disk)" if args.disk else ""),
+                  flush=True)
         st = store.stats()
-        print(f"kvtier node: stopping; served {node.served} requests, refused {node.refused}, "
-              f"{st.tiers[0].used_blocks} blocks in host memory", flush=True)
+        served, refused, held = node.served, node.refused, st.tiers[0].used_blocks
+    print(f"kvtier node: stopped; served {served} requests, refused {refused}, "
+          f"{held} blocks were in host memory", flush=True)
     return 0

@@ -276,3 +276,28 @@ def test_bench_transport_json():
     row = next(x for x in rows if x["transport"] == "tcp")        # ucx too, where ucxx is installed
     assert (row["op"], row["blocks"]) == ("get", 16)
     assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+
+
+def test_a_down_peer_is_logged_once_backed_off_and_found_again(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = "127.0.0.1:%d" % s.getsockname()[1]        # nothing listens here (yet)
+    store = client_store([addr], timeout=0.3)
+    keys = store.keys([3] * 32)
+    with caplog.at_level("WARNING", logger="kvtier.remote"):
+        for _ in range(200):                              # lookups at an engine's rate
+            assert store.lookup(keys).blocks == 0
+        assert store.stats().remote["errors"] == 200      # each a miss, counted
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 1 and f"peer {addr} unreachable" in msgs[0], msgs
+        peer_store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+        peer_store.put(keys, payload(keys, LAYOUT.block_bytes))
+        with Node(peer_store, addr, SECRET):
+            deadline = time.monotonic() + 15
+            while store.lookup(keys).blocks != 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert store.lookup(keys).blocks == 4             # retried within the 5 s backoff cap
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 2 and "reachable again" in msgs[1], msgs
+    store.close()
+    peer_store.close()

@@ -1,4 +1,5 @@
 """The Redis directory, against a real redis-server on loopback (started here, stopped after)."""
+import os
 import shutil
 import signal
 import socket
@@ -179,3 +180,66 @@ def test_kvtier_node_with_a_directory(server, tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:          # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_redis_down_is_logged_once_and_retried_with_backoff(caplog):
+    d = RedisDirectory(closed_port_url())
+    d.bind(b"n" * 16, lambda *_: 0)
+    sent = []
+    real = d.r.execute_command
+    d.r.execute_command = lambda *a, **k: (sent.append(a[0]), real(*a, **k))[1]
+    calls = 0
+    t_end = time.monotonic() + 2.0
+    with caplog.at_level("DEBUG", logger="kvtier"):
+        while time.monotonic() < t_end:          # a publisher renews every 50 ms; lookups come at any rate
+            with pytest.raises(kvtier.net.DirectoryError):
+                d.heartbeat("10.0.0.1:7700")
+            calls += 1
+            time.sleep(0.005)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "unreachable" in warnings[0] and d.url in warnings[0], warnings
+    assert calls > 100 and 1 <= len(sent) <= 8, (calls, len(sent))   # 0.1 s doubling to 5 s: a handful of tries
+    d.close()
+
+
+def test_kvtier_node_with_redis_down_says_so_once():
+    url = closed_port_url()
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b",
+                          "--capacity", "64MiB", "--model", "m", "--directory", url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "KVTIER_SECRET": SECRET.decode()})
+    try:
+        assert "serving 'm'" in p.stdout.readline()
+        time.sleep(3)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"Redis at {url} unreachable" in lines[0], err
+
+
+def test_kvtier_node_started_before_redis_publishes_once_it_is_up():
+    srv = RedisServer()                   # a port, no server yet
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b",
+                          "--capacity", "64MiB", "--model", "m", "--directory", srv.url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "KVTIER_SECRET": SECRET.decode()})
+    try:
+        assert "serving 'm'" in p.stdout.readline()
+        assert "unreachable" in p.stderr.readline()
+        srv.start()
+        assert "reachable again" in p.stderr.readline()        # the next line: nothing in between
+        r = redis.Redis(port=srv.port)
+        assert wait_for(lambda: any(b":node:" in k for k in r.keys()), secs=10)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        srv.stop()
+    assert p.returncode == 0 and err == "", err

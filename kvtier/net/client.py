@@ -8,6 +8,7 @@ move over a transport (transport.py): TCP by default, UCX with transport="ucx".
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +27,13 @@ _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
 
 
 class PeerError(KvtierError):
-    """A peer could not answer in time or answered wrongly: treat its blocks as misses."""
+    """A peer could not answer in time or answered wrongly: treat its blocks as misses.
+    `refused`: it answered, but refused the request or its reply was not acceptable (another
+    secret or namespace, a malformed frame), rather than not answering at all."""
+
+    def __init__(self, address: str, reason: str, refused: bool = False) -> None:
+        super().__init__(f"peer {address}: {reason}")
+        self.address, self.reason, self.refused = address, reason, refused
 
 
 class PeerClient:
@@ -88,7 +95,12 @@ class PeerClient:
                 return self._receive_blocks(chan, reply, rows, deadline)
             except (OSError, EOFError, FrameError) as e:
                 self._drop()    # the connection's state is unknown now: start afresh next time
-                raise PeerError(f"peer {self.address}: {type(e).__name__}: {e}") from None
+                raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError)) from None
+
+    def ping(self) -> None:
+        """One HAS of no keys: raises PeerError unless the peer answers, with this cluster's
+        secret and for this namespace."""
+        self.has([])
 
     def _reply(self, body: bytes, mac: bytes) -> Frame:
         reply = decode(body, mac, self.secret)
@@ -115,3 +127,18 @@ class PeerClient:
         while good < n and checks[good].result() == reply.sums[good]:
             good += 1
         return good
+
+
+def _reason(e: BaseException) -> str:
+    """A short reason for a failed call: "connection refused", "timed out", the frame error."""
+    if isinstance(e, FrameError):
+        return str(e)
+    if isinstance(e, socket.timeout):
+        return "no answer within the deadline"
+    if isinstance(e, EOFError):
+        return str(e) or "the peer closed the connection"
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve the host name ({e.strerror})"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror[:1].lower() + e.strerror[1:]
+    return f"{type(e).__name__}: {e}"

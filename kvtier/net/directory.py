@@ -11,13 +11,17 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
+from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
+from kvtier.net.health import Health
 
 log = logging.getLogger("kvtier.directory")
 Key = bytes
+T = TypeVar("T")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 class DirectoryError(KvtierError):
@@ -107,8 +111,40 @@ return 0
 """
 
 
+def check_redis_url(url: str) -> str:
+    """The URL without its password (for messages and logs) if `url` is a Redis URL kvtier
+    can use: redis://[user:password@]host[:port][/db], rediss://... (TLS) or unix:///path.
+    ConfigError otherwise; nothing is contacted."""
+    example = "redis://10.0.0.9:6379 (or rediss://... for TLS, unix:///path/to/redis.sock)"
+    if not isinstance(url, str):
+        raise ConfigError(f"the Redis directory URL must be a string such as {example}")
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:
+        raise ConfigError(f"Redis URL {url!r} is malformed ({e}): use {example}") from None
+    if u.scheme not in REDIS_SCHEMES:
+        raise ConfigError(f"Redis URL {url!r} must start with redis://, rediss:// or unix://: e.g. {example}")
+    if u.scheme == "unix":
+        if not u.path:
+            raise ConfigError(f"Redis URL {url!r} names no socket: use unix:///path/to/redis.sock")
+        return f"unix://{u.path}"
+    if not u.hostname:
+        raise ConfigError(f"Redis URL {url!r} names no host: use {example}")
+    db = u.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"Redis URL {url!r}: the database after the host must be a number such as /0")
+    user = f"{u.username}@" if u.username else ""
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+    return f"{u.scheme}://{user}{host}{f':{port}' if port is not None else ''}{f'/{db}' if db else ''}"
+
+
 class RedisDirectory(Directory):
-    """`RedisDirectory("redis://127.0.0.1:6379", lease_s=10)`: a cluster's shared directory."""
+    """`RedisDirectory("redis://127.0.0.1:6379", lease_s=10)`: a cluster's shared directory.
+
+    While Redis does not answer, calls fail fast with a DirectoryError (a miss for the
+    caller) and Redis is retried with backoff (kvtier/net/health.py): one log line when it
+    goes away, one when it is back."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", *, lease_s: float = 10.0, timeout: float = 0.5) -> None:
         try:
@@ -117,53 +153,61 @@ class RedisDirectory(Directory):
             raise ConfigError("the Redis directory needs the redis package: pip install 'kvtier[cluster]'") from e
         if lease_s <= 0 or timeout <= 0:
             raise ConfigError("lease_s and timeout must be positive seconds")
-        self.url = url
+        self.url = check_redis_url(url)      # without the password: it goes into messages
         self.lease_ms = int(lease_s * 1000)
         self._errors = (redis.RedisError, OSError)
-        self.r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            self.r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        except ValueError as e:   # redis-py's own checks of the URL's query options and the like
+            raise ConfigError(f"Redis URL {self.url!r}: {e}") from None
+        self.health = Health(f"Redis at {self.url}", log)
         self._lookup = self.r.register_script(_LOOKUP)
         self._forget = self.r.register_script(_FORGET)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one Redis call, unless Redis is down and not due for a retry."""
+        if not self.health.attempt():
+            raise DirectoryError(f"{self.health.what} unreachable: next try in {self.health.retry_in():.1f} s")
+        try:
+            out = fn()
+        except self._errors as e:
+            self.health.failed(str(e) or type(e).__name__)
+            raise DirectoryError(f"{self.health.what}: {e}") from None
+        self.health.succeeded()
+        return out
 
     def bind(self, ns: bytes, ask: Callable[[str, Sequence[Key]], int]) -> None:
         super().bind(ns, ask)
         self.hash = f"kvtier:{ns.hex()}:blocks"
         self.lease = f"kvtier:{ns.hex()}:node:"
         try:   # load the scripts now, so that even the first lookup is one round trip
-            self.r.script_load(_LOOKUP)
-            self.r.script_load(_FORGET)
-        except self._errors:
-            pass   # Redis is down for now: the scripts load themselves on first use
+            self._call(lambda: (self.r.script_load(_LOOKUP), self.r.script_load(_FORGET)))
+        except DirectoryError:
+            pass   # Redis is down for now (logged): the scripts load themselves on first use
 
     def locate(self, keys: Sequence[Key]) -> list[str]:
         if not keys:
             return []
-        try:
-            return [h.decode() for h in self._lookup(keys=[self.hash, self.lease], args=list(keys))]
-        except self._errors as e:
-            raise DirectoryError(f"directory {self.url}: {e}") from None
+        return [h.decode() for h in self._call(lambda: self._lookup(keys=[self.hash, self.lease], args=list(keys)))]
 
     def publish(self, node: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
-        try:
+        def send() -> None:
             pipe = self.r.pipeline(transaction=False)     # one round trip for the whole batch
             for i in range(0, len(added), 1000):
                 pipe.hset(self.hash, mapping={k: node for k in added[i:i + 1000]})
             if removed:
                 self._forget(keys=[self.hash], args=[node, *removed], client=pipe)
             pipe.execute()
-        except self._errors as e:
-            raise DirectoryError(f"directory {self.url}: {e}") from None
+        self._call(send)
 
     def heartbeat(self, node: str) -> bool:
-        try:
-            return self.r.set(self.lease + node, b"1", px=self.lease_ms, get=True) is not None
-        except self._errors as e:
-            raise DirectoryError(f"directory {self.url}: {e}") from None
+        return self._call(lambda: self.r.set(self.lease + node, b"1", px=self.lease_ms, get=True)) is not None
 
     def leave(self, node: str) -> None:
         try:
-            self.r.delete(self.lease + node)
-        except self._errors:
-            pass
+            self._call(lambda: self.r.delete(self.lease + node))
+        except DirectoryError:
+            pass   # Redis is down: the lease runs out by itself
 
     def close(self) -> None:
         self.r.close()

@@ -77,7 +77,7 @@ class Node:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise ConfigError(f"cannot listen on {self._host}:{self._port}: {self._error}")
+            raise ConfigError(f"cannot listen on {self._host}:{self._port}: {_why(self._error)}")
         return self._start_publisher()
 
     def _start_publisher(self) -> Node:
@@ -193,3 +193,17 @@ class Node:
             await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")
+
+
+def _why(e: BaseException) -> str:
+    """Why a listening socket could not be opened, and what to do."""
+    import errno
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve the host name ({e.strerror}): give an address of this machine, e.g. 0.0.0.0"
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+        return "the port is in use (another node or program listens there): give another port, or 0 for any free one"
+    if isinstance(e, OSError) and e.errno == errno.EADDRNOTAVAIL:
+        return "that address is not one of this machine's: give one of its addresses, or 0.0.0.0 for all"
+    if isinstance(e, OSError) and e.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges): give a port of 1024 or more"
+    return str(e.strerror if isinstance(e, OSError) and e.strerror else e)

@@ -4,6 +4,8 @@ Every `every` seconds the keys that entered or left the store since the last bat
 the directory in one pipelined call, and the node's lease is renewed. If the lease had
 lapsed, or the directory could not be reached, the next round publishes everything the
 store holds again (so a restarted Redis is refilled) instead of keeping an unbounded backlog.
+While the directory is down its calls fail fast (it retries with backoff and logs each
+change of state itself), so the rounds cost nothing and log nothing more.
 """
 from __future__ import annotations
 
@@ -64,10 +66,10 @@ class Publisher:
                 self.directory.publish(self.address, [k for k, op in last.items() if op == "+"],
                                        [k for k, op in last.items() if op == "-"])
             self.resync = False
-        except DirectoryError as e:
+        except DirectoryError as e:   # the directory logs when it goes away and comes back
             self.errors += 1
             self.resync = True
-            log.warning("node %s: %s; will publish everything once it answers", self.address, e)
+            log.debug("node %s: %s; will publish everything once it answers", self.address, e)
 
     def _all(self) -> list[bytes]:
         with self.store._lock:

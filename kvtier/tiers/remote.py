@@ -4,11 +4,16 @@ Lookup asks the directory which node holds each block of the prefix past what is
 here; get fetches each run of blocks from its holder straight into the caller's buffers,
 verified, and the fetched blocks are then copied into the local top tier (`promote`). A
 peer or directory that is down, slow or wrong costs a miss within `timeout` seconds.
+
+A peer that fails is retried with backoff (kvtier/net/health.py): until its next try,
+asking it costs a miss at once, without a connection attempt, and its going away and
+coming back are logged once each, not once per lookup.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,6 +21,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.net.client import PeerClient, PeerError
 from kvtier.net.directory import Directory, DirectoryError, PeerList
+from kvtier.net.health import Health
 from kvtier.net.transport import check_transport
 
 log = logging.getLogger("kvtier.remote")
@@ -44,6 +50,7 @@ class RemoteTier:
         self.name = name
         self.errors = 0            # peer or directory calls that failed (each a miss, never an exception)
         self._clients: dict[str, PeerClient] = {}
+        self._health: dict[str, Health] = {}
         self._lock = threading.Lock()
         self._ns = b""
         self._block_bytes = 0
@@ -63,21 +70,61 @@ class RemoteTier:
                                                            self.timeout, transport=self.transport)
             return c
 
-    def _ask(self, address: str, keys: Sequence[bytes]) -> int:
+    def health(self, address: str) -> Health:
+        """Whether `address` answers, and when to try it next."""
+        with self._lock:
+            h = self._health.get(address)
+            if h is None:
+                h = self._health[address] = Health(f"peer {address}", log)
+            return h
+
+    def _call(self, address: str, call) -> Any:
+        """`call(client)` on the peer at `address`; PeerError at once while it is backing off."""
+        h = self.health(address)
+        if not h.attempt():
+            self.errors += 1
+            raise PeerError(address, f"not answering; next try in {h.retry_in():.1f} s")
         try:
-            return self.client(address).has(keys)
+            out = call(self.client(address))
         except PeerError as e:
             self.errors += 1
-            log.warning("%s", e)
-            return 0
+            h.failed(e.reason, "refusing requests" if e.refused else "unreachable")
+            raise
+        h.succeeded()
+        return out
+
+    def _ask(self, address: str, keys: Sequence[bytes]) -> int:
+        try:
+            return self._call(address, lambda c: c.has(keys))
+        except PeerError:
+            return 0        # logged by the peer's Health when it went away
+
+    def probe(self, only_down: bool = False) -> dict[str, str | None]:
+        """Ask each listed peer (or only those down and due for a retry) whether it answers,
+        in parallel: {address: None if it does, else why not}. Failures are logged once, by
+        the peer's Health; a node calls this at start and then now and again."""
+        peers = list(getattr(self.directory, "peers", []))
+        if only_down:
+            peers = [p for p in peers if self.health(p).down and self.health(p).retry_in() == 0]
+        if not peers:
+            return {}
+
+        def one(address: str) -> str | None:
+            try:
+                self._call(address, lambda c: c.ping())
+                return None
+            except PeerError as e:
+                return e.reason
+        with ThreadPoolExecutor(len(peers), thread_name_prefix="kvtier-probe") as pool:
+            return dict(zip(peers, pool.map(one, peers)))
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         """The holder of each block of the longest prefix of `keys` some peer holds."""
         try:
             return self.directory.locate(keys)
-        except DirectoryError as e:
+        except DirectoryError as e:     # the directory logs when it goes away and comes back
             self.errors += 1
-            log.warning("%s", e)
+            log.debug("%s", e)
             return []
 
     def fetch(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
@@ -90,10 +137,8 @@ class RemoteTier:
             while j < len(holders) and holders[j] == holders[i]:
                 j += 1
             try:
-                k = self.client(holders[i]).get(keys[i:j], rows[i:j])
-            except PeerError as e:
-                self.errors += 1
-                log.warning("%s", e)
+                k = self._call(holders[i], lambda c: c.get(keys[i:j], rows[i:j]))
+            except PeerError:
                 break
             got += k
             if k < j - i:

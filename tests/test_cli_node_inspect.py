@@ -1,0 +1,235 @@
+"""`kvtier node` and `kvtier inspect` as a user runs them: every bad input is one short line
+with a nonzero exit, a node reports peers that do not answer once (and when they are back),
+and a damaged or corrupt disk tier is said so, with what to do."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.errors import ConfigError
+from kvtier.net.directory import check_redis_url
+from kvtier.shard import parse_shard
+from kvtier.tiers.disk import read_directory
+from tests.conftest import assert_one_line_error, payload, run_kvtier
+
+SECRET = "cluster-secret-0123456789abcdef"
+ENV = {**os.environ, "KVTIER_SECRET": SECRET}
+NODE = ("node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b", "--capacity", "64MiB", "--model", "m")
+LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the checks behind the options -------------------------------------------------------
+@pytest.mark.parametrize("text,parts", [("", {}), ("tp0/8", {"tp": (0, 8)}), ("pp3/4", {"pp": (3, 4)}),
+                                        ("tp7/8,pp0/2", {"tp": (7, 8), "pp": (0, 2)}), ("tp0/1", {"tp": (0, 1)})])
+def test_shard_syntax_accepted(text, parts):
+    assert parse_shard(text) == parts
+
+
+@pytest.mark.parametrize("text", ["garbage", "tp8/8", "tp0/0", "tp-1/8", "tp00/8", "TP0/8", "tp0/8,", "tp 0/8",
+                                  "pp0/2,tp0/8", "tp0/8,tp1/8", "tp0", "0/8", "dp0/8"])
+def test_shard_syntax_refused(text):
+    with pytest.raises(ConfigError, match="shard"):
+        parse_shard(text)
+
+
+def test_redis_urls():
+    assert check_redis_url("redis://10.0.0.9:6379") == "redis://10.0.0.9:6379"
+    assert check_redis_url("redis://user:hunter2@h:1/3") == "redis://user@h:1/3"      # no password in logs
+    assert check_redis_url("rediss://h") == "rediss://h"
+    assert check_redis_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
+    for bad in ("garbage", "http://h:1", "redis://", "redis://h:abc", "redis://h:1/x", "unix://", "h:6379"):
+        with pytest.raises(ConfigError, match="Redis URL"):
+            check_redis_url(bad)
+
+
+# -- kvtier node: bad input ----------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (("--directory", "garbage"), "redis://"),
+    (("--directory", "redis://h:abc"), "malformed"),
+    (("--lease", "-5"), "--lease"),
+    (("--shard", "garbage"), "tp0/8"),
+    (("--shard", "tp8/8"), "rank 8"),
+    (("--peers", "10.0.0.2:7700,nohost"), "'nohost'"),
+    (("--listen", "localhost"), "--listen"),
+    (("--advertise", "10.0.0.1:7700"), "--directory"),
+    (("--peers", "127.0.0.1:1", "--directory", "redis://127.0.0.1:1"), "not both"),
+    (("--layout", "gpt-5"), "kimi-k2"),
+    (("--policy", "fastest"), "unknown policy"),
+])
+def test_node_bad_options_are_one_line(args, needle):
+    r = run_kvtier(*NODE, *args, env=ENV, timeout=120)
+    assert_one_line_error(r, 2, needle)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_node_port_in_use_is_one_line():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = run_kvtier(*NODE[:1], "--listen", f"127.0.0.1:{port}", *NODE[3:], env=ENV, timeout=120)
+    assert_one_line_error(r, 2, f"127.0.0.1:{port}", "in use")
+
+
+def test_node_help_gives_each_default_and_the_presets():
+    from kvtier.cli import build_parser
+    from kvtier.layout import PRESETS
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["node"]
+    fmt = sub._get_formatter()
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert "default" in fmt._get_help_string(action), action.option_strings
+    layout = next(a for a in sub._actions if a.dest == "layout")
+    assert all(name in layout.help for name in PRESETS)
+
+
+# -- kvtier node: peers that do not answer, and stopping ---------------------------------------
+class Lines:
+    """A process's stream, read on a thread, so a test can wait for a line."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(ln) for ln in stream], daemon=True).start()
+
+    def wait_for(self, text: str, secs: float = 30) -> bool:
+        deadline = time.monotonic() + secs
+        while time.monotonic() < deadline:
+            if any(text in ln for ln in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+
+def start_node(*args: str) -> tuple[subprocess.Popen, Lines, Lines]:
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *NODE, *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV)
+    return p, Lines(p.stdout), Lines(p.stderr)
+
+
+def test_a_peer_down_at_start_is_reported_once_and_when_it_comes_up():
+    port = free_port()
+    peer = f"127.0.0.1:{port}"
+    p, out, err = start_node("--peers", peer)
+    try:
+        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+        assert err.wait_for(f"peer {peer} unreachable"), err.lines
+        time.sleep(2)                       # retried with backoff meanwhile: still one line
+        store = kvtier.Store(kvtier.preset_layout("llama3-8b", 16), [kvtier.HostTier(blocks=4)], kvtier.Namespace("m"))
+        with kvtier.Node(store, peer, SECRET.encode()):
+            assert err.wait_for(f"peer {peer} reachable again", secs=20), err.lines
+        store.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    mentions = [ln for ln in err.lines if peer in ln]
+    assert len(mentions) == 2, err.lines          # down once, back once
+    assert "Traceback" not in "".join(err.lines)
+
+
+def test_a_peer_with_another_secret_is_reported_as_refusing():
+    port = free_port()
+    store = kvtier.Store(kvtier.preset_layout("llama3-8b", 16), [kvtier.HostTier(blocks=4)], kvtier.Namespace("m"))
+    with kvtier.Node(store, f"127.0.0.1:{port}", b"another-secret-0123456789abcdef"):
+        p, out, err = start_node("--peers", f"127.0.0.1:{port}")
+        try:
+            assert err.wait_for("refusing requests"), (out.lines, err.lines)
+            assert any("secret" in ln for ln in err.lines), err.lines
+        finally:
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=30) == 0
+    store.close()
+
+
+def test_ctrl_c_stops_a_node_cleanly(tmp_path):
+    p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB")
+    assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+    assert any("disk" in ln for ln in out.lines)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 0
+    assert out.wait_for("stopped; served 0 requests"), out.lines
+    assert "Traceback" not in "".join(err.lines), err.lines
+    assert read_directory(tmp_path / "kv")[0]["namespace"]["model"] == "m"     # the disk tier closed cleanly
+
+
+# -- kvtier inspect ----------------------------------------------------------------------------
+@pytest.fixture
+def tier(tmp_path) -> Path:
+    """A disk tier directory holding 4 blocks."""
+    path = tmp_path / "kv"
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8), kvtier.DiskTier(path, blocks=16)], kvtier.Namespace("m"),
+                         write_through=True)
+    keys = store.keys(list(range(16)))
+    store.put(keys, payload(keys, LAYOUT.block_bytes))
+    store.close()
+    return path
+
+
+def damage_index(path: Path, page: int) -> None:
+    with open(path / "index.lmdb" / "data.mdb", "r+b") as f:
+        f.seek(page * 4096)
+        f.write(os.urandom(2 * 4096))
+
+
+def open_store(path: Path) -> kvtier.Store:
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8), kvtier.DiskTier(path, blocks=16)], kvtier.Namespace("m"))
+
+
+def test_inspect_paths_that_are_no_disk_tier(tmp_path):
+    assert_one_line_error(run_kvtier("inspect", str(tmp_path / "absent")), 2, "does not exist")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(run_kvtier("inspect", str(tmp_path / "file")), 2, "not a disk tier directory")
+    assert_one_line_error(run_kvtier("inspect", str(tmp_path)), 2, "no kvtier disk tier")
+
+
+def test_inspect_a_damaged_index_header_says_a_store_sets_it_aside(tier):
+    damage_index(tier, 0)                   # both meta pages: LMDB refuses the file
+    assert_one_line_error(run_kvtier("inspect", str(tier)), 1, "damaged", "moves it aside", "starts the tier empty")
+    store = open_store(tier)                # ... and that is what a store does
+    assert store.stats().recovered_blocks == 0
+    store.close()
+    assert [p.name for p in tier.iterdir() if p.name.startswith("index.lmdb.damaged-")]
+    r = run_kvtier("inspect", str(tier))
+    assert r.returncode == 0 and "blocks     0 of 16" in r.stdout, r.stderr
+
+
+def test_inspect_a_damaged_index_page_says_how_to_move_it_aside(tier):
+    damage_index(tier, 2)                   # a data page: found only while reading
+    r = run_kvtier("inspect", str(tier))
+    assert_one_line_error(r, 1, "damaged", f"mv {tier / 'index.lmdb'} {tier / 'index.lmdb'}.damaged")
+    shutil.move(tier / "index.lmdb", tier / "index.lmdb.damaged")     # the advice works
+    open_store(tier).close()
+    assert run_kvtier("inspect", str(tier)).returncode == 0
+
+
+def test_inspect_verify_fails_on_corrupt_blocks_and_still_reports(tier):
+    r = run_kvtier("inspect", str(tier), "--verify")
+    assert r.returncode == 0 and "4 good, 0 corrupt" in r.stdout and r.stderr == "", r.stderr
+    meta, records = read_directory(tier)
+    with open(tier / "slab.bin", "r+b") as f:                 # damage one stored block
+        f.seek(records[0][1][0] * meta["slot_bytes"] + 100)
+        f.write(b"\xff" * 8)
+    r = run_kvtier("inspect", str(tier), "--verify")
+    assert_one_line_error(r, 1, "1 of 4 blocks", "failed verification")
+    assert "3 good, 1 corrupt" in r.stdout
+    r = run_kvtier("inspect", str(tier), "--verify", "--json")
+    assert_one_line_error(r, 1, "1 of 4 blocks")
+    assert json.loads(r.stdout)["corrupt_blocks"] == 1
+    (tier / "slab.bin").unlink()
+    assert_one_line_error(run_kvtier("inspect", str(tier), "--verify"), 1, "4 of 4", "slab.bin is missing")
