@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError, ForeignKeysError, LayoutError
+from kvtier.shard import check_shard
 from kvtier.layout import KVLayout
 
 # The optional C accelerator for xxh3 chains (kvtier/_chain.c, built by `pip install`
@@ -82,6 +83,7 @@ class Namespace:
             raise ConfigError("Namespace.model must be a non-empty string (the model id)")
         if not isinstance(self.salt, (bytes, bytearray)):
             raise ConfigError(f"Namespace.salt must be bytes, got {type(self.salt).__name__}")
+        check_shard(self.shard)     # a typo would be a namespace of its own that never hits
 
     def seed(self, layout: KVLayout, hash_name: str = "xxh3") -> Key:
         """key_{-1}: the 16-byte root of every key chain in this namespace and layout."""

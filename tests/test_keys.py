@@ -196,3 +196,10 @@ def test_integer_ids_of_every_kind_give_the_same_keys():
     assert keyer()(np.array(small, dtype=np.uint8)) == keyer()(small) == keyer()(range(1, 5)) + keyer()(small)[1:]
     for empty in ([], (), np.array([]), torch.tensor([]), np.array([], dtype=np.int32)):
         assert keyer()(empty) == []
+
+
+@pytest.mark.parametrize("shard", ["garbage", "tp8/8", "tp00/8", "pp0/2,tp0/2"])
+def test_namespace_refuses_a_shard_that_would_silently_be_another_namespace(shard):
+    with pytest.raises(kvtier.ConfigError, match="shard"):
+        Namespace("m", shard=shard)
+    assert Namespace("m", shard="tp0/8,pp1/4").shard == "tp0/8,pp1/4"
