@@ -29,8 +29,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvtier.errors import CapacityError, ConfigError
-from kvtier.errors import TransferError
+from kvtier.errors import CapacityError, ClosedError, ConfigError, TransferError
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger("kvtier.disk")
@@ -318,12 +317,16 @@ class DiskTier(Tier):
         return [f.result() for f in futures] if wait else futures
 
     def _submit(self, fn, *args: Any) -> Future:
+        """Run one copy on an I/O thread, or on this thread when the pool takes no more work.
+
+        At interpreter exit Python shuts every thread pool down (and a pool that ever ran
+        work then refuses with "cannot schedule new futures after shutdown") before atexit
+        handlers run, and a store closed at exit must still get its blocks to disk."""
+        if self._pool is None:
+            raise ClosedError(f"disk tier {self.path} is closed")
         try:
             return self._pool.submit(fn, *args)
-        except RuntimeError as e:
-            if "interpreter shutdown" not in str(e):
-                raise
-            # A store closed at exit (an engine never closed): the pools are gone; run it here.
+        except RuntimeError:        # the pool was shut down: only the interpreter's exit does that
             f: Future = Future()
             try:
                 f.set_result(fn(*args))
