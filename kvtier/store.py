@@ -12,10 +12,13 @@ blocks it loaded, and the bad copies are dropped.
 """
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -38,6 +41,43 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvtier.store")
+
+# Everything still open at interpreter exit is closed then, last registered first: every
+# Store (so blocks held only in memory are written back to its disk tier even when nobody
+# calls close()), and owners that must stop feeding or serving a store before it closes
+# (the vLLM worker). Weak references: a store dropped without close() is not kept alive.
+_AT_EXIT: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+_exit_order = itertools.count()
+
+
+def close_at_exit(obj: object) -> int:
+    """Call `obj.close()` at interpreter exit if `obj` is still alive then; objects
+    registered later close first. Returns a token for forget_at_exit()."""
+    token = next(_exit_order)
+    _AT_EXIT[token] = obj
+    return token
+
+
+def forget_at_exit(token: int) -> None:
+    _AT_EXIT.pop(token, None)
+
+
+def _close_all_at_exit() -> None:
+    # An atexit hook runs after every non-daemon thread finished and after Python shut
+    # the thread pools down; the disk tier then does its I/O on this thread.
+    for token in sorted(_AT_EXIT.keys(), reverse=True):
+        obj = _AT_EXIT.pop(token, None)
+        if obj is None:
+            continue
+        try:
+            obj.close()     # type: ignore[attr-defined]
+        except Exception:
+            log.exception("closing %s at interpreter exit failed: blocks it held only in memory were "
+                          "not written to disk. Call close() before exiting to handle such errors",
+                          type(obj).__name__)
+
+
+atexit.register(_close_all_at_exit)
 
 
 @dataclass
@@ -126,6 +166,7 @@ class Store:
         self._lent: set[int] = set()    # top-tier slots lent to an engine (lend/give_back/publish)
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
         self._closed = False
+        self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
@@ -343,7 +384,15 @@ class Store:
             return transfer
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-io")
-        transfer._future = self._executor.submit(work)
+        try:
+            transfer._future = self._executor.submit(work)
+        except RuntimeError:     # the interpreter is exiting and shut the pool down: do it here
+            transfer._future = Future()
+            try:
+                work()
+                transfer._future.set_result(None)
+            except BaseException as e:
+                transfer._future.set_exception(e)
         return transfer
 
     @contextmanager
@@ -630,7 +679,10 @@ class Store:
                               self.recovered, self.remote.info() if self.remote else None)
 
     def close(self) -> None:
-        """Finish pending transfers, flush persistent tiers, and release every tier."""
+        """Finish pending transfers, flush persistent tiers, and release every tier.
+
+        A store still open at interpreter exit is closed then (see close_at_exit)."""
+        forget_at_exit(self._exit_token)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -369,3 +369,26 @@ def test_a_damaged_index_is_forgotten_not_trusted(tmp_path):
     third.put(b, payload(b, LAYOUT.block_bytes))                     # and it works from there
     assert read(third, b)[0] == 4
     third.close()
+
+
+def test_a_slab_larger_than_the_free_space_is_refused_before_it_fills_the_disk(tmp_path):
+    import shutil
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(CapacityError, match=r"not enough free space .* is free\. Free some space or give the tier less"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv", capacity=free + (1 << 30))], NS)
+    assert (tmp_path / "kv" / "slab.bin").stat().st_size == 0
+
+
+def test_an_allocation_that_runs_out_of_space_part_way_gives_the_space_back(tmp_path, monkeypatch):
+    import errno
+
+    def runs_out(fd, offset, length):          # what a full disk does: some of it, then ENOSPC
+        os.ftruncate(fd, length // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", runs_out)
+    with pytest.raises(CapacityError, match="free space"):
+        open_store(tmp_path / "kv")
+    assert (tmp_path / "kv" / "slab.bin").stat().st_size == 0
+    monkeypatch.undo()
+    open_store(tmp_path / "kv").close()         # nothing is left locked

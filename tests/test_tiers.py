@@ -63,3 +63,86 @@ def test_tier_sizes_and_memory_report():
     with pytest.raises(ConfigError, match="positive int"):
         HostTier(blocks=0)
     t.close()
+
+
+def test_a_host_tier_larger_than_memory_says_how_much_there_is():
+    from kvtier.tiers.memory import memory_available
+
+    avail, total = memory_available()
+    assert avail is not None and total is not None and 0 < avail <= total
+    for t in (HostTier(capacity=4 * total), HostTier(capacity=999999999999999)):
+        with pytest.raises(ConfigError, match=r"host memory \(tier 'host'\): .* asked for, but this machine has "
+                                              r".* of memory available .*Give the tier a smaller capacity"):
+            t.bind(4096)
+        assert t.info() == {"memory": "unallocated"}
+
+
+def test_a_refused_mapping_is_the_same_clear_error(monkeypatch):
+    """Where the free-memory check passes but the kernel still refuses the mapping (ENOMEM)."""
+    import errno
+
+    import kvtier.tiers.memory as memory
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory, "memory_available", lambda: (None, None))
+    monkeypatch.setattr(memory.mmap, "mmap", refuse)
+    with pytest.raises(ConfigError, match="asked for, but the machine could not provide it.*smaller capacity"):
+        HostTier(capacity="1MiB", pin=False).bind(4096)
+
+
+def test_a_device_tier_on_the_cpu_larger_than_memory():
+    import torch
+
+    from kvtier.tiers import DeviceTier
+    from kvtier.tiers.memory import memory_available
+
+    t = DeviceTier(capacity=4 * memory_available()[1], device="cpu")
+    with pytest.raises(ConfigError, match=r"CPU memory \(device tier 'device'\): .* asked for.*smaller capacity"):
+        t.bind(4096)
+    small = DeviceTier(blocks=4, device="cpu")
+    small.bind(4096)
+    assert small.info()["prefault_s"] >= 0 and torch.count_nonzero(small.tensor) == 0
+
+
+def test_kvtier_demo_with_more_host_memory_than_the_machine_has():
+    from tests.conftest import assert_one_line_error, run_kvtier
+
+    for capacity in ("100TiB", "999999999999999"):
+        r = run_kvtier("demo", "--capacity", capacity)
+        assert_one_line_error(r, 2, "asked for", "memory available", "smaller capacity")
+
+
+def test_a_large_host_tier_reports_its_prefault(monkeypatch, caplog):
+    """Above SHOW_PREFAULT the tier logs that it prefaults, advances a progress bar per chunk
+    (every byte once), and its stats say how long it took."""
+    from contextlib import contextmanager
+
+    import kvtier.tiers.memory as memory
+
+    shown = []
+
+    @contextmanager
+    def bar(description, total):
+        shown.append([description, total, []])
+        yield type("Bar", (), {"advance": lambda self, n: shown[-1][2].append(n)})()
+
+    monkeypatch.setattr(memory, "SHOW_PREFAULT", 1 << 20)
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK", 192 << 10)
+    monkeypatch.setattr(memory, "progress", bar)
+    caplog.set_level("INFO", logger="kvtier.tiers")
+    t = HostTier(capacity="1MiB", pin=False, name="warm")
+    t.bind(4096)
+    (description, total, steps), = shown
+    assert description == "prefaulting 1.00 MiB of host memory (tier 'warm')" and total == 1 << 20
+    assert sum(steps) == total and len(steps) == -(-total // (192 << 10))
+    assert "prefaulting 1.00 MiB of host memory (tier 'warm')" in caplog.text
+    assert "prefaulted 1.00 MiB" in caplog.text
+    assert t.info()["prefault_s"] >= 0 and not t.slots.any()
+    shown.clear()
+    small = HostTier(capacity="512KiB", pin=False)
+    small.bind(4096)
+    assert shown == [] and "prefault_s" in small.info()       # small tiers: no bar, no log line
+    t.close()
+    small.close()

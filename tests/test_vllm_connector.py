@@ -106,8 +106,8 @@ def test_default_multiprocess_mode(models, baseline, tmp_path):
     assert [out_b["tokens"], out_a["tokens"]] == [baseline["llama"][1], baseline["llama"][0]]
 
 
-def _corrupt(disk: Path, fraction: float, seed: int = 0) -> int:
-    """Flip bytes inside a seeded fraction of the stored blocks; returns how many."""
+def _corrupt(disk: Path, fraction: float, seed: int = 0) -> tuple[dict, set[bytes]]:
+    """Flip bytes inside a seeded fraction of the stored blocks; returns the tier's meta and their keys."""
     from kvtier.tiers.disk import read_directory
 
     (sub,) = [p.parent for p in disk.glob("*/index.lmdb")]
@@ -121,7 +121,7 @@ def _corrupt(disk: Path, fraction: float, seed: int = 0) -> int:
             b = f.read(16)
             f.seek(off)
             f.write(bytes(x ^ 0x5A for x in b))
-    return len(bad)
+    return meta, {k for k, _ in bad}
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
@@ -133,10 +133,16 @@ def test_corrupt_blocks_are_recomputed(kind, models, baseline, tmp_path):
     # MLA: every block, so it recomputes from block 0: vLLM's CPU MLA backend computes a
     # prefill over cached context inexactly (0.01-0.2 nats here, the same with vLLM's own
     # prefix cache forced on; docs/vllm.md), which would make the comparison test vLLM, not kvtier.
-    assert _corrupt(tmp_path / "disk", 0.5 if kind == "llama" else 1.0) >= 1
+    meta, bad = _corrupt(tmp_path / "disk", 0.5 if kind == "llama" else 1.0)
+    from kvtier.integrations.vllm.plan import request_keys
+    n = len(A) // bt
+    chain = request_keys(A[:n * bt], bt, bytes.fromhex(meta["namespace_seed"]), meta["hash"])
+    first_bad = min(i for i, key in enumerate(chain) if key in bad)
     second = run_engine(tmp_path, models[kind], [A, A], conn)
     (o1, o2) = second["outputs"]
     assert o1["tokens"] == baseline[kind][0] and o2["tokens"] == baseline[kind][0]
+    # Cached = not computed: the blocks before the first corrupt one, not the recomputed ones.
+    assert o1["cached"] == min(first_bad, (len(A) - 1) // bt) * bt
     k = second["kvtier"]
     assert k["load_failed_blocks"] >= 1 and k["corrupt_blocks"] >= 1
     # The recomputed blocks were saved again: the repeat is a full hit.
@@ -377,7 +383,10 @@ def test_failed_load_is_reported_recomputed_and_saved_again(pair, monkeypatch):
         return t
 
     monkeypatch.setattr(w.store, "get", short_get)
-    req2 = _request("r2", toks[:13])
+    # vLLM's prefill statistics as its scheduler sets them: 3 blocks offered, 1 token to compute.
+    stats = SimpleNamespace(num_prompt_tokens=13, num_computed_tokens=1, num_cached_tokens=3 * T,
+                            num_local_cached_tokens=0, num_external_cached_tokens=3 * T)
+    req2 = _request("r2", toks[:13], prefill_stats=stats)
     assert _admit(s, req2, [10, 11, 12, 13]) == 3 * T
     errors = {}
     real_errors = w.load_errors
@@ -389,6 +398,8 @@ def test_failed_load_is_reported_recomputed_and_saved_again(pair, monkeypatch):
     monkeypatch.setattr(w, "load_errors", spy)
     plan = _step(s, w, req2, [10, 11, 12, 13], 3 * T, 1)
     assert errors["ids"] == {11, 12}                        # vLLM recomputes from block 1
+    # RequestOutput.num_cached_tokens counts the loaded block only, not the recomputed ones.
+    assert (stats.num_cached_tokens, stats.num_external_cached_tokens, stats.num_computed_tokens) == (T, T, 13 - T)
     assert "r2" in w._tainted
     # vLLM recomputes tokens 4.. ; those blocks are saved again, the taint lifted first.
     monkeypatch.setattr(w.store, "get", real_get)

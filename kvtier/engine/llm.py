@@ -84,9 +84,10 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    session_ttl=session_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
-        # A store this engine built is closed (flushed down to disk) even if the caller never
-        # calls close(): at garbage collection or interpreter exit.
+        # A store this engine built is closed (flushed down to disk) when the engine is
+        # garbage collected without close(); at interpreter exit every open store closes itself.
         self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None)
+        self._finalizer.atexit = False
         self._closed = False
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}

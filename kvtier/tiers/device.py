@@ -19,6 +19,8 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Tier, copy_runs, rows_into_slots, slots_into_rows
+from kvtier.tiers.memory import out_of_memory, prefault, too_large
+from kvtier.units import format_bytes
 
 
 def _cuda_ready() -> bool:
@@ -60,19 +62,27 @@ class DeviceTier(Tier):
         self.device = resolve_device(device)
         self.tensor: torch.Tensor | None = None   # [capacity_blocks, block_bytes] uint8 on self.device
         self._np: np.ndarray | None = None       # numpy view of `tensor` on a CPU
+        self.prefault_s = 0.0                    # seconds spent touching the CPU pool's pages
 
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
+        what = f"CPU memory (device tier {self.name!r})"
+        if not self.on_gpu:
+            err = too_large(what, slots * block_bytes)
+            if err is not None:
+                raise err
         try:
             self.tensor = torch.empty(slots, block_bytes, dtype=torch.uint8, device=self.device)
-        except RuntimeError as e:   # CUDA out of memory
-            raise ConfigError(f"device tier {self.name!r}: could not allocate {slots * block_bytes} bytes on "
-                              f"{self.device}: {e}; give it a smaller capacity") from e
+        except (RuntimeError, MemoryError) as e:   # out of memory
+            if not self.on_gpu:
+                raise out_of_memory(what, slots * block_bytes) from None
+            raise ConfigError(f"device tier {self.name!r}: could not allocate {format_bytes(slots * block_bytes)} "
+                              f"on {self.device}: {e}; give it a smaller capacity") from e
         if not self.on_gpu:
-            self.tensor.zero_()      # prefault now rather than on the first put
+            self.prefault_s = prefault(self.tensor.view(-1), what)   # now rather than on the first put
             self._np = self.tensor.numpy()
 
     # Copies: runs of consecutive slots matching consecutive rows are one copy (copy_runs).
@@ -111,8 +121,11 @@ class DeviceTier(Tier):
             return {"memory": "unallocated", "device": str(self.device)}
         note = (f"GPU memory on {self.device}" if self.on_gpu else
                 "CPU tensor: " + ("no CUDA on this machine" if not _cuda_ready() else "device='cpu' was asked for"))
-        return {"memory": "device" if self.on_gpu else "cpu", "device": str(self.device),
+        info = {"memory": "device" if self.on_gpu else "cpu", "device": str(self.device),
                 "memory_note": note, "allocated_bytes": self.tensor.numel()}
+        if not self.on_gpu:
+            info["prefault_s"] = round(self.prefault_s, 3)
+        return info
 
     def close(self) -> None:
         self.tensor = None

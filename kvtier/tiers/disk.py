@@ -29,9 +29,9 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvtier.errors import CapacityError, ConfigError
-from kvtier.errors import TransferError
+from kvtier.errors import CapacityError, ClosedError, ConfigError, TransferError
 from kvtier.tiers.base import Tier
+from kvtier.units import format_bytes
 
 log = logging.getLogger("kvtier.disk")
 
@@ -200,15 +200,31 @@ class DiskTier(Tier):
             return
         try:
             if os.fstat(fd).st_size < size:
+                self._check_free_space(fd, size)
                 os.posix_fallocate(fd, 0, size)
             elif os.fstat(fd).st_size > size:
                 os.ftruncate(fd, size)
         except OSError as e:
+            try:    # a refused allocation may have taken part of the space: give it back
+                if os.fstat(fd).st_size > self._found_bytes:
+                    os.ftruncate(fd, self._found_bytes)
+            except OSError:
+                pass
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 why = "not enough free space" if e.errno == errno.ENOSPC else "a file too large for the filesystem"
                 raise CapacityError(f"{why} in {self.path} for {size} bytes of disk tier: "
                                     "free some space or give the tier less capacity") from None
             raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
+
+    def _check_free_space(self, fd: int, size: int) -> None:
+        """Refuse a slab the filesystem has no room for before allocating any of it: a
+        posix_fallocate that runs out of space part way has filled the disk meanwhile."""
+        need = size - os.fstat(fd).st_blocks * 512          # bytes not allocated yet
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise CapacityError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
+                                f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
 
     def _load_records(self, slots: int) -> None:
         """Read every record; drop those the slab can no longer hold (shrunk or truncated)."""
@@ -318,12 +334,16 @@ class DiskTier(Tier):
         return [f.result() for f in futures] if wait else futures
 
     def _submit(self, fn, *args: Any) -> Future:
+        """Run one copy on an I/O thread, or on this thread when the pool takes no more work.
+
+        At interpreter exit Python shuts every thread pool down (and a pool that ever ran
+        work then refuses with "cannot schedule new futures after shutdown") before atexit
+        handlers run, and a store closed at exit must still get its blocks to disk."""
+        if self._pool is None:
+            raise ClosedError(f"disk tier {self.path} is closed")
         try:
             return self._pool.submit(fn, *args)
-        except RuntimeError as e:
-            if "interpreter shutdown" not in str(e):
-                raise
-            # A store closed at exit (an engine never closed): the pools are gone; run it here.
+        except RuntimeError:        # the pool was shut down: only the interpreter's exit does that
             f: Future = Future()
             try:
                 f.set_result(fn(*args))

@@ -1,4 +1,7 @@
-"""Host-memory tier: one page-aligned (pinned when CUDA is here) allocation cut into slots."""
+"""Host-memory tier: one page-aligned (pinned when CUDA is here) allocation cut into slots.
+
+The allocation is made and prefaulted when a store binds the tier (kvtier/tiers/memory.py):
+more than the machine's available memory is a ConfigError, a large one shows its progress."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -23,7 +26,7 @@ class HostTier(Tier):
         self.slots: np.ndarray | None = None   # [capacity_blocks, block_bytes] view of the pool
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
-        self._buf = allocate_host(slots * block_bytes, self.pin)
+        self._buf = allocate_host(slots * block_bytes, self.pin, f"host memory (tier {self.name!r})")
         self.slots = self._buf.array[: slots * block_bytes].reshape(slots, block_bytes)
 
     # Speed: numpy row assignment is a plain memcpy (about raw speed even for 64 KiB
@@ -49,7 +52,8 @@ class HostTier(Tier):
     def info(self) -> dict[str, Any]:
         if self._buf is None:
             return {"memory": "unallocated"}
-        return {"memory": self._buf.memory, "memory_note": self._buf.note, "allocated_bytes": self._buf.nbytes}
+        return {"memory": self._buf.memory, "memory_note": self._buf.note, "allocated_bytes": self._buf.nbytes,
+                "prefault_s": round(self._buf.prefault_s, 3)}
 
     def close(self) -> None:
         self.slots = None

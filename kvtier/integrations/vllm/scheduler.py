@@ -6,8 +6,9 @@
     after_alloc(...)            vLLM gave pages for those blocks: remember them
     build(scheduler_output)     the step's plan: new requests' tokens, loads, and the blocks
                                 that become full this step (to save after the forward)
-    on_output(invalid ids)      a load failed: vLLM recomputes from the failed block, and
-                                those blocks are saved again once recomputed
+    on_output(invalid ids)      a load failed: vLLM recomputes from the failed block, those
+                                blocks are saved again once recomputed and are not counted
+                                in the request's num_cached_tokens
 
 The workers' stores live in the worker processes; lookups go to the worker's kvtier node
 (loopback TCP, one authenticated HAS round trip), or straight to the store when the
@@ -80,6 +81,7 @@ class _Req:
     saved: int = 0               # blocks [0, saved) are in the store or being saved
     sent: bool = False           # the workers know this request's tokens
     resync: bool = False         # a load failed; tell the workers saves may resume
+    request: Any = None          # vLLM's Request (its prefill statistics are corrected on a failed load)
 
 
 class SchedulerSide:
@@ -107,6 +109,7 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is not None:
+            st.request = request
             return st
         prompt = list(request.prompt_token_ids or [])
         B = self.block_tokens
@@ -122,7 +125,8 @@ class SchedulerSide:
         if salt:
             tag += b"salt:" + str(salt).encode() + b"\0"
         skip = bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, float(ttl), skip=skip or n == 0)
+        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, float(ttl), skip=skip or n == 0,
+                  request=request)
         self._reqs[request.request_id] = st
         return st
 
@@ -205,6 +209,7 @@ class SchedulerSide:
                 continue
             bad = [j for j, p in enumerate(r.pages) if p in invalid_block_ids]
             if bad:
+                uncount_cached(st.request, (r.start + bad[0]) * self.block_tokens)
                 st.saved = min(st.saved, r.start + bad[0])
                 st.resync = True
                 st.loading = None
@@ -216,3 +221,18 @@ class SchedulerSide:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+
+
+def uncount_cached(request: Any, cached: int) -> None:
+    """A load failed and vLLM recomputes from token `cached` on: count only the tokens before
+    it as cached. vLLM's RequestOutput.num_cached_tokens is the request's prefill statistics,
+    fixed when the request was first scheduled (its own hit plus what the connector offered)
+    and not lowered when it recomputes blocks a connector reported as failed; they are still
+    the request's until its first output, which a failed load's step does not produce."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is None or stats.num_cached_tokens <= cached:
+        return
+    lost = stats.num_cached_tokens - cached
+    stats.num_cached_tokens = cached
+    stats.num_external_cached_tokens = max(0, stats.num_external_cached_tokens - lost)
+    stats.num_computed_tokens += lost

@@ -20,7 +20,6 @@ serves other kvtier nodes when a cluster secret and a listen address are configu
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
@@ -38,7 +37,7 @@ from kvtier.integrations.vllm.pages import KVSpec, VllmPages, describe_caches
 from kvtier.integrations.vllm.plan import BlockRange, StepPlan, request_keys
 from kvtier.keys import BlockKeys, Namespace
 from kvtier.net.address import parse_address
-from kvtier.store import Store
+from kvtier.store import Store, close_at_exit
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -113,7 +112,7 @@ class WorkerSide:
                          directory=directory if isinstance(directory, RedisDirectory) else None).start()
         self.address = self.node.address
         LOCAL[self.address] = self
-        atexit.register(self.close)
+        close_at_exit(self)      # at exit, before the store: stop the node and the savers first
         log.info("kvtier: store for %s (%s), node %s, recovered %d blocks", self.namespace.model,
                  layout.describe(), self.address, self.store.recovered)
 
