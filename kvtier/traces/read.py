@@ -31,6 +31,9 @@ def _numbered(path: str) -> Iterator[tuple[int, str]]:
     try:
         with _open(path) as f:
             for line, raw in enumerate(f, 1):
+                if b"\0" in raw:
+                    raise TraceError(path, line, "binary data, not text: a trace is a JSON Lines text "
+                                     "file (plain or gzip-compressed); check that this is the trace you meant")
                 text = raw.decode("utf-8")
                 if text.strip():
                     yield line, text
