@@ -269,3 +269,28 @@ def test_help_lists_policies_and_defaults():
     text = run_kvtier("bench", "hit-ratio", "--help").stdout
     for word in ("lru", "lfu", "s3fifo", "arc", "reuse", "+nopartial", "belady", "recommended", "all"):
         assert word in text
+
+
+def test_recommended_note_says_what_it_does_on_this_trace():
+    """The note under a table compares the recommended policy with its base policy and with the
+    best online policy shown, from the figures of that very table."""
+    from kvtier.bench.hit_ratio_report import Row, notes
+    from kvtier.sim.replay import replay
+    from kvtier.traces.model import Request, Trace
+
+    base = DEFAULT_POLICY.split("+")[0]
+    reqs = [Request([0, 10 + i, 100 + i], 3 * 16, last_tokens=None) for i in range(6)] * 3
+    full = Trace("full", reqs, 16, format="tokens")
+    partial = Trace("partial", [Request(r.keys, 40, last_tokens=8) for r in reqs], 16)
+
+    def rows(tr):
+        return [Row("50%", 9, replay(tr, p, 9)) for p in (base, DEFAULT_POLICY, "arc")]
+
+    text = " ".join(notes(full, rows(full)))
+    assert f"recommended = {DEFAULT_POLICY}" in text
+    if "+nopartial" in DEFAULT_POLICY:
+        assert f"the same as {base} here" in text and "no partial last block" in text
+        text = " ".join(notes(partial, rows(partial)))
+        assert f"against {base} here" in text and "the same as" not in text
+    assert "best online policy shown" in text
+    assert "recommended" not in " ".join(notes(full, [Row("50%", 9, replay(full, "arc", 9))]))

@@ -14,7 +14,7 @@ from kvtier.traces.model import Trace
 
 BEST = "*"
 BOUND_LABEL = "belady (bound)"
-TIE = 1e-12
+DIGITS = 4    # decimals of the ratios printed
 WIDTH = 100   # every line printed fits a 100-column terminal
 
 LEGEND = """\
@@ -26,7 +26,7 @@ How to read the table:
               request's leading run of cached blocks (a prefix cache cannot use a block after a
               miss); higher is better
   token hit   the same share counted in prompt tokens: the prefill work the cache saves
-  *           the best online policy at that capacity (ties are all marked)
+  *           the best online policy at that capacity (ties at the 4 decimals shown all marked)
   belady      the offline bound (Belady's MIN evicts the block needed furthest in the future):
               no real cache can do better
   of bound    prefix hit / belady's prefix hit at the same capacity
@@ -75,8 +75,9 @@ def _best(rows: Sequence[Row]) -> set[int]:
     for idx in groups.values():
         if len({rows[i].result.policy for i in idx}) < 2:
             continue
-        top = max(rows[i].result.prefix_hit_ratio for i in idx)
-        best.update(i for i in idx if rows[i].result.prefix_hit_ratio >= top - TIE)
+        shown = {i: round(rows[i].result.prefix_hit_ratio, DIGITS) for i in idx}   # ties as printed
+        top = max(shown.values())
+        best.update(i for i in idx if shown[i] == top)
     return best
 
 
@@ -122,18 +123,29 @@ def notes(tr: Trace, rows: Sequence[Row]) -> list[str]:
         by_pol.setdefault(r.result.policy, {})[(r.capacity, r.result.capacity_blocks)] = r.result.prefix_hit_ratio
     if DEFAULT_POLICY not in by_pol:
         return out
+    mine = by_pol[DEFAULT_POLICY]
     base, *rules = DEFAULT_POLICY.split("+")
-    line = f"recommended = {DEFAULT_POLICY} (the store's default, --policy recommended)"
+    said = []
     if "nopartial" in rules and not tr.has_partial_blocks:
-        out += [f"{line}: the same as {base} here:",
-                "  this trace has no partial last block for +nopartial to skip (kvtier keys full blocks",
-                "  only; Mooncake hash_ids include partial blocks, where it differs)"]
+        said.append(f"the same as {base} here: this trace has no partial last block for +nopartial to "
+                    "skip (kvtier keys full blocks only; Mooncake hash_ids include partial blocks, "
+                    "where it differs)")
     elif base in by_pol and base != DEFAULT_POLICY:
-        d = [by_pol[DEFAULT_POLICY][k] - v for k, v in by_pol[base].items() if k in by_pol[DEFAULT_POLICY]]
-        out += textwrap.wrap(f"{line}: {min(d):+.4f} to {max(d):+.4f} prefix hit against {base} here",
-                             WIDTH, subsequent_indent="  ")
-    else:
-        out.append(line)
+        d = [mine[k] - v for k, v in by_pol[base].items() if k in mine]
+        said.append(f"prefix hit {min(d):+.4f} to {max(d):+.4f} against {base} here")
+    online = {p: hits for p, hits in by_pol.items() if p != "belady"}
+    if len(online) > 1:
+        worst = (0.0, DEFAULT_POLICY, "")
+        for k, v in mine.items():
+            top = max(online, key=lambda p: online[p].get(k, -1.0))
+            if online[top][k] - v > worst[0]:
+                worst = (online[top][k] - v, top, k[0])
+        if round(worst[0], DIGITS) > 0:
+            said.append(f"at most {worst[0]:.4f} below the best online policy shown ({worst[1]} at {worst[2]})")
+        else:
+            said.append("the best online policy shown at every capacity")
+    head = f"recommended = {DEFAULT_POLICY} (the store's default, --policy recommended)"
+    out += textwrap.wrap(f"{head}: {'; '.join(said)}" if said else head, WIDTH, subsequent_indent="  ")
     return out
 
 
