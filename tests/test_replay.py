@@ -76,6 +76,36 @@ def test_capacity_specs():
         replay(tr, "lru", 0)
 
 
+@pytest.mark.parametrize("text", ["0", "0%", "-5%", "inf%", "nan%", "0.0", "5 %x"])
+def test_capacity_specs_rejected(text):
+    with pytest.raises(ConfigError):
+        parse_capacity(text)
+
+
+def test_one_rule_above_the_unique_blocks():
+    """'150%' and '1.5' are the same spec; any size at or above the trace's unique blocks
+    runs as exactly the unique blocks (nothing is evicted) and gives the same hits."""
+    from kvtier.sim.capacity import effective_blocks
+    assert parse_capacity("150%").fraction == pytest.approx(parse_capacity("1.5").fraction) == pytest.approx(1.5)
+    tr = T([1, 2], [1, 3], [1, 2], [4])
+    assert tr.unique_blocks == 4
+    assert effective_blocks(10**12, 4) == 4 and effective_blocks(3, 4) == 3
+    whole = replay(tr, "lru", 4)
+    for asked in (5, 10**12, capacity_for(tr, 1.5)):
+        for pol in ("lru", "belady", "s3fifo"):
+            r = replay(tr, pol, asked)
+            assert r.capacity_blocks == 4 and r.capacity_fraction == 1.0 and r.evictions == 0
+            assert r.hits == whole.hits
+
+
+def test_token_hits_skip_the_uncached_tail():
+    # Token-level keys cover full blocks only: a 20-token prompt of 16-token blocks has one key,
+    # and a full hit saves 16 tokens, not 20.
+    tr = Trace("tok", [Request([1], 20), Request([1], 20)], 16, format="tokens")
+    r = replay(tr, "lru", 4)
+    assert r.hits == [0, 1] and r.token_hits == 16 and r.tokens == 40
+
+
 def test_cli_json_and_plot(tmp_path, capsys):
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "hash_ids": [0, i + 1]}) + "\n"

@@ -106,3 +106,46 @@ def test_written_traces_read_back(tmp_path):
     assert any(r.last_tokens for r in mc.requests)
     with pytest.raises(ConfigError):
         write_trace(p, SMALL, "csv")
+
+
+def test_gzip_traces_read_like_plain_ones(tmp_path):
+    import gzip
+    lines = [{"timestamp": 0, "input_length": 1000, "hash_ids": [0, 1]}, {"timestamp": 1, "input_length": 600,
+                                                                            "hash_ids": [0, 2]}]
+    plain = _write(tmp_path, lines)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(open(plain, "rb").read()))
+    a, b = read_trace(plain), read_trace(str(gz))
+    assert b.name == "t" and b.format == "mooncake"
+    assert [r.keys for r in a.requests] == [r.keys for r in b.requests]
+
+
+def test_binary_damaged_and_folder_traces_are_trace_errors(tmp_path):
+    import gzip
+    p = tmp_path / "b.jsonl"
+    p.write_bytes(b'{"tokens": [1]}\n' + bytes(range(256)))
+    with pytest.raises(TraceError, match="binary data") as e:
+        read_trace(str(p))
+    assert e.value.line == 2
+    p.write_bytes('{"tokens": [1], "session": "é"}\n'.encode("latin-1"))
+    with pytest.raises(TraceError, match="not UTF-8"):
+        read_trace(str(p))
+    p.write_bytes(gzip.compress(b'{"tokens": [1]}\n' * 100)[:30])
+    with pytest.raises(TraceError, match="damaged gzip"):
+        read_trace(str(p))
+    with pytest.raises(TraceError, match="is a directory"):
+        read_trace(str(tmp_path))
+    with pytest.raises(TraceError, match="at least 1"):
+        read_trace(_write(tmp_path, [{"tokens": [1, 2]}], "z.jsonl"), block_tokens=0)
+
+
+def test_trace_statistics():
+    from kvtier.traces.model import Request, Trace
+    tr = Trace("t", [Request([1, 2], 20, session="a", last_tokens=4), Request([1, 2, 3], 40, session="a"),
+                     Request([1, 4], 30, session="b")], 16)
+    assert tr.sessions == 2 and tr.has_partial_blocks
+    assert tr.infinite_hits == 0 + 2 + 1
+    assert tr.requests[0].hit_tokens(2, 16) == 20          # 16 + the 4-token partial block
+    assert tr.requests[1].hit_tokens(3, 16) == 40 and tr.requests[1].hit_tokens(1, 16) == 16
+    # A token-level request keys full blocks only: its uncached tail is never a hit.
+    assert Request([7], 20).hit_tokens(1, 16) == 16 and Request([], 10).hit_tokens(0, 16) == 0

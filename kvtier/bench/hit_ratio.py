@@ -2,36 +2,70 @@
 (metadata only) and print prefix and token hit ratios per policy and capacity.
 
 The replay drives the very policy objects the store uses, so the ratios printed are the
-ones a store of that size and policy gets. Belady (MIN) is the offline bound.
+ones a store of that size and policy gets. Belady (MIN) is the offline bound. Every
+option is checked, the --plot path included, before the first trace is read, so a bad
+argument fails at once instead of after the replay.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
+from kvtier.argtypes import non_negative_int, positive_int
+
 HELP = "hit ratio of each eviction policy and capacity on a request trace (Mooncake or token-level)"
+DEFAULT_POLICIES = "lru,recommended,arc,belady"
+DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
+
+
+def policy_help() -> str:
+    """The --policy choices, from the registry (so a new policy shows up by itself)."""
+    from kvtier.policies import DEFAULT_POLICY, FILTERS, POLICIES
+
+    rules = ", ".join(f"+{r}" for r in FILTERS)
+    return (f"comma-separated policies: {', '.join(POLICIES)}, each optionally with an admission "
+            f"filter ({rules}, e.g. arc+nopartial); recommended (the store's default, {DEFAULT_POLICY}); "
+            "belady (the offline bound: the best any cache could do, knowing the future); "
+            "all (every one of these) (default: %(default)s)")
+
+
+CAPACITY_HELP = ("comma-separated cache sizes: '5%%' or '0.05' of the trace's unique blocks, '2000' "
+                 "blocks, or '64GiB' with --layout. A size at or above the trace's unique blocks "
+                 "(e.g. 150%% or 1.5) is an infinite cache: it is run as exactly the unique blocks "
+                 "and the output says so")
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace options hit-ratio and cluster share."""
+    p.add_argument("trace", nargs="*", metavar="TRACE",
+                   help="JSONL trace file(s), Mooncake or token-level (detected), plain or gzip. "
+                        "None: a generated agentic trace")
+    p.add_argument("--synthetic", action="store_true",
+                   help="also replay a generated agentic trace (the default when no TRACE is given)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace (default 0)")
+    p.add_argument("--sessions", type=positive_int, default=200,
+                   help="conversations (sessions) in the generated trace")
+    p.add_argument("--block-tokens", type=positive_int, default=None,
+                   help="tokens a block when keying token-level traces and the generated trace "
+                        "(default 512; Mooncake traces are fixed at 512)")
+    from kvtier.layout import PRESETS
+    p.add_argument("--layout", default=None, choices=list(PRESETS), metavar="PRESET",
+                   help=f"KV layout ({', '.join(PRESETS)}): turns byte capacities such as 64GiB "
+                        "into blocks and shows each capacity in bytes (default: none)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", nargs="*", metavar="TRACE",
-                   help="JSONL trace file(s), Mooncake or token-level (detected). None: a generated agentic trace")
-    p.add_argument("--synthetic", action="store_true",
-                   help="replay a generated agentic trace (the default when no TRACE is given)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default 0)")
-    p.add_argument("--sessions", type=int, default=200, help="sessions in the generated trace (default 200)")
-    p.add_argument("--policy", default="lru,recommended,belady",
-                   help="comma-separated policies: lru, lfu, s3fifo, arc, POLICY+nopartial, belady "
-                        "(offline bound), recommended (the store's default), all (default: %(default)s)")
-    p.add_argument("--capacity", default="1%,5%,10%,25%,50%",
-                   help="comma-separated capacities: '5%%' or '0.05' of unique blocks, '2000' blocks, "
-                        "or '64GiB' with --layout (default: %(default)s)")
-    p.add_argument("--block-tokens", type=int, default=None,
-                   help="tokens a block for token-level traces (default 512; Mooncake traces are 512)")
-    p.add_argument("--layout", default=None, help="KV layout preset for byte capacities, e.g. kimi-k2")
-    p.add_argument("--json", action="store_true", help="one JSON object per (trace, policy, capacity)")
-    p.add_argument("--plot", metavar="PNG", default=None, help="write hit ratio against capacity as a PNG")
+    add_trace_arguments(p)
+    p.add_argument("--policy", default=DEFAULT_POLICIES, help=policy_help())
+    p.add_argument("--capacity", default=DEFAULT_CAPACITIES, help=CAPACITY_HELP)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per (trace, policy, capacity) instead of tables")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="also write prefix hit ratio against capacity as an image (.png, .pdf, .svg); "
+                        "its folder must exist (default: no plot)")
 
 
 def expand_policies(text: str) -> list[str]:
@@ -43,6 +77,9 @@ def expand_policies(text: str) -> list[str]:
     for name in (p.strip() for p in text.split(",") if p.strip()):
         names = [*policy_names(), "belady"] if name == "all" else [DEFAULT_POLICY if name == "recommended" else name]
         for n in names:
+            if n.startswith("belady+"):
+                raise ConfigError(f"policy {n!r}: belady is the offline bound and takes no admission "
+                                  "filter; write 'belady'")
             if n != "belady":
                 make_policy(n, 1)   # validates the name with a helpful error
             if n not in out:
@@ -52,17 +89,66 @@ def expand_policies(text: str) -> list[str]:
     return out
 
 
-def _load_traces(args: argparse.Namespace) -> list[Any]:
+def block_bytes_of(args: argparse.Namespace) -> int | None:
+    """Bytes of one block under --layout, or None."""
+    if not args.layout:
+        return None
+    from kvtier.layout import preset_layout
+    return preset_layout(args.layout, args.block_tokens or 512).block_bytes
+
+
+def check_byte_capacities(caps: list, block_bytes: int | None) -> None:
+    from kvtier.errors import ConfigError
+    for c in caps:
+        if c.nbytes is not None:
+            if not block_bytes:
+                raise ConfigError(f"capacity {c.text!r} is in bytes: give --layout (e.g. kimi-k2) so "
+                                  "kvtier knows how many bytes one block takes")
+            c.blocks_for(1, block_bytes)   # at least one block, or a ConfigError saying so
+
+
+def check_plot_path(path: str) -> None:
+    """Fail now, not after the replay, if the figure could never be written."""
+    from kvtier.errors import ConfigError
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'kvtier[cli]', or leave --plot out") from None
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path!r} is a folder: give a file name, e.g. {os.path.join(path, 'hit_ratio.png')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path!r}: folder {folder} does not exist: create it or give another path")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--plot {path!r} cannot be written (permission denied): give a path you can write")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext not in kinds:
+        raise ConfigError(f"--plot {path!r}: cannot write {'.' + ext if ext else 'a file without an extension'}; "
+                          "end the name in .png (or .pdf, .svg)")
+
+
+def load_traces(args: argparse.Namespace) -> list[Any]:
+    """The traces named on the command line, then the generated one if asked (or if none)."""
+    from kvtier.errors import ConfigError
     from kvtier.traces import AgenticConfig, read_trace, synthetic_trace
 
     traces = [read_trace(p, block_tokens=args.block_tokens) for p in args.trace]
     if args.synthetic or not traces:
         traces.append(synthetic_trace(AgenticConfig(seed=args.seed, sessions=args.sessions,
                                                     block_tokens=args.block_tokens or 512)))
+    for tr in traces:
+        if tr.unique_blocks == 0 and tr.format == "mooncake":
+            raise ConfigError(f"trace {tr.name} has no blocks (every request's hash_ids is empty): "
+                              "nothing to replay; check that this is the trace you meant")
+        if tr.unique_blocks == 0:
+            raise ConfigError(f"trace {tr.name} has no full block of {tr.block_tokens} tokens (every "
+                              "prompt is shorter), so nothing can be cached: give a smaller --block-tokens")
     return traces
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.hit_ratio_report import Row, print_report
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
     from kvtier.sim.capacity import parse_capacities
@@ -71,18 +157,20 @@ def run(args: argparse.Namespace) -> int:
     policies = expand_policies(args.policy)
     caps = parse_capacities(args.capacity)
     if not caps:
-        raise ConfigError("--capacity is empty: give e.g. 1%,5%,10%")
-    block_bytes = None
-    if args.layout:
-        from kvtier.layout import preset_layout
-        block_bytes = preset_layout(args.layout, args.block_tokens or 512).block_bytes
-    traces = _load_traces(args)
-    results = []
+        raise ConfigError(f"--capacity is empty: give e.g. {DEFAULT_CAPACITIES}")
+    block_bytes = block_bytes_of(args)
+    check_byte_capacities(caps, block_bytes)
+    if args.plot:
+        check_plot_path(args.plot)
+    traces = load_traces(args)
+    runs: list[tuple[Any, list[Row]]] = []
     work = sum(len(t) for t in traces) * len(policies) * len(caps)
     with progress("replaying", work, enabled=not args.json) as bar:
         for tr in traces:
+            rows: list[Row] = []
+            runs.append((tr, rows))
             for cap in caps:
-                blocks = cap.blocks_for(tr.unique_blocks, block_bytes)
+                asked = cap.blocks_for(tr.unique_blocks, block_bytes)
                 for pol in policies:
                     bar.describe(f"{tr.name} {pol} {cap.text}")
                     done = [0]
@@ -90,33 +178,17 @@ def run(args: argparse.Namespace) -> int:
                     def tick(i: int, done: list[int] = done) -> None:
                         bar.advance(i - done[0])
                         done[0] = i
-                    r = replay(tr, pol, blocks, progress=tick if bar.shown else None)
+                    r = replay(tr, pol, asked, progress=tick if bar.shown else None)
                     bar.advance(len(tr) - done[0])
-                    results.append((cap, r))
+                    row = Row(cap.text, asked, r)
+                    rows.append(row)
                     if args.json:
-                        print(json.dumps(r.to_json()), flush=True)
+                        print(json.dumps({**r.to_json(), "capacity": cap.text, "capacity_clamped": row.clamped}),
+                              flush=True)
     if not args.json:
-        _print_table(results, block_bytes)
+        print_report(runs, block_bytes)
     if args.plot:
         from kvtier.bench.hit_ratio_plot import plot
-        plot([r for _c, r in results], args.plot)
+        plot([row.result for _tr, rows in runs for row in rows], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
-
-
-def _print_table(results: list, block_bytes: int | None) -> None:
-    from kvtier.bench.common import print_table
-    from kvtier.units import format_bytes
-
-    head = ["trace", "policy", "capacity", "blocks", "fraction", "prefix hit", "token hit", "evictions"]
-    if block_bytes:
-        head.insert(4, "bytes")
-    rows = []
-    for cap, r in results:
-        label = f"{r.policy} (offline bound)" if r.offline else r.policy
-        row = [r.trace, label, cap.text, f"{r.capacity_blocks:,}", f"{r.capacity_fraction:.2%}",
-               f"{r.prefix_hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}", f"{r.evictions:,}"]
-        if block_bytes:
-            row.insert(4, format_bytes(r.capacity_blocks * block_bytes))
-        rows.append(row)
-    print_table("Prefix hit ratio by policy and capacity (Belady = offline bound)", head, rows, left=2)

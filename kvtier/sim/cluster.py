@@ -23,6 +23,7 @@ import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.index import BlockIndex
+from kvtier.sim.capacity import effective_blocks
 from kvtier.sim.replay import serve
 from kvtier.traces.model import Request, Trace
 
@@ -70,6 +71,7 @@ def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy
         raise ConfigError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)} or 'all'")
     if nodes < 1 or capacity_blocks < 1:
         raise ConfigError("a cluster needs at least one node of at least one block")
+    capacity_blocks = effective_blocks(capacity_blocks, trace.unique_blocks)   # more never evicts
     idx = [BlockIndex([("host", capacity_blocks)], policy=policy, block_tokens=trace.block_tokens)
            for _ in range(nodes)]
     res = ClusterResult(trace.name, router, nodes, capacity_blocks, computed=[0] * nodes)
@@ -96,13 +98,13 @@ def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy
         n = serve(idx[node], req, capacity_blocks, hit)
         res.block_refs += len(keys)
         res.prefix_hits += n
-        load[node] += req.input_length - (req.input_length if n == len(keys) else n * bt)
+        load[node] += req.input_length - req.hit_tokens(n, bt)
     return res
 
 
 def _token_aware(req: Request, pref: list[int], load: list[int], bt: int, slack: float) -> int:
     """Longest cached prefix among nodes that stay balanced after computing this request."""
-    cost = [max(0, req.input_length - p * bt) for p in pref]
+    cost = [req.input_length - req.hit_tokens(p, bt) for p in pref]
     after = [l + c for l, c in zip(load, cost)]
     lightest = min(after)
     # A node qualifies if taking the request keeps it within `slack` of the mean load

@@ -8,7 +8,9 @@ calls, in the same order, as the store does for each request:
 
 so the hit ratio printed is the one a store with this policy and capacity gets. A
 request with more new blocks than the tier holds reserves only its first `capacity`
-new blocks (the ones nearest the prefix, which a later request can still use).
+new blocks (the ones nearest the prefix, which a later request can still use). A
+capacity above the trace's unique blocks never evicts, so it runs as a cache of exactly
+the unique blocks (an infinite cache; kvtier.sim.capacity.effective_blocks).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Callable
 from kvtier.errors import ConfigError
 from kvtier.index import BlockIndex
 from kvtier.policies import EvictionPolicy, make_policy
-from kvtier.sim.capacity import fraction_blocks
+from kvtier.sim.capacity import effective_blocks, fraction_blocks
 from kvtier.traces.model import Request, Trace
 
 Progress = Callable[[int], None]
@@ -99,9 +101,11 @@ def serve(index: BlockIndex, req: Request, capacity_blocks: int, hit: int | None
 
 def replay(trace: Trace, policy: str | EvictionPolicy, capacity_blocks: int,
            progress: Progress | None = None, progress_every: int = 256) -> ReplayResult:
-    """Replay `trace` through a one-tier BlockIndex of `capacity_blocks` blocks."""
+    """Replay `trace` through a one-tier BlockIndex of `capacity_blocks` blocks (at most
+    the trace's unique blocks: the result reports the blocks actually run)."""
     if capacity_blocks < 1:
         raise ConfigError(f"capacity must be at least one block, got {capacity_blocks}")
+    capacity_blocks = effective_blocks(capacity_blocks, trace.unique_blocks)
     pol = build_policy(policy, trace, capacity_blocks) if isinstance(policy, str) else policy
     index = BlockIndex([("host", capacity_blocks)], policy=pol, block_tokens=trace.block_tokens,
                        allow_offline=True)
@@ -118,7 +122,7 @@ def replay(trace: Trace, policy: str | EvictionPolicy, capacity_blocks: int,
         res.block_refs += nk
         res.prefix_hits += n
         res.tokens += req.input_length
-        res.token_hits += req.input_length if n == nk else n * bt
+        res.token_hits += req.hit_tokens(n, bt)
         if progress is not None and i % progress_every == 0:
             progress(i)
     res.requests = len(trace.requests)

@@ -30,6 +30,16 @@ class Request:
             return self.last_tokens
         return block_tokens
 
+    def hit_tokens(self, hit_blocks: int, block_tokens: int) -> int:
+        """Prompt tokens in the first `hit_blocks` blocks: what a prefix hit of that many
+        blocks saves. Tokens after the last keyed block (a token-level trace's partial
+        tail) are never cached, so they never count."""
+        if hit_blocks <= 0:
+            return 0
+        if hit_blocks == len(self.keys) and self.last_tokens is not None:
+            return (hit_blocks - 1) * block_tokens + self.last_tokens
+        return min(self.input_length, hit_blocks * block_tokens)
+
 
 @dataclass(slots=True)
 class Trace:
@@ -61,3 +71,30 @@ class Trace:
     @property
     def has_sessions(self) -> bool:
         return any(r.session is not None for r in self.requests)
+
+    @property
+    def sessions(self) -> int:
+        """Distinct sessions named by the requests (0 when the trace has none)."""
+        return len({r.session for r in self.requests if r.session is not None})
+
+    @property
+    def has_partial_blocks(self) -> bool:
+        """Whether some request's last key stands for a partial block (Mooncake hash_ids);
+        kvtier's own keys cover full blocks only, so token-level traces never do."""
+        return any(r.last_tokens is not None for r in self.requests)
+
+    @property
+    def infinite_hits(self) -> int:
+        """Prefix hit blocks with a cache that never evicts: the ceiling of every policy.
+        Keys are prefix-chained, so a request's hit is its leading run of keys seen before."""
+        seen: set[Key] = set()
+        hits = 0
+        for r in self.requests:
+            n = 0
+            for k in r.keys:
+                if k not in seen:
+                    break
+                n += 1
+            hits += n
+            seen.update(r.keys)
+        return hits

@@ -30,7 +30,7 @@ from kvtier.traces.tokens import TRACE_SEED, token_record
 
 @dataclass(frozen=True)
 class AgenticConfig:
-    """Knobs of the agentic generator (defaults: ~1,600 requests, ~30k unique 512-token blocks)."""
+    """Knobs of the agentic generator (defaults: ~1,460 requests in 200 sessions, ~5,100 unique 512-token blocks)."""
 
     seed: int = 0
     sessions: int = 200
@@ -135,12 +135,14 @@ def write_trace(path: str, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tok
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtier.argtypes import non_negative_int, positive_int
+
     p = argparse.ArgumentParser(prog="python -m kvtier.traces.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="JSONL file to write")
     p.add_argument("--format", choices=("tokens", "mooncake"), default="tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sessions", type=int, default=AgenticConfig.sessions)
-    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--sessions", type=positive_int, default=AgenticConfig.sessions)
+    p.add_argument("--block-tokens", type=positive_int, default=512)
     a = p.parse_args(argv)
     n = write_trace(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=a.block_tokens), a.format)
     print(f"wrote {n} requests to {a.out}", file=sys.stderr)
