@@ -53,7 +53,9 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        said = "%(default)" in text or "(default" in text or "default:" in text
+        none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if said or none or not action.option_strings:
             return text
         return super()._get_help_string(action)
 

@@ -62,3 +62,28 @@ def test_broken_pipe_is_quiet():
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) != 0
     assert err == "", err
+
+
+def test_every_option_says_its_default():
+    """Every option of every command has help text, and the help shows its default."""
+    import argparse
+
+    from kvtier.cli import build_parser
+
+    def parsers(p: argparse.ArgumentParser):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    yield from parsers(sub)
+
+    for p in parsers(build_parser()):
+        fmt = p._get_formatter()
+        for a in p._actions:
+            if not a.option_strings or a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, f"{p.prog} {a.option_strings[0]} has no help text"
+            shown = fmt._expand_help(a) if hasattr(fmt, "_expand_help") else a.help
+            has_default = not (a.default is None or a.default is False or a.default is argparse.SUPPRESS)
+            if has_default and not isinstance(a, argparse._VersionAction):
+                assert "default" in shown, f"{p.prog} {a.option_strings[0]}: help does not say the default"

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -375,14 +376,15 @@ def test_failed_load_is_reported_recomputed_and_saved_again(pair, monkeypatch):
     _step(s, w, req, [0, 1, 2, 3, 4], 0, 17)
     s.finished("r1")
     # The store returns only 1 of 3 blocks intact (as a failed checksum does).
-    real_get = w.store.get
+    real_reading = w.store.reading
 
-    def short_get(keys, out, **kw):
-        t = real_get(keys, out, **kw)
-        t.loaded = min(t.loaded, 1)
-        return t
+    @contextmanager
+    def short_reading(*args, **kw):
+        with real_reading(*args, **kw) as held:
+            held.blocks = min(held.blocks, 1)
+            yield held
 
-    monkeypatch.setattr(w.store, "get", short_get)
+    monkeypatch.setattr(w.store, "reading", short_reading)
     # vLLM's prefill statistics as its scheduler sets them: 3 blocks offered, 1 token to compute.
     stats = SimpleNamespace(num_prompt_tokens=13, num_computed_tokens=1, num_cached_tokens=3 * T,
                             num_local_cached_tokens=0, num_external_cached_tokens=3 * T)
@@ -402,7 +404,7 @@ def test_failed_load_is_reported_recomputed_and_saved_again(pair, monkeypatch):
     assert (stats.num_cached_tokens, stats.num_external_cached_tokens, stats.num_computed_tokens) == (T, T, 13 - T)
     assert "r2" in w._tainted
     # vLLM recomputes tokens 4.. ; those blocks are saved again, the taint lifted first.
-    monkeypatch.setattr(w.store, "get", real_get)
+    monkeypatch.setattr(w.store, "reading", real_reading)
     plan = _step(s, w, req2, [10, 11, 12, 13], T, 9, new=False)
     assert plan.resync == ["r2"] and [(r.start, r.end) for r in plan.saves] == [(1, 3)]
     assert "r2" not in w._tainted and w.counters["save_skipped_blocks"] == 0
