@@ -111,11 +111,14 @@ def run(args: argparse.Namespace) -> int:
                     bar.advance()
                 turns.append({"turn": turn + 1, "prompt_tokens": turn_tokens, "cached_tokens": turn_hits,
                               "hit_ratio": turn_hits / turn_tokens, "verified_blocks": verified, "verified": True})
-                say(f"turn {turn + 1}: {turn_hits:>7} of {turn_tokens:>7} prompt tokens from cache "
-                    f"({turn_hits / turn_tokens:6.1%}), every load verified")
         st = store.stats()
     finally:
         store.close()
+    # Printed after the progress bar is gone: lines printed while it is live would go to
+    # its terminal (stderr), not to stdout.
+    for x in turns:
+        say(f"turn {x['turn']}: {x['cached_tokens']:>7} of {x['prompt_tokens']:>7} prompt tokens from cache "
+            f"({x['hit_ratio']:6.1%}), every load verified")
     t = st.tiers[0]
     total_tokens = sum(x["prompt_tokens"] for x in turns)
     hit_tokens = sum(x["cached_tokens"] for x in turns)
