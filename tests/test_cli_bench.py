@@ -51,6 +51,7 @@ USAGE_ERRORS = [
     (["bench", "engine", "--decode-tokens", "1"], ["--decode-tokens", "at least 2"]),
     (["bench", "engine", "--batch", "0"], ["--batch"]),
     (["bench", "engine", "--batch", "1,x"], ["--batch"]),
+    (["bench", "engine", "--batch", "1,100000"], ["--batch", "512"]),
     (["bench", "engine", "--tiers", "device,gpu"], ["--tiers", "device, host, disk"]),
     (["bench", "engine", "--preset", "nope"], ["--preset", "kimi-tiny"]),
     (["bench", "engine", "--dtype", "int7"], ["--dtype", "float32"]),
@@ -91,7 +92,11 @@ def test_bad_option_is_one_usage_error(args, needles):
 
 
 @pytest.mark.parametrize("args", [["demo", "--capacity", HUGE],
-                                  ["generate", "--prompt", "hi", "--host-cache", HUGE]])
+                                  ["generate", "--prompt", "hi", "--host-cache", HUGE],
+                                  ["bench", "tiers", "--total", HUGE, "--block-bytes", "1GiB"],
+                                  ["bench", "tiers", "--tier", "device", "--total", HUGE, "--block-bytes", "1GiB"],
+                                  ["bench", "transport", "--transport", "tcp", "--total", HUGE, "--block-bytes", "1GiB"]],
+                         ids=lambda a: " ".join(x for x in a if x != HUGE))
 def test_capacity_beyond_memory_is_one_line(args):
     r = kvtier(*args, timeout=120)
     assert r.returncode in (1, 2), r.stderr

@@ -3,15 +3,17 @@ or as a table that fits 100 columns."""
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # Tables are designed to fit this many columns: a terminal's usual width, and the width
 # used when the output is piped.
@@ -133,6 +135,27 @@ def check_block_sizes(sizes: Sequence[int], total: int, multiple: int, option: s
                           "give a --total of at least the largest --block-bytes")
 
 
+@contextmanager
+def memory_hint(hint: str) -> Iterator[None]:
+    """Turn running out of memory inside the block (MemoryError, or ENOMEM from mmap) into one
+    error line that says which option to lower: `hint`, e.g. "give a smaller --total"."""
+    from kvtier.errors import KvtierError
+
+    try:
+        yield
+    except MemoryError:
+        raise KvtierError(f"out of memory: {hint}") from None
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise KvtierError(f"out of memory ({e.strerror}): {hint}") from None
+    except RuntimeError as e:   # torch's allocators: "can't allocate memory", "CUDA out of memory"
+        text = str(e).lower()
+        if "can't allocate memory" not in text and "out of memory" not in text:
+            raise
+        raise KvtierError(f"out of memory: {hint}") from None
+
+
 # -- output ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Column:
@@ -209,9 +232,10 @@ def _fmt(v: object) -> str:
 
 def fmt_size(n: int) -> str:
     """A block size for a table: "64 KiB", "1 MiB", "1.5 MiB", "96 B"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
-            return f"{n / scale:.4g} {unit}"
+            x = n / scale
+            return f"{x:.4g} {unit}" if x < 1e4 else f"{x:,.0f} {unit}"
     return f"{n} B"
 
 

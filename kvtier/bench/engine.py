@@ -14,6 +14,7 @@ from typing import Iterator
 HELP = "engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16"
 
 CASES = ("device", "host", "disk")
+STEP_TOKENS = 512   # the engine's token budget per step (max_batched_tokens)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=positive_int, default=32, metavar="N",
                    help="tokens generated per request in the decode runs, at least 2 (default 32)")
     p.add_argument("--batch", type=int_list, default=[1, 16], metavar="LIST",
-                   help="decode batch sizes, comma-separated (default 1,16)")
+                   help=f"decode batch sizes, comma-separated, each at most {STEP_TOKENS} (default 1,16)")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--dtype", type=dtype_arg, default=None,
                    help=f"compute dtype: {', '.join(DTYPES)} (default: the model's; float32 for kimi-tiny)")
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 2 * bt:
         raise ConfigError(f"--prompt-tokens {args.prompt_tokens} is less than two blocks ({2 * bt} tokens at "
                           f"--block-tokens {bt}): the prompt needs a cached prefix and a block of its own")
+    if max(batches) > STEP_TOKENS:
+        raise ConfigError(f"--batch {max(batches)} is more than the {STEP_TOKENS} tokens the engine runs per step: "
+                          f"a decode batch is at most {STEP_TOKENS} requests")
     cfg = model_config(args.preset, "--preset")
     limit = cfg.max_position_embeddings
     if args.prompt_tokens + 2 > limit:
@@ -79,10 +83,11 @@ def run(args: argparse.Namespace) -> int:
     def prompt(vocab: int) -> list[int]:
         return rng.integers(0, min(vocab, 256), args.prompt_tokens).tolist()
 
-    def engine(kv_blocks: int, host: bool, disk: str | None) -> LLM:
+    def engine(kv_blocks: int, host: bool, disk: str | None, seqs: int = 64) -> LLM:
         cache = CacheConfig(block_tokens=bt, kv_cache=kv_blocks * bb, host_cache=8 * kv_blocks * bb if host else None,
                             disk_path=disk, disk_cache=8 * kv_blocks * bb)
-        return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=512)
+        return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=STEP_TOKENS,
+                   max_seqs=max(64, seqs))
 
     def ttft(llm: LLM, p: list[int]) -> tuple[float, dict[str, int], int]:
         o = llm.generate([p], one)[0]
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                               "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
         for b in batches:
             bar.describe(f"decode, batch {b}: warm-up")
-            llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None)
+            llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None, seqs=b)
             try:
                 params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
                 prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import xxhash
 
-    from kvtier.bench.common import Column, emit, fmt_float, quiet_threads, timeit
+    from kvtier.bench.common import Column, emit, fmt_float, memory_hint, quiet_threads, timeit
     from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.layout import KVLayout
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tokens {args.tokens} is less than one block (--block-tokens {args.block_tokens}): "
                           "give more tokens or smaller blocks")
     quiet_threads()
-    with progress("lookup", 6, enabled=not args.json) as bar:
+    with memory_hint(f"--tokens {args.tokens:,} does not fit in memory: give fewer"), \
+            progress("lookup", 6, enabled=not args.json) as bar:
         bar.describe("filling the store")
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, 160_000, args.tokens, dtype=np.int64)

@@ -40,12 +40,15 @@ DEFAULT_SIZES = {"host": [64 << 10, 1 << 20, 4 << 20], "disk": [1 << 20, 4 << 20
 # A block size must make a whole layout: 32 bytes for the 1-layer layout here, 256 for the
 # device benchmark's 4 layers x K,V x 32 tokens.
 MULTIPLE = {"host": 32, "disk": 32, "device": 256}
+# Buffers of --total bytes each run holds at once (tier, source, destination, baselines).
+HOLDS = {"host": 5, "disk": 3, "device": 6}
 # Timed phases per block size, for the progress bar.
 PHASES = {"host": 3, "disk": 3, "device": 4}
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import Column, check_block_sizes, emit, existing_dir, fmt_float, fmt_size, quiet_threads
+    from kvtier.bench.common import (Column, check_block_sizes, emit, existing_dir, fmt_float, fmt_size, memory_hint,
+                                     quiet_threads)
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
 
@@ -61,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     head = [Column("op", "op"), Column("block_bytes", "block", fmt_size), Column("gbps", "GB/s", gbps),
             Column("baseline_gbps", "raw GB/s", gbps), Column("ratio", "ratio", fmt_float(2))]
     rows: list[dict] = []
-    with progress(f"{tier} tier", len(sizes) * PHASES[tier], enabled=not args.json) as bar:
+    hint = (f"this benchmark holds about {HOLDS[tier]} times --total ({fmt_size(total)}) in memory: "
+            "give a smaller --total")
+    with memory_hint(hint), progress(f"{tier} tier", len(sizes) * PHASES[tier], enabled=not args.json) as bar:
         if tier == "device":
             from kvtier.transfer.bench import bench_device
             rows = bench_device(args, bar)

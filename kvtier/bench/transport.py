@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from kvtier.bench.common import Column, check_block_sizes, emit, fmt_float, fmt_size, quiet_threads, timeit_pair
+    from kvtier.bench.common import (Column, check_block_sizes, emit, fmt_float, fmt_size, memory_hint, quiet_threads,
+                                     timeit_pair)
     from kvtier.keys import Keyer, Namespace
     from kvtier.layout import KVLayout
     from kvtier.net import PeerClient
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     secret = b"bench-secret-0123456789abcdef"
     rows = []
     phases = [t for t in ("tcp", "ucx") if args.transport in (t, "all")]
-    with progress("transport", len(sizes) * len(phases), enabled=not args.json) as bar:
+    hint = f"each process holds about 2 times --total ({fmt_size(total)}) in memory: give a smaller --total"
+    with memory_hint(hint), progress("transport", len(sizes) * len(phases), enabled=not args.json) as bar:
         for bb in sizes:
             n = total // bb
             layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
