@@ -79,6 +79,7 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--host-cache", "1KiB"], ["--host-cache", "smaller than one KV block"]),
     (["generate", "--prompt", "hi", "--disk", "/nonexistent/kvtier-test", "--disk-cache", "1KiB"],
      ["--disk-cache", "smaller than one KV block"]),
+    (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
     (["generate"], ["--prompt"]),
 ]
 

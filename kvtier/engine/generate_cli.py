@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
             prompts.append([int(t) for t in args.prompt_ids.split(",") if t.strip()])
         except ValueError as e:
             raise ConfigError(f"--prompt-ids must be comma-separated integers: {e}") from e
+    if args.session is not None and not args.session.strip():
+        raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
     source = args.model or args.preset or "kimi-tiny"
     _check_capacities(args, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
                                            args.dtype, args.block_tokens))
