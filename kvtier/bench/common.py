@@ -1,11 +1,31 @@
-"""Shared pieces of the benchmarks: timing and printing rows as JSON lines or a table."""
+"""Shared pieces of the benchmarks: timing, option types, and printing rows as JSON lines
+or as a table that fits 100 columns."""
 from __future__ import annotations
 
+import argparse
+import errno
+import io
 import json
+import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+# Tables are designed to fit this many columns: a terminal's usual width, and the width
+# used when the output is piped.
+TABLE_WIDTH = 100
+# Set (to anything but "" or "0") to make print_table raise TableTooWide instead of
+# wrapping a table wider than TABLE_WIDTH: the tests do, so a new column cannot push a
+# table past 100 columns unnoticed.
+STRICT_ENV = "KVTIER_STRICT_TABLES"
+
+
+class TableTooWide(AssertionError):
+    """A table's natural width exceeds TABLE_WIDTH (raised only under KVTIER_STRICT_TABLES)."""
 
 
 def quiet_threads() -> None:
@@ -14,8 +34,15 @@ def quiet_threads() -> None:
     torch.set_num_threads(1)
 
 
+def _check_repeat(repeat: int) -> None:
+    from kvtier.errors import ConfigError
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ConfigError(f"repeat must be a whole number >= 1 (the median of that many timings), got {repeat!r}")
+
+
 def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     """Median seconds of `repeat` calls of fn after `warmup` untimed ones."""
+    _check_repeat(repeat)
     for _ in range(warmup):
         fn()
     times = []
@@ -29,6 +56,7 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
 def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
     """Median seconds of a() and of b(), alternating them, so both see the same conditions
     (a virtual disk's speed drifts from second to second)."""
+    _check_repeat(repeat)
     a()
     b()
     ta, tb = [], []
@@ -43,38 +71,174 @@ def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -
     return statistics.median(ta), statistics.median(tb)
 
 
-def emit(rows: Sequence[dict[str, Any]], as_json: bool, title: str, columns: Sequence[str]) -> None:
-    """Print rows as one JSON object per line, or as a table for a person."""
+# -- option types -------------------------------------------------------------------------
+def size_list(text: str) -> list[int]:
+    """argparse type: comma-separated byte sizes such as "64KiB,1MiB", each > 0."""
+    from kvtier.argtypes import size
+
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sizes, e.g. 64KiB,1MiB")
+    return [size(p) for p in parts]
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated whole numbers >= 1, such as "1,16"."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers >= 1, e.g. 1,16")
+    return values
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated subset of `choices`, in the order given."""
+    def check(text: str) -> list[str]:
+        parts = [p.strip() for p in text.split(",")]
+        bad = [p for p in parts if p not in choices]
+        if bad or not parts:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list of {', '.join(choices)}")
+        return list(dict.fromkeys(parts))
+    check.__name__ = "list"
+    return check
+
+
+def existing_dir(option: str, path: str | None) -> Path | None:
+    """`path` as a Path if it is an existing directory (None stays None), else a ConfigError
+    that names the option."""
+    from kvtier.errors import ConfigError
+
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_dir():
+        what = "is not a directory" if p.exists() else "does not exist"
+        raise ConfigError(f"{option} {path}: the directory {what}: create it or give another")
+    return p
+
+
+def check_block_sizes(sizes: Sequence[int], total: int, multiple: int, option: str = "--block-bytes") -> None:
+    """Each block size a multiple of `multiple` bytes, and `total` (bytes per timed
+    operation) at least the largest block."""
+    from kvtier.errors import ConfigError
+    from kvtier.units import format_bytes
+
+    for bb in sizes:
+        if bb % multiple:
+            raise ConfigError(f"{option}: {bb} bytes is not a multiple of {multiple} bytes: "
+                              f"give sizes like 64KiB or 1MiB")
+    if total < max(sizes):
+        raise ConfigError(f"--total {format_bytes(total)} is smaller than one block ({format_bytes(max(sizes))}): "
+                          "give a --total of at least the largest --block-bytes")
+
+
+@contextmanager
+def memory_hint(hint: str) -> Iterator[None]:
+    """Turn running out of memory inside the block (MemoryError, or ENOMEM from mmap) into one
+    error line that says which option to lower: `hint`, e.g. "give a smaller --total"."""
+    from kvtier.errors import KvtierError
+
+    try:
+        yield
+    except MemoryError:
+        raise KvtierError(f"out of memory: {hint}") from None
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise KvtierError(f"out of memory ({e.strerror}): {hint}") from None
+    except RuntimeError as e:   # torch's allocators: "can't allocate memory", "CUDA out of memory"
+        text = str(e).lower()
+        if "can't allocate memory" not in text and "out of memory" not in text:
+            raise
+        raise KvtierError(f"out of memory: {hint}") from None
+
+
+# -- output ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    """A table column: the row's `key`, a short heading, and how to show a value."""
+
+    key: str
+    head: str
+    fmt: Callable[[Any], str] | None = None
+
+    def show(self, row: dict[str, Any]) -> str:
+        v = row.get(self.key)
+        if v is None:
+            return ""
+        return self.fmt(v) if self.fmt is not None else _fmt(v)
+
+
+def emit(rows: Sequence[dict[str, Any]], as_json: bool, title: str, columns: Sequence[str | Column],
+         left: int = 0) -> None:
+    """Print rows as one JSON object per line (every field), or as a table for a person
+    (the given columns: a key, or a Column with a short heading and a format)."""
     if as_json:
         for r in rows:
             print(json.dumps(r), flush=True)
         return
-    print_table(title, columns, [[_fmt(r.get(c)) for c in columns] for r in rows])
+    cols = [c if isinstance(c, Column) else Column(c, c) for c in columns]
+    print_table(title, [c.head for c in cols], [[c.show(r) for c in cols] for r in rows], left=left)
 
 
 def print_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 0) -> None:
     """A table for a person: rich when installed, plain columns otherwise. The first
-    `left` columns are left-aligned (names), the rest right-aligned (numbers)."""
+    `left` columns are left-aligned (names), the rest right-aligned (numbers).
+
+    Tables are meant to fit TABLE_WIDTH (100) columns: choose short headings and cells.
+    Piped output is laid out 100 columns wide, a terminal's at its own width; a table
+    that is naturally wider raises TableTooWide when $KVTIER_STRICT_TABLES is set (the
+    tests), and is otherwise wrapped by rich."""
     try:
         from rich.console import Console
+        from rich.measure import Measurement
         from rich.table import Table
     except ImportError:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-        print(title)
-        for row in [head, *rows]:
-            print("  ".join(str(x).ljust(w) if i < left else str(x).rjust(w)
-                            for i, (x, w) in enumerate(zip(row, widths))))
+        _print_plain(title, head, rows, left)
         return
     table = Table(title=title)
     for i, h in enumerate(head):
         table.add_column(h, justify="left" if i < left else "right")
     for row in rows:
         table.add_row(*row)
-    # Piped output has no terminal width: don't squeeze the table into 80 columns.
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
+    probe = Console(width=10_000, file=io.StringIO())   # the width with nothing wrapped
+    _check_width(title, Measurement.get(probe, probe.options, table).maximum)
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table)
+
+
+def _print_plain(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], left: int) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    _check_width(title, sum(widths) + 2 * (len(widths) - 1))
+    print(title)
+    for row in [head, *rows]:
+        print("  ".join(str(x).ljust(w) if i < left else str(x).rjust(w)
+                        for i, (x, w) in enumerate(zip(row, widths))))
+
+
+def _check_width(title: str, width: int) -> None:
+    if width > TABLE_WIDTH and os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        raise TableTooWide(f"table {title!r} is {width} columns wide, more than {TABLE_WIDTH}: "
+                           "shorten its headings or cells, or move a column that repeats into the title")
 
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+def fmt_size(n: int) -> str:
+    """A block size for a table: "64 KiB", "1 MiB", "1.5 MiB", "96 B"."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.4g} {unit}" if x < 1e4 else f"{x:,.0f} {unit}"
+    return f"{n} B"
+
+
+def fmt_float(digits: int) -> Callable[[Any], str]:
+    """A number with `digits` decimals and thousands separators."""
+    return lambda v: f"{v:,.{digits}f}"

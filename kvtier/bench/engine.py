@@ -3,46 +3,79 @@ against the same-length prompt computed from scratch, in the same run; decode to
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 HELP = "engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16"
 
+CASES = ("device", "host", "disk")
+STEP_TOKENS = 512   # the engine's token budget per step (max_batched_tokens)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="kimi-tiny", help="model preset (default kimi-tiny) or a checkpoint folder")
-    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length; all but the last block is the shared prefix")
-    p.add_argument("--tiers", default="device,host,disk", help="which cached-prefix cases to time (default all three)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; medians are reported")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per request in the decode runs")
-    p.add_argument("--batch", default="1,16", help="decode batch sizes (default 1,16)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--disk", default=None, help="folder for the disk case (default: a temporary folder)")
+    from kvtier.argtypes import positive_int
+    from kvtier.bench.common import choice_list, int_list
+    from kvtier.engine.config import preset_names
+    from kvtier.engine.generate_cli import DTYPES, dtype_arg
+
+    p.add_argument("--preset", default="kimi-tiny", metavar="PRESET_OR_DIR",
+                   help=f"model: a preset ({', '.join(preset_names())}; only kimi-tiny ships weights, random "
+                        "ones) or a Hugging Face checkpoint folder (default kimi-tiny)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=4096, metavar="N",
+                   help="prompt length, at least two blocks; all but the last block is the shared prefix "
+                        "(default 4096)")
+    p.add_argument("--tiers", type=choice_list(CASES), default=list(CASES), metavar="LIST",
+                   help="which cached-prefix cases to time, comma-separated (default device,host,disk)")
+    p.add_argument("--repeat", type=positive_int, default=3, metavar="N",
+                   help="timed repetitions per case; medians are reported")
+    p.add_argument("--decode-tokens", type=positive_int, default=32, metavar="N",
+                   help="tokens generated per request in the decode runs, at least 2 (default 32)")
+    p.add_argument("--batch", type=int_list, default=[1, 16], metavar="LIST",
+                   help=f"decode batch sizes, comma-separated, each at most {STEP_TOKENS} (default 1,16)")
+    p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
+    p.add_argument("--dtype", type=dtype_arg, default=None,
+                   help=f"compute dtype: {', '.join(DTYPES)} (default: the model's; float32 for kimi-tiny)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block and page")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="an existing folder for the disk case's scratch files, removed afterwards "
+                        "(default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
 
 
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kvtier.bench.common import emit, quiet_threads
+    from kvtier.bench.common import Column, emit, existing_dir, fmt_float, quiet_threads
     from kvtier.engine import CacheConfig, LLM, SamplingParams
+    from kvtier.engine.generate_cli import kv_block_bytes, model_config
     from kvtier.errors import ConfigError
+    from kvtier.progress import progress
 
-    try:
-        batches = [int(x) for x in args.batch.split(",") if x.strip()]
-    except ValueError as e:
-        raise ConfigError(f"--batch takes comma-separated batch sizes, e.g. 1,16: {e}") from e
-    if any(b < 1 for b in batches) or args.repeat < 1 or args.decode_tokens < 2:
-        raise ConfigError("--batch sizes and --repeat must be >= 1, --decode-tokens >= 2")
-    cases = [c.strip() for c in args.tiers.split(",") if c.strip()]
-    if not set(cases) <= {"device", "host", "disk"}:
-        raise ConfigError(f"--tiers takes device, host and disk, got {args.tiers!r}")
-    bt = args.block_tokens
+    cases, batches, bt = args.tiers, args.batch, args.block_tokens
+    if args.decode_tokens < 2:
+        raise ConfigError("--decode-tokens must be at least 2: the first token is the prefill's, decode starts "
+                          "at the second")
     if args.prompt_tokens < 2 * bt:
-        raise ConfigError(f"--prompt-tokens must be at least two blocks ({2 * bt})")
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} is less than two blocks ({2 * bt} tokens at "
+                          f"--block-tokens {bt}): the prompt needs a cached prefix and a block of its own")
+    if max(batches) > STEP_TOKENS:
+        raise ConfigError(f"--batch {max(batches)} is more than the {STEP_TOKENS} tokens the engine runs per step: "
+                          f"a decode batch is at most {STEP_TOKENS} requests")
+    cfg = model_config(args.preset, "--preset")
+    limit = cfg.max_position_embeddings
+    if args.prompt_tokens + 2 > limit:
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} is more than the model's {limit} positions allow "
+                          f"(at most {limit - 2})")
+    if 64 + args.decode_tokens > limit:
+        raise ConfigError(f"--decode-tokens {args.decode_tokens} is more than the model's {limit} positions allow "
+                          f"after a 64-token prompt (at most {limit - 64})")
+    disk_root = existing_dir("--disk", args.disk) if "disk" in cases else None
+    bb = kv_block_bytes(cfg, args.dtype, bt)
     quiet_threads()
     rng = np.random.default_rng(0)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -50,79 +83,93 @@ def run(args: argparse.Namespace) -> int:
     def prompt(vocab: int) -> list[int]:
         return rng.integers(0, min(vocab, 256), args.prompt_tokens).tolist()
 
-    def engine(kv_blocks: int, host: bool, disk: str | None) -> LLM:
-        bb = _layout_bytes(args)
+    def engine(kv_blocks: int, host: bool, disk: str | None, seqs: int = 64) -> LLM:
         cache = CacheConfig(block_tokens=bt, kv_cache=kv_blocks * bb, host_cache=8 * kv_blocks * bb if host else None,
                             disk_path=disk, disk_cache=8 * kv_blocks * bb)
-        return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=512)
+        return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=STEP_TOKENS,
+                   max_seqs=max(64, seqs))
 
     def ttft(llm: LLM, p: list[int]) -> tuple[float, dict[str, int], int]:
         o = llm.generate([p], one)[0]
         return o.ttft, o.cached_by_tier, o.cached_tokens
 
     pages = -(-(args.prompt_tokens + 2) // bt)
-    rows = []
-    tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-engine-")
-    for case in cases:
-        # The device tier holds one prompt and a bit: a second prompt pushes the first one
-        # down to host memory or disk, where the timed request then finds it.
-        disk = (args.disk or tmp.name) + f"/{case}" if case == "disk" else None
-        llm = engine(pages * 4 if case == "device" else pages + 1, case == "host", disk)
-        try:
-            vocab = llm.config.vocab_size
-            ttft(llm, prompt(vocab))                                      # warm up the code paths
-            cold, hot, where, cached = [], [], {}, 0
-            for _ in range(args.repeat):
-                cold.append(ttft(llm, prompt(vocab))[0])                  # from scratch
-                p = prompt(vocab)
-                ttft(llm, p[:-1] + [(p[-1] + 1) % 256])                   # caches the shared prefix
-                if case != "device":
-                    ttft(llm, prompt(vocab))                              # pushes it down a tier
-                t, where, cached = ttft(llm, p)
-                hot.append(t)
-        finally:
-            llm.close()
-        c, h = statistics.median(cold), statistics.median(hot)
-        rows.append({"bench": "engine-ttft", "case": case, "prompt_tokens": args.prompt_tokens,
-                     "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
-                     "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
-    tmp.cleanup()
-    for b in batches:
-        llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None)
-        try:
-            params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-            prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]
-            llm.generate(prompts, params)                                 # warm up
-            prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            wall = time.perf_counter() - t0
-            first = max(o.ttft for o in outs)
-            n = sum(len(o.token_ids) - 1 for o in outs)
-        finally:
-            llm.close()
-        rows.append({"bench": "engine-decode", "batch": b, "tokens": n,
-                     "decode_tokens_per_s": round(n / (wall - first), 1) if wall > first else None,
-                     "ms_per_step": round((wall - first) / max(1, args.decode_tokens - 1) * 1e3, 2)})
-    emit(rows, args.json, f"engine: {args.preset}, {args.prompt_tokens}-token prompts",
-         ["bench", "case", "batch", "cached_tokens", "cached_from", "ttft_cached_ms", "ttft_scratch_ms", "speedup",
-          "decode_tokens_per_s", "ms_per_step"])
+    ttft_rows, decode_rows = [], []
+    with progress("engine", len(cases) * (args.repeat + 1) + 2 * len(batches), enabled=not args.json) as bar:
+        for case in cases:
+            # The device tier holds one prompt and a bit: a second prompt pushes the first one
+            # down to host memory or disk, where the timed request then finds it.
+            bar.describe(f"TTFT, prefix in {case}: starting the engine")
+            with _scratch(case == "disk", disk_root) as disk:
+                llm = engine(pages * 4 if case == "device" else pages + 1, case == "host", disk)
+                try:
+                    vocab = llm.config.vocab_size
+                    bar.describe(f"TTFT, prefix in {case}: warm-up")
+                    ttft(llm, prompt(vocab))                                  # warm up the code paths
+                    bar.advance()
+                    cold, hot, where, cached = [], [], {}, 0
+                    for i in range(args.repeat):
+                        bar.describe(f"TTFT, prefix in {case}: {i + 1} of {args.repeat}")
+                        cold.append(ttft(llm, prompt(vocab))[0])              # from scratch
+                        p = prompt(vocab)
+                        ttft(llm, p[:-1] + [(p[-1] + 1) % 256])               # caches the shared prefix
+                        if case != "device":
+                            ttft(llm, prompt(vocab))                          # pushes it down a tier
+                        t, where, cached = ttft(llm, p)
+                        hot.append(t)
+                        bar.advance()
+                finally:
+                    llm.close()
+            c, h = statistics.median(cold), statistics.median(hot)
+            ttft_rows.append({"bench": "engine-ttft", "case": case, "prompt_tokens": args.prompt_tokens,
+                              "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
+                              "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
+        for b in batches:
+            bar.describe(f"decode, batch {b}: warm-up")
+            llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None, seqs=b)
+            try:
+                params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+                prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]
+                llm.generate(prompts, params)                                 # warm up
+                bar.advance()
+                bar.describe(f"decode, batch {b}")
+                prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                wall = time.perf_counter() - t0
+                first = max(o.ttft for o in outs)
+                n = sum(len(o.token_ids) - 1 for o in outs)
+                bar.advance()
+            finally:
+                llm.close()
+            decode_rows.append({"bench": "engine-decode", "batch": b, "tokens": n,
+                                "decode_tokens_per_s": round(n / (wall - first), 1) if wall > first else None,
+                                "ms_per_step": round((wall - first) / max(1, args.decode_tokens - 1) * 1e3, 2)})
+    ms = fmt_float(1)
+    emit(ttft_rows, args.json, f"{args.preset}: time to first token, {args.prompt_tokens:,}-token prompt, cached vs from scratch",
+         [Column("case", "prefix in"), Column("cached_tokens", "cached tokens", fmt_float(0)),
+          Column("cached_from", "cached blocks from", cached_from), Column("ttft_cached_ms", "cached ms", ms),
+          Column("ttft_scratch_ms", "scratch ms", ms), Column("speedup", "speedup", lambda v: f"{v:.1f}x")], left=1)
+    emit(decode_rows, args.json, f"{args.preset}: decode, {args.decode_tokens} tokens per request",
+         [Column("batch", "batch"), Column("tokens", "tokens", fmt_float(0)),
+          Column("decode_tokens_per_s", "tokens/s", fmt_float(1)), Column("ms_per_step", "ms per step", ms)])
     return 0
 
 
-def _layout_bytes(args: argparse.Namespace) -> int:
-    """Bytes of one KV block of the model, to size the tiers in blocks."""
-    from pathlib import Path
+def cached_from(where: dict[str, int]) -> str:
+    """Blocks per tier as one cell, most first: "253 host + 2 device"."""
+    return " + ".join(f"{n:,} {tier}" for tier, n in sorted(where.items(), key=lambda x: -x[1])) or "none"
 
-    import torch
 
-    from kvtier.engine.config import ModelConfig, preset, preset_names
-    from kvtier.errors import ConfigError
-    from kvtier.engine.model.loader import compute_dtype
-
-    if args.preset not in preset_names() and not Path(args.preset).is_dir():
-        raise ConfigError(f"--preset {args.preset!r} is neither a preset ({', '.join(preset_names())}) nor a "
-                          "checkpoint folder")
-    cfg = preset(args.preset) if args.preset in preset_names() else ModelConfig.from_hf(args.preset)
-    itemsize = torch.empty((), dtype=compute_dtype(args.dtype, cfg)).element_size()
-    return cfg.num_hidden_layers * args.block_tokens * cfg.kv_entry_dim * itemsize
+@contextmanager
+def _scratch(wanted: bool, root: Path | None) -> Iterator[str | None]:
+    """A disk tier folder inside a fresh folder under `root` (the system's temporary folder
+    when None), removed afterwards; None when not `wanted`."""
+    if not wanted:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="kvtier-bench-engine-", dir=root)
+    try:
+        yield path + "/disk"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -7,10 +7,15 @@ HELP = "time keys() + lookup() of a long prompt against raw xxh3 over the same b
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=131072, help="prompt length in tokens (default 131072)")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--hash", default="xxh3", help="xxh3 (default), sha256 or blake3")
-    p.add_argument("--repeat", type=int, default=20, help="timed repetitions; the median is reported")
+    from kvtier.argtypes import positive_int
+
+    p.add_argument("--tokens", type=positive_int, default=131072, metavar="N",
+                   help="prompt length in tokens, at least one block (default 131072)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block (default 16)")
+    p.add_argument("--hash", default="xxh3", choices=("xxh3", "sha256", "blake3"),
+                   help="the key hash: xxh3 (default), sha256 or blake3")
+    p.add_argument("--repeat", type=positive_int, default=20, metavar="N",
+                   help="timed repetitions; the median is reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -19,43 +24,55 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import xxhash
 
-    from kvtier.bench.common import emit, quiet_threads, timeit
+    from kvtier.bench.common import Column, emit, fmt_float, memory_hint, quiet_threads, timeit
     from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.layout import KVLayout
+    from kvtier.progress import progress
     from kvtier.store import Store
     from kvtier.tiers import HostTier
 
     if args.tokens < args.block_tokens:
-        raise ConfigError("--tokens must be at least one block (--block-tokens)")
+        raise ConfigError(f"--tokens {args.tokens} is less than one block (--block-tokens {args.block_tokens}): "
+                          "give more tokens or smaller blocks")
     quiet_threads()
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 160_000, args.tokens, dtype=np.int64)
-    nblocks = args.tokens // args.block_tokens
-    # The payload does not matter here: a tiny layout keeps the store small.
-    layout = KVLayout.mha(1, 1, 8, args.block_tokens, torch.float16)
-    store = Store(layout, [HostTier(blocks=nblocks)], Namespace("bench"), hash=args.hash)
-    keys = store.keys(tokens)
-    for i in range(0, nblocks, 1024):   # fill: lookup then walks the whole prompt
-        store.put(keys[i:i + 1024], torch.zeros(len(keys[i:i + 1024]), layout.block_bytes, dtype=torch.uint8))
-    assert store.lookup(keys).blocks == nblocks
+    with memory_hint(f"--tokens {args.tokens:,} does not fit in memory: give fewer"), \
+            progress("lookup", 6, enabled=not args.json) as bar:
+        bar.describe("filling the store")
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 160_000, args.tokens, dtype=np.int64)
+        nblocks = args.tokens // args.block_tokens
+        # The payload does not matter here: a tiny layout keeps the store small.
+        layout = KVLayout.mha(1, 1, 8, args.block_tokens, torch.float16)
+        store = Store(layout, [HostTier(blocks=nblocks)], Namespace("bench"), hash=args.hash)
+        keys = store.keys(tokens)
+        for i in range(0, nblocks, 1024):   # fill: lookup then walks the whole prompt
+            store.put(keys[i:i + 1024], torch.zeros(len(keys[i:i + 1024]), layout.block_bytes, dtype=torch.uint8))
+        assert store.lookup(keys).blocks == nblocks
+        bar.advance()
 
-    t_keys = timeit(lambda: store.keys(tokens), args.repeat)
-    t_lookup = timeit(lambda: store.lookup(keys), args.repeat)
-    t_total = timeit(lambda: store.lookup(store.keys(tokens)), args.repeat)
-    as_list = tokens.tolist()
-    t_total_list = timeit(lambda: store.lookup(store.keys(as_list)), args.repeat)
+        def timed(what: str, fn) -> float:
+            bar.describe(what)
+            t = timeit(fn, args.repeat)
+            bar.advance()
+            return t
 
-    data = tokens.astype("<u4").tobytes()
-    step = 4 * args.block_tokens
-    end = nblocks * step
-    h = xxhash.xxh3_128_digest
+        t_keys = timed("keys", lambda: store.keys(tokens))
+        t_lookup = timed("lookup", lambda: store.lookup(keys))
+        t_total = timed("keys + lookup", lambda: store.lookup(store.keys(tokens)))
+        as_list = tokens.tolist()
+        t_total_list = timed("keys + lookup of a list", lambda: store.lookup(store.keys(as_list)))
 
-    def raw() -> None:   # the floor: one xxh3 call per block, no chaining, no lookup
-        for i in range(0, end, step):
-            h(data[i:i + step])
+        data = tokens.astype("<u4").tobytes()
+        step = 4 * args.block_tokens
+        end = nblocks * step
+        h = xxhash.xxh3_128_digest
 
-    t_raw = timeit(raw, args.repeat)
+        def raw() -> None:   # the floor: one xxh3 call per block, no chaining, no lookup
+            for i in range(0, end, step):
+                h(data[i:i + step])
+
+        t_raw = timed("raw xxh3", raw)
     store.close()
     row = {
         "bench": "lookup", "tokens": args.tokens, "block_tokens": args.block_tokens, "blocks": nblocks,
@@ -63,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         "total_ms_list_input": t_total_list * 1e3, "baseline": "xxh3_128 per block, unchained",
         "baseline_ms": t_raw * 1e3, "ratio": t_raw / t_total,
     }
-    emit([row], args.json, "kvtier bench lookup (ratio = raw time / kvtier time; 1.0 = raw speed)",
-         ["tokens", "blocks", "keys_ms", "lookup_ms", "total_ms", "total_ms_list_input", "baseline_ms", "ratio"])
+    ms = fmt_float(3)
+    emit([row], args.json, f"keys + lookup vs raw xxh3 per block ({args.hash} keys; ratio = raw / kvtier)",
+         [Column("tokens", "tokens", fmt_float(0)), Column("blocks", "blocks", fmt_float(0)),
+          Column("keys_ms", "keys ms", ms), Column("lookup_ms", "lookup ms", ms),
+          Column("total_ms", "keys+lookup ms", ms), Column("total_ms_list_input", "from a list ms", ms),
+          Column("baseline_ms", "raw ms", ms), Column("ratio", "ratio", fmt_float(2))])
     return 0

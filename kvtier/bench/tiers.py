@@ -13,37 +13,76 @@ HELP = "time put and get of blocks through a tier against a raw copy of the same
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tier", default="host", choices=["host", "disk", "device"], help="tier to measure (default host)")
-    p.add_argument("--block-bytes", default=None,
-                   help="comma-separated block sizes (default 64KiB,1MiB,4MiB for host, 1MiB,4MiB for disk)")
-    p.add_argument("--total", default=None, help="bytes moved per timed operation (default 256MiB host, 512MiB disk)")
-    p.add_argument("--path", default=None, help="disk: directory for the slab files (default: a temp dir)")
-    p.add_argument("--io-threads", type=int, default=4, help="disk: I/O threads, for the tier and the baseline")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions; the median is reported")
+    from kvtier.argtypes import positive_int, size
+    from kvtier.bench.common import size_list
+
+    p.add_argument("--tier", default="host", choices=["host", "disk", "device"],
+                   help="tier to measure: host, disk, or device (the transfer path into engine pages; "
+                        "default host)")
+    p.add_argument("--block-bytes", type=size_list, default=None, metavar="SIZES",
+                   help="comma-separated block sizes, multiples of 32 bytes (256 for device) "
+                        "(default 64KiB,1MiB,4MiB; 1MiB,4MiB for disk)")
+    p.add_argument("--total", type=size, default=None, metavar="SIZE",
+                   help="bytes moved per timed operation, at least one block "
+                        "(default 256MiB host, 512MiB disk, 64MiB device)")
+    p.add_argument("--path", default=None, metavar="DIR",
+                   help="disk: an existing directory for the slab files (default: a temporary directory)")
+    p.add_argument("--io-threads", type=positive_int, default=4, metavar="N",
+                   help="disk: I/O threads, for the tier and the baseline")
+    p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
+                   help="timed repetitions; the median is reported")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import emit, quiet_threads
-    from kvtier.units import parse_bytes
+# Bytes per timed operation and block sizes when not given.
+DEFAULT_TOTAL = {"host": 256 << 20, "disk": 512 << 20, "device": 64 << 20}
+DEFAULT_SIZES = {"host": [64 << 10, 1 << 20, 4 << 20], "disk": [1 << 20, 4 << 20], "device": [64 << 10, 1 << 20, 4 << 20]}
+# A block size must make a whole layout: 32 bytes for the 1-layer layout here, 256 for the
+# device benchmark's 4 layers x K,V x 32 tokens.
+MULTIPLE = {"host": 32, "disk": 32, "device": 256}
+# Buffers of --total bytes each run holds at once (tier, source, destination, baselines).
+HOLDS = {"host": 5, "disk": 3, "device": 6}
+# Timed phases per block size, for the progress bar.
+PHASES = {"host": 3, "disk": 3, "device": 4}
 
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.common import (Column, check_block_sizes, emit, existing_dir, fmt_float, fmt_size, memory_hint,
+                                     quiet_threads)
+    from kvtier.errors import ConfigError
+    from kvtier.progress import progress
+
+    tier = args.tier
+    if args.path is not None and tier != "disk":
+        raise ConfigError("--path is for --tier disk only (the directory for its slab files)")
+    sizes = args.block_bytes or DEFAULT_SIZES[tier]
+    total = args.total or DEFAULT_TOTAL[tier]
+    check_block_sizes(sizes, total, MULTIPLE[tier])
+    path = existing_dir("--path", args.path)
     quiet_threads()
-    if args.tier == "device":
-        from kvtier.transfer.bench import bench_device
-        emit(bench_device(args), args.json, "kvtier bench tiers --tier device (baseline: plain device copy / "
-             "raw pinned host<->device copy)",
-             ["tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio", "device", "impl", "baseline"])
-        return 0
-    disk = args.tier == "disk"
-    sizes = [parse_bytes(x) for x in (args.block_bytes or ("1MiB,4MiB" if disk else "64KiB,1MiB,4MiB")).split(",")]
-    total = parse_bytes(args.total or ("512MiB" if disk else "256MiB"))
-    rows = []
-    for bb in sizes:
-        rows += _disk(bb, total, args) if disk else _host(bb, total, args)
-    cols = ["tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"]
-    cols += ["cold_pread_gbps", "io", "filesystem"] if disk else ["memory"]
-    emit(rows, args.json, f"kvtier bench tiers --tier {args.tier} (baseline: "
-         + ("raw O_DIRECT, same threads and bytes per syscall)" if disk else "raw memcpy, page-aligned)"), cols)
+    gbps = fmt_float(2)
+    head = [Column("op", "op"), Column("block_bytes", "block", fmt_size), Column("gbps", "GB/s", gbps),
+            Column("baseline_gbps", "raw GB/s", gbps), Column("ratio", "ratio", fmt_float(2))]
+    rows: list[dict] = []
+    hint = (f"this benchmark holds about {HOLDS[tier]} times --total ({fmt_size(total)}) in memory: "
+            "give a smaller --total")
+    with memory_hint(hint), progress(f"{tier} tier", len(sizes) * PHASES[tier], enabled=not args.json) as bar:
+        if tier == "device":
+            from kvtier.transfer.bench import bench_device
+            rows = bench_device(args, bar)
+        else:
+            for bb in sizes:
+                rows += _disk(bb, total, args, path, bar) if tier == "disk" else _host(bb, total, args, bar)
+    if tier == "device":
+        title = f"device tier vs raw copies; {rows[0]['device']}, {rows[0]['impl']}" if rows else "device tier"
+        emit(rows, args.json, title, head + [Column("baseline", "raw copy")], left=1)
+    elif tier == "disk":
+        title = (f"disk tier vs raw O_DIRECT; {rows[0]['filesystem']}, {rows[0]['io']}, {args.io_threads} threads"
+                 if rows else "disk tier")
+        emit(rows, args.json, title, head + [Column("cold_pread_gbps", "cold pread GB/s", gbps)], left=1)
+    else:
+        title = f"host tier vs raw memcpy; {rows[0]['memory']} memory" if rows else "host tier"
+        emit(rows, args.json, title, head, left=1)
     return 0
 
 
@@ -58,13 +97,14 @@ def _layout(bb: int):
     return KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)   # one layer, one head: exactly bb bytes
 
 
-def _put_get(store, n: int, bb: int, repeat: int, raw_put=None, raw_get=None) -> tuple[float, ...]:
+def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put=None, raw_get=None) -> tuple[float, ...]:
     """Median seconds of a put of n fresh blocks (evicting the last round) and of a get of n
-    blocks; with raw_put/raw_get, also of those, each alternated with the tier's op."""
+    blocks; with raw_put/raw_get, also of those, each alternated with the tier's op. `bar`
+    (a kvtier.progress.Progress) advances by one per timed phase."""
     import numpy as np
     import torch
 
-    from kvtier.bench.common import timeit, timeit_pair
+    from kvtier.bench.common import fmt_size, timeit, timeit_pair
     from kvtier.tiers.memory import allocate_host
 
     src = allocate_host(n * bb).tensor[: n * bb].view(n, bb)
@@ -81,21 +121,28 @@ def _put_get(store, n: int, bb: int, repeat: int, raw_put=None, raw_get=None) ->
         if store.get(keys, out).loaded != n:
             raise AssertionError("a block failed verification in the benchmark")
 
+    what = f"{store.tiers[0].kind} tier, {fmt_size(bb)} blocks"
+    bar.describe(f"{what}: put")
     if raw_put is None:
         t_put = timeit(put, repeat)
+        bar.advance()
+        bar.describe(f"{what}: get")
         store.put(keys, src)
         t_get = timeit(get, repeat)
         times: tuple[float, ...] = (t_put, t_get)
     else:
         t_put, t_raw_put = timeit_pair(put, raw_put, repeat)
+        bar.advance()
+        bar.describe(f"{what}: get")
         store.put(keys, src)
         t_get, t_raw_get = timeit_pair(get, raw_get, repeat)
         times = (t_put, t_get, t_raw_put, t_raw_get)
+    bar.advance()
     assert torch.equal(out, src), "get returned different bytes than put"
     return times
 
 
-def _host(bb: int, total: int, args) -> list[dict]:
+def _host(bb: int, total: int, args, bar) -> list[dict]:
     import numpy as np
 
     from kvtier.bench.common import timeit
@@ -104,13 +151,15 @@ def _host(bb: int, total: int, args) -> list[dict]:
     from kvtier.tiers import HostTier
     from kvtier.tiers.memory import allocate_host
 
-    n = max(1, total // bb)
+    n = total // bb
     store = Store(_layout(bb), [HostTier(blocks=n)], Namespace("bench"))
-    t_put, t_get = _put_get(store, n, bb, args.repeat)
+    t_put, t_get = _put_get(store, n, bb, args.repeat, bar)
+    bar.describe(f"raw memcpy, {n * bb >> 20} MiB")
     a = allocate_host(n * bb).array[: n * bb]
     a[:] = 7
     b = allocate_host(n * bb).array[: n * bb]
     raw = n * bb / timeit(lambda: np.copyto(b, a), args.repeat) / 1e9
+    bar.advance()
     memory = store.stats().tiers[0].info.get("memory")
     store.close()
     return [{"tier": "host", "op": op, "block_bytes": bb, "blocks": n, "gbps": n * bb / t / 1e9,
@@ -118,7 +167,7 @@ def _host(bb: int, total: int, args) -> list[dict]:
             for op, t in (("put", t_put), ("get", t_get))]
 
 
-def _disk(bb: int, total: int, args) -> list[dict]:
+def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
     import shutil
     import tempfile
     from pathlib import Path
@@ -127,8 +176,8 @@ def _disk(bb: int, total: int, args) -> list[dict]:
     from kvtier.store import Store
     from kvtier.tiers import DiskTier
 
-    n = max(1, total // bb)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.path))
+    n = total // bb
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=path))
     try:
         tier = DiskTier(root / "tier", blocks=n, io_threads=args.io_threads)
         store = Store(_layout(bb), [tier], Namespace("bench"))
@@ -136,8 +185,10 @@ def _disk(bb: int, total: int, args) -> list[dict]:
         io = tier.info()["io"]
         raw = RawDisk(root / "raw.bin", n * tier.slot_bytes, chunk, args.io_threads)
         try:
-            t_put, t_get, t_raw_w, t_raw_r = _put_get(store, n, bb, args.repeat, raw.write, raw.read)
+            t_put, t_get, t_raw_w, t_raw_r = _put_get(store, n, bb, args.repeat, bar, raw.write, raw.read)
+            bar.describe("cold buffered pread")
             cold = raw.cold_read_gbps()
+            bar.advance()
         finally:
             raw.close()
             store.close()

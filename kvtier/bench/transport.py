@@ -58,9 +58,15 @@ sys.stdin.read()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-bytes", default="1MiB,4MiB", help="comma-separated block sizes")
-    p.add_argument("--total", default="256MiB", help="bytes per GET (default 256MiB)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions; the median is reported")
+    from kvtier.argtypes import positive_int, size
+    from kvtier.bench.common import size_list
+
+    p.add_argument("--block-bytes", type=size_list, default=[1 << 20, 4 << 20], metavar="SIZES",
+                   help="comma-separated block sizes, multiples of 32 bytes (default 1MiB,4MiB)")
+    p.add_argument("--total", type=size, default=256 << 20, metavar="SIZE",
+                   help="bytes per GET, at least one block (default 256MiB)")
+    p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
+                   help="timed repetitions; the median is reported")
     p.add_argument("--transport", choices=("auto", "tcp", "ucx", "all"), default="auto",
                    help="auto (default: tcp, plus ucx where ucxx is installed), tcp, ucx, or all "
                         "(ucx: node GET over UCX vs raw ucxx; needs kvtier[ucx])")
@@ -69,20 +75,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import socket
-    import subprocess
-    import sys
 
     import numpy as np
 
-    from kvtier.bench.common import emit, quiet_threads, timeit_pair
+    from kvtier.bench.common import (Column, check_block_sizes, emit, fmt_float, fmt_size, memory_hint, quiet_threads,
+                                     timeit_pair)
     from kvtier.keys import Keyer, Namespace
     from kvtier.layout import KVLayout
     from kvtier.net import PeerClient
+    from kvtier.progress import progress
     from kvtier.tiers.memory import allocate_host
-    from kvtier.units import parse_bytes
 
     import torch
 
+    sizes, total = args.block_bytes, args.total
+    check_block_sizes(sizes, total, 32)
     if args.transport == "auto":
         import importlib.util
         args.transport = "all" if importlib.util.find_spec("ucxx") is not None else "tcp"
@@ -92,54 +99,94 @@ def run(args: argparse.Namespace) -> int:
         require_ucxx()      # a ConfigError that says how to install it
     quiet_threads()
     secret = b"bench-secret-0123456789abcdef"
-    total = parse_bytes(args.total)
     rows = []
     phases = [t for t in ("tcp", "ucx") if args.transport in (t, "all")]
-    for spec in args.block_bytes.split(","):
-        bb = parse_bytes(spec)
-        n = max(1, total // bb)
-        layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
-        keyer = Keyer(Namespace("bench"), layout)
-        keys = keyer(np.arange(16 * n))
-        out = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
-        for phase in phases:
-            # A server process of its own per transport: UCX's progress thread must not share
-            # the CPU with the TCP timings.
-            proc = subprocess.Popen([sys.executable, "-c", SERVER.format(bb=bb, n=n, secret=secret, ucx=phase == "ucx")],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            try:
-                node_addr, raw_port, ucx_addr, ucx_raw_port = proc.stdout.readline().split()
-                if phase == "ucx":
-                    rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n,
-                                         args.repeat))
-                    continue
-                client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
-                raw = socket.create_connection(("127.0.0.1", int(raw_port)))
-                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sink = memoryview(allocate_host(n * bb).array[: n * bb])
+    hint = f"each process holds about 2 times --total ({fmt_size(total)}) in memory: give a smaller --total"
+    with memory_hint(hint), progress("transport", len(sizes) * len(phases), enabled=not args.json) as bar:
+        for bb in sizes:
+            n = total // bb
+            layout = KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
+            keyer = Keyer(Namespace("bench"), layout)
+            keys = keyer(np.arange(16 * n))
+            out = allocate_host(n * bb).array[: n * bb].reshape(n, bb)
+            for phase in phases:
+                bar.describe(f"{phase}, {fmt_size(bb)} blocks")
+                # A server process of its own per transport: UCX's progress thread must not share
+                # the CPU with the TCP timings.
+                with _Server(SERVER.format(bb=bb, n=n, secret=secret, ucx=phase == "ucx")) as server:
+                    node_addr, raw_port, ucx_addr, ucx_raw_port = server.addresses()
+                    if phase == "ucx":
+                        rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n,
+                                             args.repeat))
+                        bar.advance()
+                        continue
+                    client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
+                    raw = socket.create_connection(("127.0.0.1", int(raw_port)))
+                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sink = memoryview(allocate_host(n * bb).array[: n * bb])
 
-                def get() -> None:
-                    if client.get(keys, out) != n:
-                        raise AssertionError("the node did not send every block")
+                    def get() -> None:
+                        if client.get(keys, out) != n:
+                            raise AssertionError("the node did not send every block")
 
-                def raw_get() -> None:
-                    raw.sendall((n * bb).to_bytes(8, "big"))
-                    got = 0
-                    while got < n * bb:
-                        got += raw.recv_into(sink[got:])
+                    def raw_get() -> None:
+                        raw.sendall((n * bb).to_bytes(8, "big"))
+                        got = 0
+                        while got < n * bb:
+                            got += raw.recv_into(sink[got:])
 
-                t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
-                rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb,
-                             "blocks": n, "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
-                             "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
-                client.close()
-                raw.close()
-            finally:
-                proc.stdin.close()
-                proc.wait(timeout=30)
-    emit(rows, args.json, "kvtier bench transport (node GET vs raw socket, loopback, two processes)",
-         ["transport", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"])
+                    t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
+                    rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb,
+                                 "blocks": n, "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
+                                 "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
+                    client.close()
+                    raw.close()
+                    bar.advance()
+    gbps = fmt_float(2)
+    emit(rows, args.json, "node GET vs raw send, loopback",
+         [Column("transport", "transport"), Column("block_bytes", "block", fmt_size), Column("gbps", "GET GB/s", gbps),
+          Column("baseline_gbps", "raw GB/s", gbps), Column("ratio", "ratio", fmt_float(2))], left=1)
     return 0
+
+
+class _Server:
+    """The serving node in a child process: started on entry, told to stop (stdin closed) on
+    exit. Its stderr is kept, so a child that fails becomes one error line here."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __enter__(self) -> "_Server":
+        import collections
+        import subprocess
+        import sys
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-c", self.code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err: collections.deque[str] = collections.deque(maxlen=20)
+        self.drain = threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True)
+        self.drain.start()
+        return self
+
+    def addresses(self) -> list[str]:
+        from kvtier.errors import KvtierError
+
+        parts = self.proc.stdout.readline().split()
+        if len(parts) != 4:
+            self.proc.wait(timeout=30)
+            self.drain.join(timeout=5)
+            last = next((ln.strip() for ln in reversed(self.err) if ln.strip()), "no message")
+            raise KvtierError(f"the benchmark's node process failed to start (exit {self.proc.returncode}): {last}")
+        return parts
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _ucx_row(node_addr: str, raw_port: int, secret: bytes, seed: bytes, keys, out, bb: int, n: int,

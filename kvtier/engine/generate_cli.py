@@ -7,33 +7,124 @@ import time
 
 HELP = "generate text with the reference Kimi-class engine (MLA + MoE) over a kvtier store"
 
+DTYPES = ("float32", "bfloat16", "float16")   # what the engine computes in
+
+
+def dtype_arg(text: str) -> str:
+    """argparse type: a compute dtype name (float32, bfloat16, float16, or an alias like bf16)."""
+    from kvtier.errors import ConfigError
+    from kvtier.layout import dtype_from_name
+
+    try:
+        dtype_from_name(text, DTYPES)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def top_p_arg(text: str) -> float:
+    """argparse type: a probability in (0, 1]."""
+    from kvtier.argtypes import positive_float
+
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return value
+
+
+def size_or_none(text: str) -> int | None:
+    """argparse type: a size such as 1GiB, or 0 / none for no tier."""
+    from kvtier.argtypes import size
+
+    if text.strip().lower() in ("0", "none"):
+        return None
+    return size(text)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.argtypes import non_negative_float, non_negative_int, positive_int, size
+    from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, preset_names
+
+    real = [n for n in preset_names() if n not in PRESET_RANDOM_WEIGHTS]
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="a preset with random weights, e.g. kimi-tiny (the default)")
-    src.add_argument("--model", default=None, help="a Hugging Face checkpoint folder (config.json + safetensors)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="prompt text; repeat for several (they run as one batch)")
-    p.add_argument("--prompt-ids", default=None, help="a prompt as comma-separated token ids instead of text")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
-    p.add_argument("--session", default=None, help="pin this session's prefix in the store (TTL 300 s)")
+    src.add_argument("--preset", default=None, choices=preset_names(),
+                     help=f"a preset: kimi-tiny has random weights and runs on a CPU (the default); "
+                          f"{' and '.join(real)} ship no weights: pass their checkpoint with --model")
+    src.add_argument("--model", default=None, metavar="DIR",
+                     help="a Hugging Face checkpoint folder (config.json + safetensors)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="prompt text; repeat for several (they run as one batch); this or --prompt-ids is required")
+    p.add_argument("--prompt-ids", default=None, metavar="IDS", help="a prompt as comma-separated token ids instead of text")
+    p.add_argument("--max-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                   help="sampling temperature, >= 0; 0 (the default) is greedy")
+    p.add_argument("--top-p", type=top_p_arg, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this probability, in (0, 1]")
+    p.add_argument("--seed", type=non_negative_int, default=None, metavar="N",
+                   help="sampling seed (default: a fresh one each run)")
+    p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
+                   help="seed of a preset's random weights (default 0)")
+    p.add_argument("--session", default=None, metavar="ID",
+                   help="pin this session's prefix in the store for 300 s (default: no pinning)")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: float32 on a CPU)")
-    p.add_argument("--kv-cache", default="256MiB", help="device tier: the engine's KV pages (default 256MiB)")
-    p.add_argument("--host-cache", default="1GiB", help="host-memory tier below it; 0 for none")
-    p.add_argument("--disk", default=None, help="a folder for a disk tier below host memory (kept across runs)")
-    p.add_argument("--disk-cache", default="1GiB", help="size of the disk tier (default 1GiB, allocated up front)")
-    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--dtype", type=dtype_arg, default=None,
+                   help=f"compute dtype: {', '.join(DTYPES)} (default: the model's; float32 for kimi-tiny)")
+    p.add_argument("--kv-cache", type=size, default=256 << 20, metavar="SIZE",
+                   help="device tier: the engine's KV pages (default 256MiB)")
+    p.add_argument("--host-cache", type=size_or_none, default=1 << 30, metavar="SIZE",
+                   help="host-memory tier below it; 0 or none for none (default 1GiB)")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="a folder for a disk tier below host memory, kept across runs (default: none)")
+    p.add_argument("--disk-cache", type=size, default=1 << 30, metavar="SIZE",
+                   help="size of the disk tier (default 1GiB, allocated up front)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block and page")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def model_config(source: str, option: str = "--model"):
+    """The ModelConfig of a preset name or a checkpoint folder (its config.json)."""
+    from pathlib import Path
+
+    from kvtier.engine.config import ModelConfig, preset, preset_names
+    from kvtier.errors import ConfigError
+
+    if source in preset_names():
+        return preset(source)
+    path = Path(source)
+    if not path.is_dir():
+        why = "is a file, not a folder" if path.exists() else "does not exist"
+        raise ConfigError(f"{option} {source!r} is neither a model preset ({', '.join(preset_names())}) nor a "
+                          f"checkpoint folder: that path {why}")
+    return ModelConfig.from_hf(path)
+
+
+def kv_block_bytes(config, dtype: str | None, block_tokens: int) -> int:
+    """Bytes of one KV block (one page) of this model, to size or check the cache tiers."""
+    from kvtier.engine.model.loader import compute_dtype
+    from kvtier.layout import KVLayout
+
+    c = config
+    return KVLayout.mla(c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, block_tokens,
+                        compute_dtype(dtype, c)).block_bytes
+
+
+def _check_capacities(args: argparse.Namespace, block_bytes: int) -> None:
+    """Each cache tier holds at least one block of this model."""
+    from kvtier.errors import ConfigError
+    from kvtier.units import format_bytes
+
+    for option, value in (("--kv-cache", args.kv_cache), ("--host-cache", args.host_cache),
+                          ("--disk-cache", args.disk_cache if args.disk else None)):
+        if value is not None and value < block_bytes:
+            raise ConfigError(f"{option} {format_bytes(value)} is smaller than one KV block of this model "
+                              f"({block_bytes} bytes = {format_bytes(block_bytes)} at --block-tokens "
+                              f"{args.block_tokens}): give at least that much")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.engine import CacheConfig, LLM, SamplingParams
     from kvtier.errors import ConfigError
+    from kvtier.progress import progress
 
     if args.prompt is None and args.prompt_ids is None:
         raise ConfigError("give --prompt TEXT (or --prompt-ids 1,2,3)")
@@ -43,23 +134,30 @@ def run(args: argparse.Namespace) -> int:
             prompts.append([int(t) for t in args.prompt_ids.split(",") if t.strip()])
         except ValueError as e:
             raise ConfigError(f"--prompt-ids must be comma-separated integers: {e}") from e
-    cache = CacheConfig(block_tokens=args.block_tokens, kv_cache=args.kv_cache,
-                        host_cache=None if str(args.host_cache) in ("0", "none", "") else args.host_cache,
+    if args.session is not None and not args.session.strip():
+        raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
+    source = args.model or args.preset or "kimi-tiny"
+    _check_capacities(args, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
+                                           args.dtype, args.block_tokens))
+    cache = CacheConfig(block_tokens=args.block_tokens, kv_cache=args.kv_cache, host_cache=args.host_cache,
                         disk_path=args.disk, disk_cache=args.disk_cache)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    with LLM(args.model or args.preset or "kimi-tiny", seed=args.weights_seed, dtype=args.dtype,
-             device=args.device, cache=cache) as llm:
+    show = not args.json
+    with progress(f"loading {source} and allocating the cache", enabled=show):
+        llm = LLM(source, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache)
+    with llm:
         if not args.json:
             print(f"model: {llm.info.describe()}")
             if llm.info.random_weights:
                 print("note: this preset's weights are random (made from a seed), so its text is noise; "
                       "it runs the whole engine and cache path. Pass --model CHECKPOINT_DIR for real output.")
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, sessions=[args.session] * len(prompts))
+        outs = _generate(llm, prompts, params, args.session, show)
         wall = time.perf_counter() - t0
         for o in outs:
             if args.json:
-                print(json.dumps({"random_weights": llm.info.random_weights, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": len(o.prompt_token_ids),
+                print(json.dumps({"random_weights": llm.info.random_weights, "text": o.text, "token_ids": o.token_ids,
+                                  "prompt_tokens": len(o.prompt_token_ids),
                                   "cached_tokens": o.cached_tokens, "cached_by_tier": o.cached_by_tier,
                                   "finish_reason": o.finish_reason, "ttft_s": o.ttft, "wall_s": wall}))
             else:
@@ -71,3 +169,19 @@ def run(args: argparse.Namespace) -> int:
             n = sum(len(o.token_ids) for o in outs)
             print(f"\n{n} tokens in {wall:.2f} s")
     return 0
+
+
+def _generate(llm, prompts: list, params, session: str | None, show: bool) -> list:
+    """llm.generate(prompts), step by step so a person sees how far it got."""
+    from kvtier.progress import progress
+
+    ids = [llm.add_request(p, params, session) for p in prompts]
+    done: dict = {}
+    with progress(f"generating {len(ids)} prompt{'s' if len(ids) > 1 else ''}", enabled=show) as bar:
+        step = 0
+        while len(done) < len(ids):
+            for o in llm.step():
+                done[o.id] = o
+            step += 1
+            bar.describe(f"generating: step {step}, {len(done)} of {len(ids)} prompts finished")
+    return [done[i] for i in ids]

@@ -12,31 +12,42 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.progress import Progress
 
-def bench_device(args: Any) -> list[dict]:
+# Block sizes must be whole multiples of the benchmark's layout: 4 layers x K,V x 32 tokens.
+BLOCK_MULTIPLE = 256
+
+
+def bench_device(args: Any, bar: Progress | None = None) -> list[dict]:
     """Rows like the host tier's (tier, op, block_bytes, gbps, baseline_gbps, ratio) plus
-    blocks, device, impl and baseline. Reads args.block_bytes ("64KiB,1MiB"), args.total
-    (bytes per timed operation, default 64MiB) and args.repeat, each optional."""
+    blocks, device, impl and baseline. Reads args.block_bytes (a list of sizes, or a string
+    like "64KiB,1MiB"), args.total (bytes per timed operation, default 64MiB) and
+    args.repeat (default 5), each optional; `bar` advances by one per timed op."""
     import torch
 
-    from kvtier.bench.common import quiet_threads
+    from kvtier.bench.common import check_block_sizes, quiet_threads
     from kvtier.units import parse_bytes
 
     quiet_threads()
-    sizes = [parse_bytes(x) for x in (getattr(args, "block_bytes", None) or "64KiB,1MiB,4MiB").split(",")]
+    sizes = getattr(args, "block_bytes", None) or "64KiB,1MiB,4MiB"
+    if isinstance(sizes, str):
+        sizes = [parse_bytes(x) for x in sizes.split(",")]
     total = parse_bytes(getattr(args, "total", None) or "64MiB")
-    repeat = getattr(args, "repeat", None) or 5
+    repeat = getattr(args, "repeat", None)
+    repeat = 5 if repeat is None else repeat
+    check_block_sizes(sizes, total, BLOCK_MULTIPLE)
+    bar = bar or Progress()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     rows = []
     for bb in sizes:
-        rows += _one_size(bb, max(1, total // bb), repeat, device)
+        rows += _one_size(bb, total // bb, repeat, device, bar)
     return rows
 
 
-def _one_size(bb: int, n: int, repeat: int, device) -> list[dict]:
+def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]:
     import torch
 
-    from kvtier.bench.common import timeit_pair
+    from kvtier.bench.common import fmt_size, timeit_pair
     from kvtier.errors import ConfigError
     from kvtier.layout import KVLayout
     from kvtier.transfer import kernels
@@ -44,8 +55,9 @@ def _one_size(bb: int, n: int, repeat: int, device) -> list[dict]:
     from kvtier.transfer.streams import LayerLoader, Saver
 
     layers, block_tokens, page_tokens = 4, 32, 16
-    if bb % (layers * 2 * block_tokens) or bb < 256:
-        raise ConfigError(f"block size {bb} must be a positive multiple of 256 bytes for the device benchmark")
+    if bb % BLOCK_MULTIPLE or bb < BLOCK_MULTIPLE:
+        raise ConfigError(f"block size {bb} must be a positive multiple of {BLOCK_MULTIPLE} bytes for the device "
+                          "benchmark")
     layout = KVLayout.mha(layers, 1, bb // (layers * 2 * block_tokens), block_tokens, torch.uint8)
     cuda = device.type == "cuda"
     ppb = block_tokens // page_tokens
@@ -70,8 +82,13 @@ def _one_size(bb: int, n: int, repeat: int, device) -> list[dict]:
     gather = timed(lambda: kv.gather(table, out=blocks))
     scatter = timed(lambda: kv.scatter(blocks, table))
     raw_dev = timed(lambda: b.copy_(a))
+    what = f"device, {fmt_size(bb)} blocks"
+    bar.describe(f"{what}: gather")
     t_gather, t_dev = timeit_pair(gather, raw_dev, repeat)
+    bar.advance()
+    bar.describe(f"{what}: scatter")
     t_scatter, t_dev2 = timeit_pair(scatter, raw_dev, repeat)
+    bar.advance()
 
     host.copy_(blocks.cpu())
     loader, saver = LayerLoader(pages, layout, "vllm"), Saver(pages, layout, "vllm")
@@ -79,8 +96,12 @@ def _one_size(bb: int, n: int, repeat: int, device) -> list[dict]:
     save = timed(lambda: saver.save(table, out=host).wait())
     raw_h2d = timed(lambda: blocks.view(-1).copy_(host.view(-1), non_blocking=True))
     raw_d2h = timed(lambda: host.view(-1).copy_(blocks.view(-1), non_blocking=True))
+    bar.describe(f"{what}: load")
     t_load, t_h2d = timeit_pair(load, raw_h2d, repeat)
+    bar.advance()
+    bar.describe(f"{what}: save")
     t_save, t_d2h = timeit_pair(save, raw_d2h, repeat)
+    bar.advance()
 
     # the bytes are right: the last save read exactly what the last load wrote
     assert torch.equal(host.to(device), kv.gather(table)), "device benchmark moved wrong bytes"
@@ -89,8 +110,8 @@ def _one_size(bb: int, n: int, repeat: int, device) -> list[dict]:
     nbytes = n * bb
     out = []
     for op, t, t_raw, base in (("gather", t_gather, t_dev, "device copy"), ("scatter", t_scatter, t_dev2, "device copy"),
-                               ("load", t_load, t_h2d, "pinned host->device copy" if cuda else "host memcpy"),
-                               ("save", t_save, t_d2h, "device->pinned host copy" if cuda else "host memcpy")):
+                               ("load", t_load, t_h2d, "pinned host->device" if cuda else "host memcpy"),
+                               ("save", t_save, t_d2h, "device->pinned host" if cuda else "host memcpy")):
         out.append({"tier": "device", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / t / 1e9,
                     "baseline_gbps": nbytes / t_raw / 1e9, "ratio": t_raw / t, "device": name,
                     "impl": impl, "baseline": base})

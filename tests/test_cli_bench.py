@@ -1,0 +1,243 @@
+"""`kvtier bench tiers|transport|engine|lookup`, `kvtier demo` and `kvtier generate` as a user
+runs them: one-line errors for bad options, tables that fit 100 columns, progress on a
+terminal only, and JSON output that is only JSON."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import assert_one_line_error, run_kvtier as kvtier
+
+# Far beyond any machine's memory: must fail at once with one line, never try to allocate.
+HUGE = str(2**50)
+
+USAGE_ERRORS = [
+    # bench tiers
+    (["bench", "tiers", "--block-bytes", "0"], ["--block-bytes"]),
+    (["bench", "tiers", "--block-bytes", "64KiB,,1MiB"], ["--block-bytes"]),
+    (["bench", "tiers", "--block-bytes", "33"], ["--block-bytes", "multiple of 32"]),
+    (["bench", "tiers", "--total", "0"], ["--total"]),
+    (["bench", "tiers", "--block-bytes", "64KiB", "--total", "1KiB"], ["--total", "smaller than one block"]),
+    (["bench", "tiers", "--repeat", "0"], ["--repeat", ">= 1"]),
+    (["bench", "tiers", "--io-threads", "0"], ["--io-threads"]),
+    (["bench", "tiers", "--tier", "disk", "--path", "/nonexistent/kvtier-test"],
+     ["--path", "does not exist", "create it"]),
+    (["bench", "tiers", "--path", "/tmp"], ["--path", "--tier disk"]),
+    (["bench", "tiers", "--tier", "device", "--block-bytes", "100"], ["--block-bytes", "multiple of 256"]),
+    (["bench", "tiers", "--tier", "device", "--repeat", "0"], ["--repeat"]),
+    # bench transport
+    (["bench", "transport", "--block-bytes", "0"], ["--block-bytes"]),
+    (["bench", "transport", "--block-bytes", "100"], ["--block-bytes", "multiple of 32"]),
+    (["bench", "transport", "--block-bytes", "1MiB", "--total", "1KiB"], ["--total", "smaller than one block"]),
+    (["bench", "transport", "--repeat", "0"], ["--repeat"]),
+    # bench lookup
+    (["bench", "lookup", "--tokens", "0"], ["--tokens"]),
+    (["bench", "lookup", "--tokens", "10", "--block-tokens", "16"], ["--tokens", "one block"]),
+    (["bench", "lookup", "--block-tokens", "0"], ["--block-tokens"]),
+    (["bench", "lookup", "--repeat", "0"], ["--repeat"]),
+    (["bench", "lookup", "--hash", "md5"], ["--hash", "xxh3"]),
+    # bench engine
+    (["bench", "engine", "--block-tokens", "0"], ["--block-tokens"]),
+    (["bench", "engine", "--prompt-tokens", "0"], ["--prompt-tokens"]),
+    (["bench", "engine", "--prompt-tokens", "20"], ["--prompt-tokens", "two blocks"]),
+    (["bench", "engine", "--prompt-tokens", "9000"], ["--prompt-tokens", "8192 positions"]),
+    (["bench", "engine", "--repeat", "0"], ["--repeat"]),
+    (["bench", "engine", "--decode-tokens", "1"], ["--decode-tokens", "at least 2"]),
+    (["bench", "engine", "--batch", "0"], ["--batch"]),
+    (["bench", "engine", "--batch", "1,x"], ["--batch"]),
+    (["bench", "engine", "--batch", "1,100000"], ["--batch", "512"]),
+    (["bench", "engine", "--tiers", "device,gpu"], ["--tiers", "device, host, disk"]),
+    (["bench", "engine", "--preset", "nope"], ["--preset", "kimi-tiny"]),
+    (["bench", "engine", "--dtype", "int7"], ["--dtype", "float32"]),
+    (["bench", "engine", "--disk", "/nonexistent/kvtier-test"], ["--disk", "does not exist"]),
+    # demo
+    (["demo", "--block-tokens", "0"], ["--block-tokens"]),
+    (["demo", "--sessions", "0"], ["--sessions"]),
+    (["demo", "--turns", "-1"], ["--turns"]),
+    (["demo", "--seed", "-1"], ["--seed"]),
+    (["demo", "--capacity", "0"], ["--capacity"]),
+    (["demo", "--capacity", "1KiB"], ["--capacity", "smaller than one block"]),
+    (["demo", "--capacity", "50MiB"], ["--capacity", "too small", "turn 1"]),
+    # generate
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], ["--max-tokens"]),
+    (["generate", "--prompt", "hi", "--block-tokens", "0"], ["--block-tokens"]),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature"]),
+    (["generate", "--prompt", "hi", "--top-p", "0"], ["--top-p"]),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], ["--top-p"]),
+    (["generate", "--prompt", "hi", "--seed", "-1"], ["--seed"]),
+    (["generate", "--prompt", "hi", "--weights-seed", "-1"], ["--weights-seed"]),
+    (["generate", "--prompt", "hi", "--dtype", "int7"], ["--dtype", "float32"]),
+    (["generate", "--prompt", "hi", "--preset", "gpt"], ["--preset", "kimi-tiny"]),
+    (["generate", "--prompt", "hi", "--model", "/nonexistent/kvtier-test"], ["--model", "does not exist"]),
+    (["generate", "--prompt", "hi", "--kv-cache", "1KiB"], ["--kv-cache", "smaller than one KV block"]),
+    (["generate", "--prompt", "hi", "--host-cache", "1KiB"], ["--host-cache", "smaller than one KV block"]),
+    (["generate", "--prompt", "hi", "--disk", "/nonexistent/kvtier-test", "--disk-cache", "1KiB"],
+     ["--disk-cache", "smaller than one KV block"]),
+    (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
+    (["generate"], ["--prompt"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_bad_option_is_one_usage_error(args, needles):
+    r = kvtier(*args, timeout=120)
+    assert_one_line_error(r, 2, *needles)
+    if "turn 1" not in needles:              # found before any work, so nothing was printed
+        assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["demo", "--capacity", HUGE],
+                                  ["generate", "--prompt", "hi", "--host-cache", HUGE],
+                                  ["bench", "tiers", "--total", HUGE, "--block-bytes", "1GiB"],
+                                  ["bench", "tiers", "--tier", "device", "--total", HUGE, "--block-bytes", "1GiB"],
+                                  ["bench", "transport", "--transport", "tcp", "--total", HUGE, "--block-bytes", "1GiB"]],
+                         ids=lambda a: " ".join(x for x in a if x != HUGE))
+def test_capacity_beyond_memory_is_one_line(args):
+    r = kvtier(*args, timeout=120)
+    assert r.returncode in (1, 2), r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("kvtier: error:")]) == 1, r.stderr
+
+
+def test_missing_option_directories_are_not_created():
+    kvtier("bench", "engine", "--disk", "/nonexistent/kvtier-test", timeout=120)
+    kvtier("bench", "tiers", "--tier", "disk", "--path", "/nonexistent/kvtier-test", timeout=120)
+    assert not os.path.exists("/nonexistent/kvtier-test")
+
+
+# -- tables ----------------------------------------------------------------------------------
+TINY = {
+    "tiers": ["bench", "tiers", "--block-bytes", "64KiB,1MiB", "--total", "4MiB", "--repeat", "1"],
+    "device": ["bench", "tiers", "--tier", "device", "--block-bytes", "64KiB", "--total", "1MiB", "--repeat", "1"],
+    "transport": ["bench", "transport", "--transport", "tcp", "--block-bytes", "1MiB", "--total", "2MiB",
+                  "--repeat", "1"],
+    "lookup": ["bench", "lookup", "--tokens", "4096", "--repeat", "2"],
+    "engine": ["bench", "engine", "--prompt-tokens", "64", "--repeat", "1", "--batch", "1,2", "--decode-tokens", "3",
+               "--tiers", "device,host"],
+}
+HEADINGS = {
+    "tiers": ["op", "block", "GB/s", "raw GB/s", "ratio"],
+    "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "raw copy"],
+    "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio"],
+    "lookup": ["tokens", "blocks", "keys ms", "lookup ms", "keys+lookup ms", "raw ms", "ratio"],
+    "engine": ["prefix in", "cached tokens", "cached blocks from", "cached ms", "scratch ms", "speedup",
+               "batch", "tokens/s", "ms per step"],
+}
+
+
+def _strict_env() -> dict:
+    # COLUMNS as a 100-column terminal would set it; strict: a wider table is an error, not wrapped.
+    return {**os.environ, "COLUMNS": "100", "KVTIER_STRICT_TABLES": "1"}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_table_fits_100_columns_when_piped(name):
+    r = kvtier(*TINY[name], env=_strict_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines and max(len(ln) for ln in lines) <= 100, r.stdout
+    heads = [ln for ln in lines if ln.startswith("┃")]
+    cells = [c.strip() for ln in heads for c in ln.strip("┃").split("┃")]
+    for h in HEADINGS[name]:
+        assert h in cells, (h, cells)        # each heading whole, on one line
+
+
+def test_engine_table_is_flat():
+    r = kvtier(*TINY["engine"], env=_strict_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "{" not in r.stdout and "'" not in r.stdout, r.stdout
+    rows = {ln.split("│")[1].strip(): ln.split("│")[3].strip() for ln in r.stdout.splitlines()
+            if ln.startswith("│") and ln.split("│")[1].strip() in ("device", "host")}
+    assert re.fullmatch(r"\d+ device", rows["device"]), rows
+    parts = rows["host"].split(" + ")
+    assert all(re.fullmatch(r"\d+ (device|host)", p) for p in parts) and any(p.endswith("host") for p in parts), rows
+
+
+def test_engine_json_keeps_the_structure():
+    r = kvtier(*TINY["engine"], "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(ln) for ln in r.stdout.splitlines()]
+    ttft = {x["case"]: x for x in rows if x["bench"] == "engine-ttft"}
+    assert set(ttft) == {"device", "host"}
+    assert ttft["host"]["cached_from"].get("host", 0) > 0
+    assert sum(ttft["host"]["cached_from"].values()) * 16 == ttft["host"]["cached_tokens"]
+    assert [x["batch"] for x in rows if x["bench"] == "engine-decode"] == [1, 2]
+
+
+def test_print_table_refuses_a_wide_table_when_strict(monkeypatch, capsys):
+    from kvtier.bench.common import TableTooWide, print_table
+
+    head = [f"column {i}" for i in range(12)]
+    rows = [[f"{i * 1000.0:.1f}" for i in range(12)]]
+    monkeypatch.setenv("KVTIER_STRICT_TABLES", "1")
+    with pytest.raises(TableTooWide, match="more than 100"):
+        print_table("wide", head, rows)
+    monkeypatch.delenv("KVTIER_STRICT_TABLES")
+    print_table("wide", head, rows)          # without strict: wrapped to fit
+    out = capsys.readouterr().out
+    assert out and max(len(ln) for ln in out.splitlines()) <= 100
+
+
+def test_print_table_signature_still_takes_plain_rows(capsys):
+    from kvtier.bench.common import print_table
+
+    print_table("t", ["name", "value"], [["a", "1"], ["b", "22"]], left=1)
+    out = capsys.readouterr().out
+    assert "name" in out and "22" in out
+
+
+# -- progress on a terminal, clean output ----------------------------------------------------
+def run_with_terminal_stderr(*args: str, timeout: float = 300) -> tuple[int, str, str]:
+    """Run `kvtier args` with stderr on a pseudo-terminal (as a person watching sees it) and
+    stdout piped; returns (exit code, stdout, what the terminal received)."""
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100"}
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *args], stdout=subprocess.PIPE, stderr=slave,
+                         stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    seen = bytearray()
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:                      # the child closed the terminal: it exited
+            break
+        if not data:
+            break
+        seen += data
+    os.close(master)
+    out = p.stdout.read().decode()
+    return p.wait(timeout=timeout), out, seen.decode(errors="replace")
+
+
+# Each command's first progress description: drawn even when the run is quick.
+PROGRESS = {
+    "tiers": (TINY["tiers"], "host tier"),
+    "transport": (TINY["transport"], "transport"),
+    "lookup": (TINY["lookup"], "lookup"),
+    "engine": (TINY["engine"], "engine"),
+    "demo": (["demo", "--sessions", "2", "--turns", "2", "--capacity", "256MiB"], "demo"),
+    "generate": (["generate", "--prompt", "hi", "--max-tokens", "4", "--kv-cache", "4MiB", "--host-cache", "16MiB"],
+                 "loading kimi-tiny"),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRESS))
+def test_progress_shows_on_a_terminal_and_not_under_json(name):
+    args, what = PROGRESS[name]
+    code, out, term = run_with_terminal_stderr(*args)
+    assert code == 0, term
+    assert what in term and "\x1b[" in term, term       # a live bar or spinner was drawn
+    assert "\x1b[" not in out                           # piped stdout has no terminal codes
+    if name == "demo":                                  # what it prints goes to stdout, not the bar's terminal
+        assert "turn 1:" in out and "turn 1:" not in term
+    code, out, term = run_with_terminal_stderr(*args, "--json")
+    assert code == 0, term
+    assert term.strip() == "", term                     # nothing on the terminal under --json
+    for line in out.splitlines():
+        json.loads(line)                                # and stdout is JSON lines only
