@@ -8,7 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from kvtier.errors import (CapacityError, ClosedError, ConfigError, ForeignKeysError, KeyNotCachedError,
-                           KvtierError, LayoutError, TraceError, TransferError)
+                           KvtierError, LayoutError, TierSizeError, TraceError, TransferError)
 from kvtier.handles import Transfer
 from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
 from kvtier.layout import KVLayout, preset_layout
@@ -22,5 +22,5 @@ __all__ = [
     "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "KeyOrigin", "Keyer",
     "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
     "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
-    "TransferError", "TraceError", "ForeignKeysError",
+    "TransferError", "TraceError", "ForeignKeysError", "TierSizeError",
 ]

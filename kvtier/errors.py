@@ -29,6 +29,11 @@ class ForeignKeysError(ConfigError):
     names no request of this store ever asks for."""
 
 
+class TierSizeError(ConfigError, CapacityError):
+    """A tier's configured size cannot work: smaller than one block, larger than the
+    machine's memory or the disk's free space. A setting to change (exit 2 in the CLI)."""
+
+
 class KeyNotCachedError(KvtierError, LookupError):
     """get() was asked for a block the store does not hold (call lookup() first)."""
 

@@ -112,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from kvtier.layout import KVLayout
-    from kvtier.units import format_bytes
 
     meta, raw_records = read_index(args.path)
     for field in ("block_bytes", "slot_bytes", "capacity_blocks"):

@@ -52,5 +52,14 @@ def progress(description: str, total: float | None = None, enabled: bool = True)
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                TimeElapsedColumn()] if total is not None else [SpinnerColumn(), TextColumn("{task.description}"),
                                                              TimeElapsedColumn()]
-    with RichProgress(*columns, console=Console(stderr=True), transient=True) as bar:
+    global _console
+    if _console is None:
+        _console = Console(stderr=True)
+    # One console for every bar: a bar started inside another (a host tier prefaulting while
+    # a model loads) stacks under it instead of fighting over the same line. Lines printed
+    # to a terminal stdout meanwhile go above the bars; piped stdout is left alone.
+    with RichProgress(*columns, console=_console, transient=True, redirect_stdout=sys.stdout.isatty()) as bar:
         yield Progress(bar, bar.add_task(description, total=total))
+
+
+_console = None    # rich's Console on stderr, made on first use

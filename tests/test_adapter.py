@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as hst

@@ -7,11 +7,14 @@ array of one block per row, or a list of 1-D one-block views (see kvtier/payload
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from kvtier.errors import CapacityError, ConfigError
+if TYPE_CHECKING:
+    import torch
+
+from kvtier.errors import ConfigError, TierSizeError
 from kvtier.units import format_bytes, parse_bytes
 
 
@@ -47,7 +50,7 @@ class Tier(ABC):
             assert self.capacity_bytes is not None
             n = self.capacity_bytes // block_bytes
             if n == 0:
-                raise CapacityError(
+                raise TierSizeError(
                     f"tier {self.name!r}: capacity {format_bytes(self.capacity_bytes)} is smaller than one "
                     f"block ({block_bytes} bytes = {format_bytes(block_bytes)}); give it at least that much")
         self.block_bytes = block_bytes
@@ -75,7 +78,7 @@ class Tier(ABC):
     def block(self, slot: int) -> np.ndarray:
         """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
 
-    def memory(self) -> "torch.Tensor | None":
+    def memory(self) -> torch.Tensor | None:
         """The slots as one [capacity_blocks, block_bytes] uint8 tensor that callers may read
         and write in place (memory tiers on the host), or None (disk, or GPU memory)."""
         return None

@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvtier.errors import CapacityError, ClosedError, ConfigError, TransferError
+from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
 from kvtier.tiers.base import Tier
 from kvtier.units import format_bytes
 
@@ -212,7 +212,7 @@ class DiskTier(Tier):
                 pass
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 why = "not enough free space" if e.errno == errno.ENOSPC else "a file too large for the filesystem"
-                raise CapacityError(f"{why} in {self.path} for {size} bytes of disk tier: "
+                raise TierSizeError(f"{why} in {self.path} for {size} bytes of disk tier: "
                                     "free some space or give the tier less capacity") from None
             raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
 
@@ -223,7 +223,7 @@ class DiskTier(Tier):
         st = os.statvfs(self.path)
         free = st.f_bavail * st.f_frsize
         if need > free:
-            raise CapacityError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
+            raise TierSizeError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
                                 f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
 
     def _load_records(self, slots: int) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import TierSizeError
 from kvtier.progress import progress
 from kvtier.units import format_bytes
 
@@ -89,7 +89,7 @@ def memory_available() -> tuple[int | None, int | None]:
     return avail, total
 
 
-def too_large(what: str, nbytes: int) -> ConfigError | None:
+def too_large(what: str, nbytes: int) -> TierSizeError | None:
     """The error for a `what` of `nbytes` that this machine's free memory cannot hold, or None."""
     avail, total = memory_available()
     if avail is None or nbytes <= avail:
@@ -97,13 +97,13 @@ def too_large(what: str, nbytes: int) -> ConfigError | None:
     return out_of_memory(what, nbytes)
 
 
-def out_of_memory(what: str, nbytes: int) -> ConfigError:
+def out_of_memory(what: str, nbytes: int) -> TierSizeError:
     """A usage error: the capacity asked for does not fit in this machine's memory."""
     avail, total = memory_available()
     have = (f"this machine has {format_bytes(avail)} of memory available"
             + (f" ({format_bytes(total)} in all)" if total is not None else "")) if avail is not None else \
         "the machine could not provide it"
-    return ConfigError(f"{what}: {format_bytes(nbytes)} asked for, but {have}. Give the tier a smaller "
+    return TierSizeError(f"{what}: {format_bytes(nbytes)} asked for, but {have}. Give the tier a smaller "
                        "capacity: at most the available memory, less what the rest of the process needs")
 
 
@@ -136,7 +136,7 @@ def _zero(x: np.ndarray | torch.Tensor) -> None:
 def allocate_host(nbytes: int, pin: bool | None = None, what: str = "host memory") -> HostBuffer:
     """Allocate and prefault `nbytes` of host memory; pinned if `pin` (default: when CUDA is here).
 
-    Raises ConfigError (give a smaller capacity) when the machine cannot hold it."""
+    Raises TierSizeError (give a smaller capacity) when the machine cannot hold it."""
     nbytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
     err = too_large(what, nbytes)
     if err is not None:
