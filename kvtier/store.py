@@ -262,6 +262,19 @@ class Store:
 
     def _store(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
         """put() after validation: `rows` are checked one-block uint8 rows."""
+        res = self._reserve(keys)
+        nbytes = len(res.keys) * self.layout.block_bytes
+        if not res.keys:
+            return Transfer("put", 0, 0, res.present, res.rejected)
+
+        def save() -> None:
+            self._fill(res, rows, res.positions)
+            self._written(res, rows)
+
+        return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
+
+    def _reserve(self, keys: Sequence[bytes]) -> Reservation:
+        """Top-tier slots for a save's new blocks, evictions carried out (counted as a put)."""
         with self._lock:
             self._check_open()
             res = self.index.reserve(keys)
@@ -270,22 +283,21 @@ class Store:
             c.puts += 1
             c.put_present += res.present
             c.put_rejected += res.rejected
-        nbytes = len(res.keys) * self.layout.block_bytes
-        if not res.keys:
-            return Transfer("put", 0, 0, res.present, res.rejected)
+        return res
 
-        def save() -> None:
-            self._fill(res, rows, res.positions)
-            with self._lock:
-                self.counters.put_blocks += len(res.keys)
-                self.counters.put_bytes += nbytes
-
-            if self.write_through:
-                for i, tier in enumerate(self.tiers):
-                    if i > 0 and tier.persistent:
+    def _written(self, res: Reservation, rows: Sequence[np.ndarray] | None = None) -> None:
+        """A save's blocks are readable now: count them, and write them through to disk if the
+        store is set so (from `rows`, or from their top-tier copies)."""
+        with self._lock:
+            self.counters.put_blocks += len(res.keys)
+            self.counters.put_bytes += len(res.keys) * self.layout.block_bytes
+        if self.write_through and res.keys:
+            for i, tier in enumerate(self.tiers):
+                if i > 0 and tier.persistent:
+                    if rows is None:
+                        self._copy_into(i, res.keys)
+                    else:
                         self._copy_into(i, res.keys, rows, res.positions)
-
-        return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
 
     def _apply(self, res: Reservation) -> None:
         """Carry out a reservation's moves (caller holds the lock). If one fails, the blocks
@@ -407,14 +419,7 @@ class Store:
         memory = self.tiers[0].memory()
         if memory is None:
             raise ConfigError(f"writing() needs a memory top tier; this store's is {self.tiers[0].name}: use put()")
-        with self._lock:
-            self._check_open()
-            res = self.index.reserve(keys)
-            self._apply(res)
-            c = self.counters
-            c.puts += 1
-            c.put_present += res.present
-            c.put_rejected += res.rejected
+        res = self._reserve(keys)
         try:
             yield WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
                              res.present, res.rejected)
@@ -424,12 +429,7 @@ class Store:
             raise
         with self._lock:
             self.index.commit(res)
-            self.counters.put_blocks += len(res.keys)
-            self.counters.put_bytes += len(res.keys) * self.layout.block_bytes
-        if self.write_through and res.keys:
-            for i, tier in enumerate(self.tiers):
-                if i > 0 and tier.persistent:
-                    self._copy_into(i, res.keys)
+        self._written(res)
 
     @contextmanager
     def reading(self, keys: Sequence[bytes], promote: bool | None = None) -> Iterator[HeldBlocks]:
