@@ -82,7 +82,7 @@ def _valid(record: Any) -> bool:
 def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], show: bool) -> int:
     """How many of `records` fail their checksum (or lie past the slab's end), reading the
     slab in slot order, with a progress bar when `show` and on a terminal."""
-    import xxhash
+    from kvtier.checksum import block_checksum
 
     from kvtier.progress import progress
     from kvtier.units import format_bytes
@@ -99,7 +99,7 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
                       enabled=show) as bar:
             for slot, checksum, _created, _access in ordered:
                 data = os.pread(fd, bb, slot * sb)
-                bad += len(data) != bb or xxhash.xxh3_64_intdigest(data) != checksum
+                bad += len(data) != bb or block_checksum(data) != checksum
                 bar.advance()
     finally:
         os.close(fd)

@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-import xxhash
 
+from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, KeyNotCachedError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.index import BlockIndex, Move, Reservation
@@ -514,7 +514,7 @@ class Store:
             sums = []
             for e, r in zip(entries, rows):
                 if e.checksum is None:
-                    e.checksum = xxhash.xxh3_64_intdigest(r)
+                    e.checksum = block_checksum(r)
                 sums.append(e.checksum)
             yield rows, sums
 

@@ -162,3 +162,11 @@ def test_no_native_env_gives_the_same_keys_in_a_subprocess():
     assert out[0] == "False"
     assert bytes.fromhex(out[1]) == b"".join(here)
     assert len(here) == 37
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 1 << 16, (1 << 20) + 3])
+def test_native_block_checksum_is_xxh3_64(n):
+    """The disk tier's and the nodes' block checksum (C, GIL released) equals python-xxhash's."""
+    xxh3_64 = pytest.importorskip("kvtier._chain").xxh3_64
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert xxh3_64(data) == xxhash.xxh3_64_intdigest(data) == xxh3_64(data.tobytes())

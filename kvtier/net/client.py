@@ -15,8 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
-import xxhash
 
+from kvtier.checksum import block_checksum
 from kvtier.errors import KvtierError
 from kvtier.net.address import parse_address
 from kvtier.net.frames import Frame, FrameError, decode
@@ -78,7 +78,7 @@ class PeerClient:
 
     def put(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
         """Store blocks on the peer; returns how many it newly wrote."""
-        sums = [xxhash.xxh3_64_intdigest(r) for r in rows]
+        sums = [block_checksum(r) for r in rows]
         req = Frame("PUT", self.ns, list(keys), payload=len(keys) * self.block_bytes, sums=sums)
         return self._call(req, rows, send_rows=True)
 
@@ -120,7 +120,7 @@ class PeerClient:
         checks: list[Future[int]] = [None] * n    # type: ignore[list-item]
 
         def landed(i: int) -> None:
-            checks[i] = _VERIFY.submit(xxhash.xxh3_64_intdigest, rows[i])
+            checks[i] = _VERIFY.submit(block_checksum, rows[i])
 
         chan.recv_rows(rows[:n], deadline, landed)
         good = 0

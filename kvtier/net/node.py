@@ -20,8 +20,8 @@ import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
+from kvtier.checksum import block_checksum
 from kvtier.errors import ConfigError
 from kvtier.net.address import parse_address
 from kvtier.net.directory import Directory
@@ -187,7 +187,7 @@ class Node:
             buf = np.empty((n, bb), dtype=np.uint8)
             await conn.recv_rows(buf)
             good = 0
-            while good < n and xxhash.xxh3_64_intdigest(buf[good]) == req.sums[good]:
+            while good < n and block_checksum(buf[good]) == req.sums[good]:
                 good += 1
             t = store.put(req.keys[:good], buf[:good]) if good else None
             await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))

@@ -27,8 +27,8 @@ from typing import Any, Sequence
 import lmdb
 import msgpack
 import numpy as np
-import xxhash
 
+from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
 from kvtier.tiers.base import Tier
 from kvtier.units import format_bytes
@@ -263,10 +263,10 @@ class DiskTier(Tier):
             raise ConfigError(f"disk tier {self.path} was opened read-only")
         order = list(range(len(slots))) if idx is None else list(idx)
         # Speed: the bytes go to disk on the I/O threads while this thread computes the
-        # checksums (xxhash holds the GIL; hashing inside each I/O thread made every write
-        # wait for it). Only the records, committed after both, need the checksums.
+        # checksums (with the GIL released: kvtier.checksum), so hashing is off the writes'
+        # critical path. Only the records, committed after both, need the checksums.
         pending = self._parallel(self._write_run, slots, rows, order, wait=False)
-        sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in order]
+        sums = [block_checksum(rows[i]) for i in order]
         errors = []
         for f in pending:                  # every write is finished before any error is raised:
             try:                           # the store may reuse these slots right after
@@ -390,7 +390,7 @@ class DiskTier(Tier):
                     bad.append(j)
                     continue
                 data = dsts[r] if direct_ok else view[r, :bb]
-                if xxhash.xxh3_64_intdigest(data) != rec[1]:
+                if block_checksum(data) != rec[1]:
                     bad.append(j)
                     continue
                 if not direct_ok:

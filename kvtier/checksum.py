@@ -1,0 +1,21 @@
+"""The checksum of a block's bytes (xxh3-64): recorded with every block on disk and sent
+with every block between nodes, checked on every read from either; a mismatch is a miss.
+
+The C version (kvtier/_chain.c, built by `pip install` where a compiler exists) releases
+the GIL while it hashes a large block, so I/O threads writing or reading other blocks keep
+running; python-xxhash, the fallback, gives the same values but holds the GIL.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+try:
+    from kvtier._chain import xxh3_64 as _native
+except ImportError:     # no C compiler at install time
+    _native = None
+
+if _native is not None:
+    block_checksum: Callable[[object], int] = _native
+else:
+    import xxhash
+    block_checksum = xxhash.xxh3_64_intdigest     # the same values
