@@ -2,25 +2,54 @@
 
     tokens -> keys -> lookup -> load into the engine's pages -> compute the rest
     engine pages -> save -> top tier -> (evicted) -> next tier down -> ... -> dropped
+
+The public names below are imported on first use (PEP 562), so `import kvtier.errors`
+or the `kvtier` command's --help and usage errors do not pay for importing torch.
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from kvtier.errors import (CapacityError, ClosedError, ConfigError, ForeignKeysError, KeyNotCachedError,
-                           KvtierError, LayoutError, TierSizeError, TraceError, TransferError)
-from kvtier.handles import Transfer
-from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
-from kvtier.layout import KVLayout, preset_layout
-from kvtier.stats import StoreStats, TierStats
-from kvtier.store import Hit, Store
-from kvtier.net import Node, PeerList, RedisDirectory
-from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
-from kvtier.tiers.remote import RemoteTier
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(["CapacityError", "ClosedError", "ConfigError", "ForeignKeysError", "KeyNotCachedError",
+                     "KvtierError", "LayoutError", "TierSizeError", "TraceError", "TransferError"], "kvtier.errors"),
+    "Transfer": "kvtier.handles",
+    **dict.fromkeys(["BlockKeys", "KeyOrigin", "Keyer", "Namespace"], "kvtier.keys"),
+    **dict.fromkeys(["KVLayout", "preset_layout"], "kvtier.layout"),
+    **dict.fromkeys(["StoreStats", "TierStats"], "kvtier.stats"),
+    **dict.fromkeys(["Hit", "Store"], "kvtier.store"),
+    **dict.fromkeys(["Node", "PeerList", "RedisDirectory"], "kvtier.net"),
+    **dict.fromkeys(["DeviceTier", "DiskTier", "HostTier", "Tier"], "kvtier.tiers"),
+    "RemoteTier": "kvtier.tiers.remote",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "Store", "Hit", "Transfer", "KVLayout", "preset_layout", "Namespace", "BlockKeys", "KeyOrigin", "Keyer",
-    "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "Node", "PeerList", "RedisDirectory", "Tier", "StoreStats", "TierStats",
-    "KvtierError", "ConfigError", "LayoutError", "CapacityError", "KeyNotCachedError", "ClosedError",
-    "TransferError", "TraceError", "ForeignKeysError", "TierSizeError",
-]
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eagerly  # noqa: F401
+    from kvtier.errors import (CapacityError, ClosedError, ConfigError, ForeignKeysError, KeyNotCachedError,
+                               KvtierError, LayoutError, TierSizeError, TraceError, TransferError)
+    from kvtier.handles import Transfer
+    from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
+    from kvtier.layout import KVLayout, preset_layout
+    from kvtier.net import Node, PeerList, RedisDirectory
+    from kvtier.stats import StoreStats, TierStats
+    from kvtier.store import Hit, Store
+    from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
+    from kvtier.tiers.remote import RemoteTier

@@ -14,7 +14,7 @@ HELP = "run agent sessions through a store and show the prefix hits (embedded de
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.argtypes import non_negative_int, positive_int, size
-    from kvtier.layout import PRESETS
+    from kvtier.presets import LAYOUT_PRESETS as PRESETS
 
     p.add_argument("--sessions", type=positive_int, default=4, metavar="N", help="concurrent agent sessions (default 4)")
     p.add_argument("--turns", type=positive_int, default=5, metavar="N", help="turns per session (default 5)")

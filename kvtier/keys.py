@@ -24,7 +24,7 @@ import numbers
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterable, SupportsIndex, overload
+from typing import TYPE_CHECKING, Callable, Iterable, SupportsIndex, overload
 
 import msgpack
 import numpy as np
@@ -32,7 +32,9 @@ import xxhash
 
 from kvtier.errors import ConfigError, ForeignKeysError, LayoutError
 from kvtier.shard import check_shard
-from kvtier.layout import KVLayout
+
+if TYPE_CHECKING:    # keys need no torch: trace replays and the CLI stay light
+    from kvtier.layout import KVLayout
 
 # The optional C accelerator for xxh3 chains (kvtier/_chain.c, built by `pip install`
 # where a C compiler exists). KVTIER_NO_NATIVE=1 forces the pure-Python path.
@@ -258,17 +260,14 @@ def token_bytes(tokens: object) -> bytes:
     with a LayoutError naming the first bad value, never truncated."""
     if isinstance(tokens, (bytes, bytearray, memoryview, str)):
         raise LayoutError("tokens must be a sequence of int token ids, not bytes or a string: tokenize text first")
-    try:
-        import torch
-        if isinstance(tokens, torch.Tensor):
-            if tokens.ndim == 1 and tokens.numel() == 0:
-                return b""   # torch.tensor([]) is float32: no ids, nothing to refuse
-            if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-                raise LayoutError(f"token ids must be integers, got a {tokens.dtype} tensor: "
-                                  "pass an integer tensor (tensor.long() if its values are whole numbers)")
-            tokens = tokens.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a core dependency
-        pass
+    torch = sys.modules.get("torch")   # a tensor means torch is imported: never import it here
+    if torch is not None and isinstance(tokens, torch.Tensor):
+        if tokens.ndim == 1 and tokens.numel() == 0:
+            return b""   # torch.tensor([]) is float32: no ids, nothing to refuse
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise LayoutError(f"token ids must be integers, got a {tokens.dtype} tensor: "
+                              "pass an integer tensor (tensor.long() if its values are whole numbers)")
+        tokens = tokens.detach().cpu().numpy()
     if _U32 is not None and isinstance(tokens, (list, tuple, range)):
         # Speed: a list of ints straight into uint32, ~3x faster than through numpy, and
         # as strict: a float, string or None is a TypeError, an id out of range an

@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from kvtier.errors import ConfigError, LayoutError
+from kvtier.presets import LAYOUT_PRESETS
 
 # Bumped whenever the byte layout inside a block changes meaning.
 LAYOUT_FORMAT = 1
@@ -173,19 +174,9 @@ class KVLayout:
 
 
 # Named layouts for the CLI and benchmarks (block_tokens is set by the caller).
-PRESETS: dict[str, dict[str, Any]] = {
-    # Kimi K2 / DeepSeek-V3: 61 layers, MLA 512 + 64, bf16 -> 70,272 B per token.
-    "kimi-k2": dict(kind="mla", num_layers=61, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16),
-    "deepseek-v3": dict(kind="mla", num_layers=61, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16),
-    # Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16 -> 131,072 B per token.
-    "llama3-8b": dict(kind="mha", num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
-    # Llama-3.1-70B: 80 layers, 8 KV heads of 128, bf16 -> 327,680 B per token.
-    "llama3-70b": dict(kind="mha", num_layers=80, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
-}
-
-
 def preset_layout(name: str, block_tokens: int) -> KVLayout:
     """A named layout ("kimi-k2", "llama3-8b", ...) at the given block size."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown layout preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return KVLayout(block_tokens=block_tokens, **PRESETS[name])
+    if name not in LAYOUT_PRESETS:
+        raise ConfigError(f"unknown layout preset {name!r}; choose one of {', '.join(LAYOUT_PRESETS)}")
+    spec = dict(LAYOUT_PRESETS[name])
+    return KVLayout(block_tokens=block_tokens, **{**spec, "dtype": _DTYPES[spec["dtype"]]})

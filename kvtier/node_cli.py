@@ -63,7 +63,7 @@ def _shard(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.layout import PRESETS
+    from kvtier.presets import LAYOUT_PRESETS as PRESETS
 
     p.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT", type=_checked(_address, "address"),
                    help="where to serve; port 0 picks any free port")

@@ -89,7 +89,7 @@ def test_node_port_in_use_is_one_line():
 
 def test_node_help_gives_each_default_and_the_presets():
     from kvtier.cli import build_parser
-    from kvtier.layout import PRESETS
+    from kvtier.presets import LAYOUT_PRESETS as PRESETS
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["node"]
     fmt = sub._get_formatter()

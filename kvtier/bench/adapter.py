@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
-def _page_sizes(text: str) -> list[int]:
+def page_sizes(text: str) -> list[int]:
     from kvtier.errors import ConfigError
 
     try:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.progress import progress
 
     quiet_threads()
-    sizes = _page_sizes(args.page_tokens)
+    sizes = page_sizes(args.page_tokens)
     rows: list[dict[str, Any]] = []
     with progress("bench adapter", len(sizes), enabled=not args.json) as bar:
         for pt in sizes:

@@ -51,7 +51,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=positive_int, default=None,
                    help="tokens a block when keying token-level traces and the generated trace "
                         "(default 512; Mooncake traces are fixed at 512)")
-    from kvtier.layout import PRESETS
+    from kvtier.presets import LAYOUT_PRESETS as PRESETS
     p.add_argument("--layout", default=None, choices=list(PRESETS), metavar="PRESET",
                    help=f"KV layout ({', '.join(PRESETS)}): turns byte capacities such as 64GiB "
                         "into blocks and shows each capacity in bytes (default: none)")

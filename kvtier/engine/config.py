@@ -16,12 +16,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.layout import dtype_from_name
+
+if TYPE_CHECKING:    # torch is imported where a dtype is needed: `kvtier --help` lists presets without it
+    import torch
 
 # model_type values whose config.json carries DeepSeek-V3 fields and whose weights use its names.
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -88,6 +88,7 @@ class ModelConfig:
 
     @property
     def dtype(self) -> torch.dtype:
+        from kvtier.layout import dtype_from_name
         return dtype_from_name(self.torch_dtype, _COMPUTE_DTYPES)
 
     def is_moe_layer(self, layer: int) -> bool:
