@@ -381,8 +381,15 @@ class Store:
 
     def _fill(self, res: Reservation, rows: Sequence[np.ndarray], idx: Sequence[int] | None) -> None:
         """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
-        try:
+        with self._committing(res):
             self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
+
+    @contextmanager
+    def _committing(self, res: Reservation) -> Iterator[None]:
+        """The reserved blocks become readable once the `with` body has written them; if it
+        raises, they are forgotten and their slots freed."""
+        try:
+            yield
         except BaseException:
             with self._lock:
                 self.index.abort(res)
@@ -420,15 +427,9 @@ class Store:
         if memory is None:
             raise ConfigError(f"writing() needs a memory top tier; this store's is {self.tiers[0].name}: use put()")
         res = self._reserve(keys)
-        try:
+        with self._committing(res):
             yield WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
                              res.present, res.rejected)
-        except BaseException:
-            with self._lock:
-                self.index.abort(res)
-            raise
-        with self._lock:
-            self.index.commit(res)
         self._written(res)
 
     @contextmanager
