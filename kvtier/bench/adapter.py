@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             rows += _one_size(args, pt)
             bar.advance()
     emit(rows, args.json, "Engine pages <-> host tier vs a raw memcpy of the same bytes (higher GB/s is better)",
-         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio"])
+         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio"], left=1)
     return 0
 
 
