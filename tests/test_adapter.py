@@ -319,3 +319,40 @@ def test_a_failed_load_leaves_nothing_held_or_lent(monkeypatch):
     monkeypatch.undo()
     assert all(e.refs == 0 for e in a.store.index.entries.values())
     assert a.allocate(4) is not None                   # every device slot can be had again
+
+
+def test_engine_pages_load_from_host_and_disk_and_stop_at_a_corrupt_block(tmp_path):
+    """load_into over a prefix split between the host tier (read in place) and disk (read,
+    verified, through the store's reused buffer): the prefix ends at a corrupt disk block,
+    its pages and those after it are untouched, and a second load reuses the buffer."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=3), kvtier.DiskTier(tmp_path / "kv", blocks=16)], NS,
+                         promote=False)
+    a = KVAdapter(store)
+    pages = [torch.randn(12, 4, 24) for _ in range(LAYOUT.num_layers)]
+    keys = a.keys(list(range(24)))                              # 6 blocks; the host tier holds 3
+    a.save_from(keys[:3], PagedKV(pages, LAYOUT, "mla"), [[0], [1], [2]]).wait()
+    a.save_from(keys[3:], PagedKV(pages, LAYOUT, "mla"), [[3], [4], [5]]).wait()
+    tiers = a.lookup(list(range(24))).tiers
+    assert sorted(set(tiers)) == ["disk", "host"] and tiers.count("disk") == 3
+    first_disk = tiers.index("disk")
+    bad = next(i for i, t in enumerate(tiers) if t == "disk" and i > first_disk)   # the 2nd disk block
+    disk = store.tiers[1]
+    slot = store.index.entries[keys[bad]].slot_in(1)
+    with open(tmp_path / "kv" / "slab.bin", "r+b") as f:
+        f.seek(slot * disk.slot_bytes + 3)
+        b = f.read(1)
+        f.seek(slot * disk.slot_bytes + 3)
+        f.write(bytes([b[0] ^ 0xFF]))
+    dst = [torch.zeros(12, 4, 24) for _ in range(LAYOUT.num_layers)]
+    table = [[6], [7], [8], [9], [10], [11]]
+    load = a.load_into(keys, PagedKV(dst, LAYOUT, "mla"), table)
+    assert load.wait() == bad and load.error is None
+    for l in range(LAYOUT.num_layers):
+        for i in range(6):
+            want = pages[l][i] if i < bad else torch.zeros(4, 24)
+            assert torch.equal(dst[l][6 + i], want), (l, i)
+    assert store.stats().counters.corrupt_blocks == 1
+    again = a.load_into(keys[:bad], PagedKV(dst, LAYOUT, "mla"), table[:bad])
+    assert again.wait() == bad
+    a.close()
+    store.close()
