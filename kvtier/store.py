@@ -42,6 +42,8 @@ from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvtier.store")
 
+_SPARE_MAX_BYTES = 256 << 20    # the largest disk-read buffer a store keeps between reads
+
 # Everything still open at interpreter exit is closed then, last registered first: every
 # Store (so blocks held only in memory are written back to its disk tier even when nobody
 # calls close()), and owners that must stop feeding or serving a store before it closes
@@ -496,6 +498,10 @@ class Store:
         return buf
 
     def _buffer_back(self, buf: torch.Tensor) -> None:
+        """Keep the larger of two read buffers for the next read, up to _SPARE_MAX_BYTES: one
+        very long disk read (or a peer's) must not pin its buffer for the store's lifetime."""
+        if buf.numel() > _SPARE_MAX_BYTES:
+            return
         with self._lock:
             if self._spare is None or self._spare.shape[0] < buf.shape[0]:
                 self._spare = buf

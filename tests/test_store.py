@@ -425,3 +425,27 @@ def test_a_lower_tiers_admission_filter_decides_what_moves_down(layout, ns):
     assert store.lookup(a[1:]).blocks == 3 and store.lookup(a).blocks == 0
     s = store.stats()
     assert s.tier("big").demoted_in == 3 and s.tier("fast").dropped == 1
+
+
+def test_disk_reads_reuse_one_buffer_up_to_a_cap(layout, ns, tmp_path, monkeypatch):
+    """reading() puts disk blocks in a buffer the store keeps for the next read, unless the
+    buffer is larger than the cap: a long read must not pin its memory for good."""
+    from kvtier import store as store_mod
+
+    s = kvtier.Store(layout, [kvtier.HostTier(blocks=2), kvtier.DiskTier(tmp_path / "kv", blocks=16)], ns,
+                     promote=False)
+    keys = s.keys(list(range(6 * layout.block_tokens)))
+    s.put(keys[:2], payload(keys[:2], layout.block_bytes))
+    s.put(keys[2:4], payload(keys[2:4], layout.block_bytes))      # the first two go to disk
+    with s.reading(keys[:2]) as held:
+        assert held.blocks == 2 and held.tiers == [1, 1]
+        first = held.groups[0].memory
+        assert [r.tobytes() for r in held.rows()] == [r.numpy().tobytes() for r in payload(keys[:2], layout.block_bytes)]
+    with s.reading(keys[:2]) as held:
+        assert held.groups[0].memory is first                       # reused, not allocated again
+    monkeypatch.setattr(store_mod, "_SPARE_MAX_BYTES", 0)
+    s._spare = None
+    with s.reading(keys[:2]):
+        pass
+    assert s._spare is None
+    s.close()
