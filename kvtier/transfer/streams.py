@@ -257,9 +257,11 @@ class LayerLoader(_Mover):
         with hold() as held:
             n = min(held.blocks, ids.shape[0])
             handle._set_rows(n)
-            groups = [(g.memory, g.rows[keep], ids[[g.positions[j] for j in keep]])
-                      for g in held.groups
-                      for keep in [[j for j, i in enumerate(g.positions) if i < n]] if keep]
+            groups = []                  # (tier memory, its rows, the pages they go to): blocks < n only
+            for g in held.groups:
+                keep = [j for j, i in enumerate(g.positions) if i < n]
+                if keep:
+                    groups.append((g.memory, g.rows[keep], ids[[g.positions[j] for j in keep]]))
             for l in range(self.layout.num_layers):
                 for memory, rows, page_ids in groups:
                     copy([self.kv.views[l]], page_ids, memory[:, l * lb:(l + 1) * lb], to_blocks=False,
