@@ -17,12 +17,12 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.errors import CapacityError, ConfigError, KeyNotCachedError
 from kvtier.policies import BlockInfo, EvictionPolicy, make_policy
 
-Key = Hashable  # 16-byte keys in the store; trace block ids in the replay
 _UNPINNED = 1 << 30
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError, ForeignKeysError, LayoutError
+from kvtier.ids import KEY_BYTES, BlockKey as Key
 from kvtier.shard import check_shard
 
 if TYPE_CHECKING:    # keys need no torch: trace replays and the CLI stay light
@@ -49,8 +50,6 @@ NATIVE: bool = _chain_xxh3 is not None  # True when xxh3 keys are chained in C
 # array.array's code for a 4-byte unsigned int (None on a platform without one).
 _U32 = next((c for c in "IL" if array.array(c).itemsize == 4), None)
 
-Key = bytes  # 16 bytes
-KEY_BYTES = 16
 HASHES = ("xxh3", "sha256", "blake3")
 
 
@@ -176,7 +175,6 @@ def _joined(a: KeyOrigin | None, b: KeyOrigin | None) -> KeyOrigin | None:
     if not a.matches(b):
         raise a.refuse(b, "keys being joined")
     return a
-
 
 
 class BlockKeys(list):

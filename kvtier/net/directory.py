@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
+from kvtier.ids import BlockKey as Key
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
 from kvtier.net.health import Health
 
 log = logging.getLogger("kvtier.directory")
-Key = bytes
 T = TypeVar("T")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 

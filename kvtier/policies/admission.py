@@ -6,11 +6,10 @@ evicts something useful. Compose by name: "lru+nopartial", "arc+nopartial", ...
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
-
-Key = Hashable
 
 
 class AdmissionFilter(EvictionPolicy):

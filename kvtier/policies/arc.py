@@ -9,11 +9,10 @@ learns there whether the incoming key is a B2 ghost (the paper's REPLACE rule).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
-
-Key = Hashable
 
 
 class ARCPolicy(EvictionPolicy):

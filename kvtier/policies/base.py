@@ -16,8 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
-
-Key = bytes
+from kvtier.ids import IndexKey as Key
 
 
 @dataclass(slots=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
 
-Key = Hashable
 NEVER = 1 << 62
 
 

@@ -7,11 +7,10 @@ A request's blocks are touched tail-first, so among equal counts leaves go first
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
-
-Key = Hashable
 
 
 class LFUPolicy(EvictionPolicy):

@@ -23,11 +23,10 @@ The store never calls begin_request(), and this policy doesn't need it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
-
-Key = Hashable
 
 
 class ReusePolicy(EvictionPolicy):

@@ -10,11 +10,10 @@ Memory: the queues hold cached blocks; the ghost holds at most capacity keys.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
+from kvtier.ids import IndexKey as Key
 from kvtier.policies.base import BlockInfo, EvictionPolicy
-
-Key = Hashable
 
 
 class S3FIFOPolicy(EvictionPolicy):

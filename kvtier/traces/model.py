@@ -8,9 +8,8 @@ BlockIndex is key-type agnostic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
-
-Key = Hashable
+from typing import Sequence
+from kvtier.ids import IndexKey as Key
 
 
 @dataclass(slots=True)
