@@ -8,10 +8,11 @@ engine's pages layer by layer, save new blocks, pin a session.
 Two ways to hold the KV pages:
 
 - The pages ARE kvtier's device tier (the reference engine, kvtier/engine/): a page is one
-  top-tier slot. A prefix found in the device tier is used in place (held, no copy); one
-  found lower down is read (verified), copied into lent slots layer by layer, and published
-  as top-tier blocks once the copy is done. A new full block is saved by publishing the
-  slot the engine wrote: zero copies. `allocate / load / commit / save / release / free`.
+  top-tier slot, and the store's PagePool (kvtier/pool.py) says who holds each one.
+  `allocate / load / cache / free`: a prefix found in the device tier is used in place (no
+  copy); one found lower down is read (verified) and copied into allocated pages layer by
+  layer; full pages the engine wrote (or a load filled) become cached blocks by cache()
+  (zero copies); free() ends a request's use of its pages, whatever their state.
 - The engine owns its pages (vLLM and most engines): `load_into` returns at once; a loader
   thread reads the cached blocks (verified) and scatters them into the given pages layer
   by layer, flagging each layer (on a CPU too); `save_from` gathers pages into host blocks
@@ -21,14 +22,16 @@ docs/adapter.md maps each call onto vLLM's KV-connector API.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ContextManager, Sequence
 
 import torch
 
 from kvtier.errors import ConfigError, KeyNotCachedError, LayoutError, TransferError
 from kvtier.handles import Transfer
+from kvtier.inplace import HeldBlocks
 from kvtier.keys import BlockKeys
+from kvtier.pool import LoadPlan
 from kvtier.store import Store
 from kvtier.tiers.device import DeviceTier
 from kvtier.transfer.pages import PagedKV, copy
@@ -52,29 +55,28 @@ class PrefixMatch:
 
 
 @dataclass
-class PrefixLoad:
-    """A cached prefix being made usable in the device tier (the engine's pages).
-
-    `slots[i]` is the page of block i. `held[i]`: the block is a cached block held for the
-    engine (release its key when done); False: the slot was lent to the engine (free it).
-    Blocks that came from lower tiers are copied layer by layer: wait_for_layer(l) before
-    layer l reads its pages, and commit() once the step that used them is done."""
+class PageLoad:
+    """A cached prefix made usable as the engine's pages (the device tier): `pages[i]` is
+    the page of block i. The first `cached` pages are cached blocks used in place; the
+    blocks after them came from lower tiers (or lie between such blocks) and their bytes
+    are copied in layer by layer: wait_for_layer(l) before layer l reads them. The engine
+    cache()s them with its other full blocks after the step, and free()s every page when
+    the request ends."""
 
     keys: BlockKeys
-    slots: list[int]
-    held: list[bool]
+    pages: list[int]
+    cached: int                                # leading pages that are cached blocks already
     from_tiers: dict[str, int]                 # blocks per source tier, e.g. {"device": 10, "host": 6}
     handle: LoadHandle | None = None           # the layer-wise copy of lower-tier blocks
-    _lent: list[int] = field(default_factory=list)   # positions of blocks copied into lent slots
 
     @property
     def blocks(self) -> int:
-        return len(self.slots)
+        return len(self.pages)
 
     @property
     def pending(self) -> bool:
-        """Whether some blocks are being copied into lent pages (commit() after the step)."""
-        return bool(self._lent)
+        """Whether some blocks are copied into pages (wait before caching them)."""
+        return self.handle is not None
 
     def wait_for_layer(self, layer: int) -> None:
         if self.handle is not None:
@@ -159,7 +161,9 @@ class KVAdapter:
         self.store = store
         self.layout = store.layout
         self.block_tokens = store.layout.block_tokens
-        self._pool_loader: LayerLoader | None = None
+        self._pool_loader: LayerLoader | None = None     # lower-tier blocks -> device-tier pages
+        self._staging: torch.Tensor | None = None        # (pages on a GPU: a reused pinned buffer)
+        self._last_pool_load: LoadHandle | None = None
         self._paged: PagedKV | None = None        # the engine's pages load_into/save_from last moved,
         self._loader: LayerLoader | None = None   # and their movers (made on first use)
         self._saver: Saver | None = None
@@ -191,91 +195,91 @@ class KVAdapter:
         return t.view(self.layout.dtype).view(t.shape[0], *self.layout.block_shape)
 
     def allocate(self, n: int) -> list[int] | None:
-        """`n` free pages (device-tier slots) for new tokens, or None when that many cannot be
-        freed (everything else held or pinned): preempt a request and try again."""
+        """`n` empty pages (device-tier slots) for new tokens, or None when that many cannot be
+        freed (everything else referenced or pinned): preempt a request and try again."""
         self.device_tier
-        return self.store.lend(n)
+        return self.store.pages.allocate(n)
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Pages that were allocate()d (or not published) and are no longer needed."""
+    def cache(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Full pages whose KV is written become cached blocks (no copy); the engine keeps
+        using them. Pages cached already are skipped. Returns how many became cached."""
         self.device_tier
-        self.store.give_back(slots)
+        return self.store.pages.cache(keys, pages)
 
-    def save(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        """Publish full pages the engine wrote as cached blocks (no copy). True: the block is
-        now cached and held (release its key when done); False: it was cached already, keep
-        treating the slot as yours."""
+    def free(self, pages: Sequence[int]) -> None:
+        """The engine is done with these pages (allocated, loaded or cached): each cached block
+        stays cached, evictable once no request uses it; other pages are free again."""
         self.device_tier
-        return self.store.publish(keys, slots)
+        if pages:
+            self.store.pages.free(pages)
 
-    def release(self, keys: Sequence[bytes]) -> None:
-        """End the holds on blocks load() returned held or save() published."""
-        if keys:
-            self.store.release(keys)
-
-    def load(self, match: PrefixMatch) -> PrefixLoad:
+    def load(self, match: PrefixMatch) -> PageLoad:
         """Make the cached prefix of `match` usable as pages: device-tier blocks in place,
-        lower-tier and peer blocks read (verified) and copied into lent slots layer by layer.
-        The prefix may come back shorter than match.blocks (a block failed verification,
-        was evicted since the lookup, or no page was free): compute from load.blocks on."""
+        lower-tier blocks read (verified) and copied into allocated pages layer by layer.
+        Planned in one step under the store's lock. The prefix may come back shorter than
+        match.blocks (a block failed verification, was evicted since the lookup, is on a
+        peer, or no page was free): compute from load.blocks on."""
         st, tier = self.store, self.device_tier
-        keys = match.keys[:match.blocks]
-        locs = st.hold_top(keys)                  # device-tier blocks held where they are
-        if st.remote is None:
-            keys = keys[:len(locs)]               # (shorter if blocks were evicted since the lookup)
-        locs += [(len(st.tiers), -1)] * (len(keys) - len(locs))   # the rest: fetched from peers
-        n, lower, lent = len(keys), [i for i, (t, _) in enumerate(locs) if t > 0], []
-        try:
-            staging = None
-            if lower:
-                staging = torch.empty(len(lower), self.layout.block_bytes, dtype=torch.uint8, pin_memory=tier.on_gpu)
-                try:
-                    got = st.get([keys[i] for i in lower], staging.numpy(), promote=False).loaded
-                except KeyNotCachedError:         # evicted from a lower tier since: compute those
-                    got = 0
-                if got < len(lower):
-                    n = lower[got]                # the prefix ends at the first block that failed
-                lower = lower[:got]
-            lent = (st.lend(len(lower)) if lower else []) or []
-            if len(lent) < len(lower):            # no free page for them: keep the device-tier part
-                n, lower = lower[0], []
-            handle = None
-            if lower:
-                if self._pool_loader is None:
-                    self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
-                handle = self._pool_loader.load(staging[:len(lower)], torch.tensor(lent, dtype=torch.int64)[:, None])
-        except BaseException:                     # nothing stays held or lent by a load that failed
-            st.release([keys[i] for i, (t, _) in enumerate(locs) if t == 0])
-            if lent:
-                st.give_back(lent)
-            raise
-        st.release([keys[i] for i, (t, _) in enumerate(locs) if t == 0 and i >= n])
-        slots = [s for _, s in locs[:n]]
-        held = [True] * n
-        for j, i in enumerate(lower):
-            slots[i], held[i] = lent[j], False
+        plan = st.pages.plan(match.keys[:match.blocks])
+        n, handle = len(plan.pages), None
+        if plan.lower:
+            try:
+                got, handle = self._copy_lower(plan, tier)
+            except BaseException:                 # nothing stays referenced by a load that failed
+                st.pages.free(plan.pages)
+                raise
+            if got < len(plan.lower):             # the prefix ends at the first block that failed
+                n = plan.lower[got]
+                st.pages.free(plan.pages[n:])
         counts: dict[str, int] = {}
-        for t, _ in locs[:n]:
+        for t in plan.tiers[:n]:
             counts[st.tier_names[t]] = counts.get(st.tier_names[t], 0) + 1
-        return PrefixLoad(keys[:n], slots, held, counts, handle, lower)
+        cached = plan.lower[0] if plan.lower and plan.lower[0] < n else n
+        return PageLoad(match.keys[:n], plan.pages[:n], cached, counts, handle)
 
-    def commit(self, load: PrefixLoad) -> None:
-        """After the load's copies are done: publish the blocks copied into lent slots as
-        device-tier blocks (held), so the next request finds them in place."""
-        if not load._lent:
-            return
-        load.wait()
-        pos = load._lent
-        load._lent = []
-        i = 0
-        while i < len(pos):                       # each run of consecutive blocks keeps its chain
-            j = i + 1
-            while j < len(pos) and pos[j] == pos[j - 1] + 1:
-                j += 1
-            done = self.save(load.keys[pos[i]:pos[j - 1] + 1], [load.slots[p] for p in pos[i:j]])
-            for p, d in zip(pos[i:j], done):
-                load.held[p] = d
-            i = j
+    def _copy_lower(self, plan: LoadPlan, tier: DeviceTier) -> tuple[int, LoadHandle]:
+        """Copy the plan's lower-tier blocks into their pages; how many leading ones arrived.
+        The blocks stay held for reading until their bytes are copied (or this fails)."""
+        st = self.store
+        lower = [plan.keys[i] for i in plan.lower]
+        started = False
+
+        def reads() -> ContextManager[HeldBlocks]:
+            nonlocal started
+            held = st._held_reads(lower, plan.store_locs, promote=False)
+            started = True                        # from here on the reads release the holds
+            return held
+        try:
+            if self._pool_loader is None:
+                self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
+            table = torch.tensor([plan.pages[i] for i in plan.lower], dtype=torch.int64)[:, None]
+            if not tier.on_gpu:
+                # Pages in host memory: straight from the held slots (disk blocks via the
+                # store's read buffer), layer by layer, on this thread.
+                handle = self._pool_loader.load_held(reads, table)
+                return handle.wait_rows(), handle
+            # Pages on a GPU: the held rows are gathered into one reused pinned buffer, then
+            # copied up layer by layer on the loader's stream. (Never run on a GPU yet.)
+            if self._last_pool_load is not None:
+                self._last_pool_load.wait()       # its copy may still read the buffer
+            with reads() as held:
+                staging = self._staging_rows(held.blocks)
+                for g in held.groups:
+                    staging[torch.tensor(g.positions, dtype=torch.int64)] = g.memory.index_select(0, g.rows)
+            handle = self._pool_loader.load(staging[:held.blocks], table[:held.blocks])
+            self._last_pool_load = handle
+            return held.blocks, handle
+        except BaseException:
+            if not started:
+                st._release(lower)
+            raise
+
+    def _staging_rows(self, rows: int) -> torch.Tensor:
+        """A pinned [>= rows, block_bytes] host buffer kept between loads (grown by powers of two)."""
+        if self._staging is None or self._staging.shape[0] < rows:
+            size = 1 << max(0, rows - 1).bit_length()
+            self._staging = torch.empty(size, self.layout.block_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging
 
     # -- the engine owns its pages -------------------------------------------------------
     def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[bytes]) -> torch.Tensor:

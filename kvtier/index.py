@@ -349,14 +349,15 @@ class BlockIndex:
         """Lent slots the caller no longer needs: free again."""
         self.tiers[tier].free.extend(slots)
 
-    def publish(self, tier: int, keys: Sequence[Key], slots: Sequence[int]) -> list[bool]:
+    def publish(self, tier: int, keys: Sequence[Key], slots: Sequence[int | None]) -> list[bool]:
         """Lent slots of `tier` whose bytes the caller wrote become the blocks of `keys`, held.
 
         The zero-copy save: for each key not cached in `tier` yet, its slot becomes the
         block's copy there (the primary, if the block lives only in slower tiers) and is
         held for the caller (release() it when done). A key already in `tier`, being
         written, or refused by the admission filter is not published: False, and its slot
-        stays the caller's. `keys` should remember their chain (BlockKeys) for the policies.
+        stays the caller's; a None slot is skipped. `keys` should remember their chain
+        (BlockKeys) for the policies.
         """
         self.expire_pins()
         ts = self.tiers[tier]
@@ -366,6 +367,8 @@ class BlockIndex:
         done = [False] * n
         for i in range(n - 1, -1, -1):      # tail-first, like reserve(): the root ends most recent
             k, slot = keys[i], slots[i]
+            if slot is None:                 # the caller has no page to offer for this block
+                continue
             e = self.entries.get(k)
             if e is None:
                 info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, bt, bt, start + n, start)

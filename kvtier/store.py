@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 from kvtier.checksum import block_checksum
-from kvtier.errors import ClosedError, ConfigError, KeyNotCachedError, LayoutError, TransferError
+from kvtier.errors import ClosedError, ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
 from kvtier.payload import as_rows
+from kvtier.pool import PagePool
 from kvtier.policies import DEFAULT_POLICY
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.policies.base import BlockInfo
@@ -165,9 +166,9 @@ class Store:
         self._lock = threading.Lock()
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
-        self._lent: set[int] = set()    # top-tier slots lent to an engine (lend/give_back/publish)
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
         self._closed = False
+        self.pages = PagePool(self)     # who holds each top-tier slot, for an engine whose pages they are
         self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
@@ -451,6 +452,15 @@ class Store:
             c.gets += 1
             c.get_blocks += n
             c.get_bytes += n * self.layout.block_bytes
+        with self._held_reads(held, locs, promote) as blocks:
+            yield blocks
+
+    @contextmanager
+    def _held_reads(self, keys: Sequence[bytes], locs: list[tuple[int, int]],
+                    promote: bool | None = None) -> Iterator[HeldBlocks]:
+        """reading() after the lookup: `keys`, held (index.acquire) at `locs`, are read where
+        they lie (disk: verified, into the reused buffer) and released when the block exits."""
+        n, held = len(keys), keys
         bad: list[tuple[bytes, int]] = []
         buffer = None
         try:
@@ -484,6 +494,11 @@ class Store:
                 self._buffer_back(buffer)
             if bad:
                 self._discard(bad)
+
+    def _release(self, keys: Sequence[bytes]) -> None:
+        """End holds taken for reading (index.acquire) that no read will end."""
+        with self._lock:
+            self.index.release(keys)
 
     def _read_buffer(self, rows: int) -> torch.Tensor:
         """A page-aligned [>= rows, block_bytes] buffer for disk reads, reused between calls
@@ -526,94 +541,15 @@ class Store:
             yield rows, sums
 
     # -- an engine whose pages are the top tier (kvtier.adapter) ---------------------------
-    def hold_top(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
-        """The locally cached prefix of `keys`: (tier, slot) of each of its blocks, where the
-        blocks in the top tier are held in place (not evicted or moved until release()) and
-        the others are not held (slot -1: read them with get())."""
-        self._check_keys(keys)
-        with self._lock:
-            self._check_open()
-            n, tiers = self.index.lookup(keys)
-            top = [keys[i] for i in range(n) if tiers[i] == 0]
-            slots = iter(s for _, s in self.index.acquire(top))
-            return [(t, next(slots) if t == 0 else -1) for t in tiers]
-
-    def release(self, keys: Sequence[bytes]) -> None:
-        """End holds taken by hold_top() or publish()."""
-        with self._lock:
-            entries = self.index.entries
-            for k in keys:
-                e = entries.get(k)
-                if e is None or e.refs <= 0:
-                    raise KeyNotCachedError("release() of a block that is not held: release each held key once")
-            self.index.release(keys)
-
-    def lend(self, n: int) -> list[int] | None:
-        """`n` empty top-tier slots for an engine to use as KV pages, or None if the tier
-        cannot free that many (everything else held or pinned). Lower-priority blocks are
-        evicted (demoted) to make room. Give them back with give_back() or publish()."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"allocate/lend(n): n is a number of pages (slots) >= 0, got {n!r}")
-        with self._lock:
-            self._check_open()
-            moves: list[Move] = []
-            slots = self.index.lend(0, n, moves)
-            try:
-                self._apply(Reservation(moves=moves))
-            except BaseException:
-                if slots:
-                    self.index.give_back(0, slots)
-                raise
-            if slots:
-                self._lent.update(slots)
-            return slots
-
-    def give_back(self, slots: Sequence[int]) -> None:
-        """Return lent top-tier slots that hold nothing worth keeping."""
-        with self._lock:
-            self._take_lent(slots)
-            self.index.give_back(0, slots)
-
-    def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        """The zero-copy save: lent top-tier `slots`, whose bytes the engine wrote, become the
-        cached blocks `keys` (prefix order), each held until release(). Where a key is already
-        in the top tier (or not admitted) the answer is False and the slot stays the caller's."""
-        self._check_keys(keys)
-        if len(slots) != len(keys):
-            raise LayoutError(f"save/publish: {len(keys)} keys but {len(slots)} pages (slots); give one slot per key")
-        with self._lock:
-            self._check_open()
-            self._take_lent(slots, check_only=True)
-            top = self.index.tiers[0].counters
-            refused = top.rejected
-            done = self.index.publish(0, keys, slots)
-            refused = top.rejected - refused
-            self._lent.difference_update(s for s, d in zip(slots, done) if d)
-            c, n = self.counters, sum(done)
-            c.puts += 1
-            c.put_blocks += n
-            c.put_bytes += n * self.layout.block_bytes
-            c.put_rejected += refused
-            c.put_present += len(keys) - n - refused
-        if self.write_through and n:
-            new = [k for k, d in zip(keys, done) if d]
-            for i, tier in enumerate(self.tiers):
-                if i > 0 and tier.persistent:
-                    try:          # best effort: the blocks are cached and held either way
-                        self._copy_into(i, new)
-                    except Exception as e:
-                        log.warning("write-through of %d published blocks to %s failed: %s", len(new), tier.name, e)
-        return done
-
-    def _take_lent(self, slots: Sequence[int], check_only: bool = False) -> None:
-        """Check (under the lock) that `slots` are distinct slots lent by this store; forget them."""
-        seen: set[int] = set()
-        bad = [s for s in slots if s in seen or s not in self._lent or seen.add(s)]   # type: ignore[func-returns-value]
-        if bad:
-            raise LayoutError(f"slots {bad[:8]} were not lent by this store (or are named twice): give back or "
-                              "publish only slots lend() returned, each once")
-        if not check_only:
-            self._lent.difference_update(slots)
+    def _write_through(self, keys: Sequence[bytes]) -> None:
+        """Best effort: copy blocks that just became cached in the top tier down to the
+        persistent tiers (the blocks are cached either way)."""
+        for i, tier in enumerate(self.tiers):
+            if i > 0 and tier.persistent:
+                try:
+                    self._copy_into(i, keys)
+                except Exception as e:
+                    log.warning("write-through of %d blocks to %s failed: %s", len(keys), tier.name, e)
 
     # -- tiers: prefetch and durability ---------------------------------------------------
     def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:

@@ -1,5 +1,5 @@
-"""The engine adapter: pages in the device tier (lend, publish, load in place or from
-lower tiers, verified) and pages the engine owns (load_into / save_from)."""
+"""The engine adapter: pages in the device tier (allocate, load in place or from lower
+tiers, verified, cache, free) and pages the engine owns (load_into / save_from)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -37,12 +37,12 @@ def fill(a: KVAdapter, slots: list[int], tag: int) -> list[torch.Tensor]:
 
 
 def compute(a: KVAdapter, tokens: list[int], tag: int) -> tuple[kvtier.BlockKeys, list[int], list[torch.Tensor]]:
-    """Allocate pages for `tokens`' full blocks, write them, publish them; returns keys, slots, bytes."""
+    """Allocate pages for `tokens`' full blocks, write them, cache them; returns keys, pages, bytes."""
     keys = a.keys(tokens)
     slots = a.allocate(len(keys))
     assert slots is not None
     data = fill(a, slots, tag)
-    assert a.save(keys, slots) == [True] * len(keys)
+    assert a.cache(keys, slots) == len(keys)
     return keys, slots, data
 
 
@@ -50,60 +50,61 @@ def test_a_device_hit_is_used_in_place():
     a = make()
     tokens = list(range(17))                       # 4 full blocks + 1 token
     keys, slots, data = compute(a, tokens, 1)
-    a.release(keys)                                # the request that computed them finished
+    a.free(slots)                                  # the request that computed them finished
     match = a.lookup(tokens)
     assert (match.blocks, match.tokens, match.tiers) == (4, 16, ["device"] * 4)
     load = a.load(match)
-    assert load.slots == slots and load.held == [True] * 4 and load.handle is None
+    assert load.pages == slots and load.cached == 4 and load.handle is None
     assert load.from_tiers == {"device": 4}
-    for s, d in zip(load.slots, data):
+    for s, d in zip(load.pages, data):
         assert torch.equal(a.pool()[s], d)
-    # Held: filling the device tier with other work cannot evict them.
+    # Referenced: filling the device tier with other work cannot evict them.
     assert a.allocate(4) is not None
     assert a.allocate(1) is None
-    a.release(load.keys)
+    a.free(load.pages)
     assert a.allocate(1) is not None               # now one of them can go (to the host tier)
 
 
-def test_a_host_hit_is_copied_into_lent_pages_then_published():
+def test_a_host_hit_is_copied_into_pages_then_cached():
     a = make(device_blocks=4)
     tokens = list(range(16))
-    keys, _, data = compute(a, tokens, 2)
-    a.release(keys)
-    other, _, _ = compute(a, list(range(100, 116)), 3)   # pushes the first prompt down to host
-    a.release(other)
+    keys, slots, data = compute(a, tokens, 2)
+    a.free(slots)
+    other, pages, _ = compute(a, list(range(100, 116)), 3)   # pushes the first prompt down to host
+    a.free(pages)
     match = a.lookup(tokens)
     assert match.tiers == ["host"] * 4
     load = a.load(match)
-    assert load.blocks == 4 and load.held == [False] * 4 and load.from_tiers == {"host": 4}
+    assert load.blocks == 4 and load.cached == 0 and load.from_tiers == {"host": 4}
     for l in range(LAYOUT.num_layers):
         load.wait_for_layer(l)
-    for s, d in zip(load.slots, data):
+    for s, d in zip(load.pages, data):
         assert torch.equal(a.pool()[s], d)
-    a.commit(load)
-    assert load.held == [True] * 4
+    assert a.lookup(tokens).tiers == ["host"] * 4   # not cached in the device tier until cache()
+    assert a.cache(load.keys, load.pages) == 4
     assert a.lookup(tokens).tiers == ["device"] * 4
-    a.release(load.keys)
+    a.free(load.pages)
 
 
-def test_publishing_a_block_someone_cached_first_keeps_the_page_private():
+def test_caching_a_block_someone_cached_first_keeps_the_page_private():
     a = make()
     tokens = list(range(8))
-    keys, _, _ = compute(a, tokens, 4)
+    keys, slots, _ = compute(a, tokens, 4)
     again = a.allocate(2)
-    assert a.save(keys, again) == [False, False]   # already cached: the slots stay the caller's
+    assert a.cache(keys, again) == 0               # already cached: the pages stay the caller's
+    assert set(again) <= a.store.pages.owned()
     a.free(again)
-    a.release(keys)
+    a.free(slots)
     assert a.store.stats().tiers[0].used_blocks == 2
 
 
 def test_a_corrupt_disk_block_ends_the_prefix(tmp_path):
     a = make(device_blocks=4, host_blocks=None, disk=tmp_path / "kv")
     tokens = list(range(16))
-    keys, _, data = compute(a, tokens, 5)
-    a.release(keys)
-    other, _, _ = compute(a, list(range(200, 216)), 6)   # the first prompt goes to disk
-    a.release(other)
+    keys, slots, data = compute(a, tokens, 5)
+    a.free(slots)
+    other, pages, _ = compute(a, list(range(200, 216)), 6)   # the first prompt goes to disk
+    a.free(pages)
     assert a.lookup(tokens).tiers == ["disk"] * 4
     disk = a.store.tiers[1]
     slot = a.store.index.entries[keys[2]].slot
@@ -114,10 +115,11 @@ def test_a_corrupt_disk_block_ends_the_prefix(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     load = a.load(a.lookup(tokens))
     assert load.blocks == 2                        # blocks 0-1 good; the engine computes from block 2
-    for s, d in zip(load.slots, data[:2]):
+    for s, d in zip(load.pages, data[:2]):
         assert torch.equal(a.pool()[s], d)
-    a.commit(load)
-    a.release(load.keys)
+    assert a.store.pages.owned() == set(load.pages)   # the pages of blocks 2-3 went back
+    a.cache(load.keys, load.pages)
+    a.free(load.pages)
     assert a.lookup(tokens).blocks == 2
 
 
@@ -232,92 +234,97 @@ def test_errors_say_what_to_do():
     with pytest.raises(kvtier.ConfigError, match="Store"):
         KVAdapter("not a store")                   # type: ignore[arg-type]
     a = make()
-    with pytest.raises(kvtier.LayoutError, match="one slot per key"):
-        a.save(a.keys(list(range(8))), [0])
+    with pytest.raises(kvtier.LayoutError, match="one page per key"):
+        a.cache(a.keys(list(range(8))), [0])
     with pytest.raises(kvtier.ConfigError, match="n is a number"):
         a.allocate(-1)
 
 
 @settings(max_examples=40, deadline=None)
 @given(hst.lists(hst.tuples(hst.integers(0, 5), hst.integers(1, 3), hst.booleans()), min_size=1, max_size=25))
-def test_lending_and_publishing_never_exceed_capacity_or_share_a_page(ops):
-    """Requests over 6 prompt families come and go; pages in use are always distinct, the
-    device tier never holds more than its capacity, and every held page has its bytes."""
+def test_allocating_and_caching_never_exceed_capacity_or_share_a_page(ops):
+    """Requests over 6 prompt families come and go; a page is shared only as the same cached
+    block, the device tier never holds more than its capacity, and every page in use keeps
+    its bytes."""
     a = make(device_blocks=6, host_blocks=6)
-    live: list[tuple[list[bytes], list[int], list[bool], list[torch.Tensor]]] = []
+    live: list[tuple[list[bytes], list[int], list[torch.Tensor]]] = []
     for family, blocks, finish_one in ops:
         tokens = [family * 1000 + i for i in range(blocks * LAYOUT.block_tokens)]
         match = a.lookup(tokens)
         load = a.load(match)
-        a.commit(load)
-        pages, held = list(load.slots), list(load.held)
+        load.wait()
+        pages = list(load.pages)
         fresh = a.allocate(len(match.keys) - load.blocks)
         if fresh is None:                           # no room: give the prefix back
-            a.release([k for k, h in zip(load.keys, held) if h])
-            a.free([p for p, h in zip(pages, held) if not h])
+            a.free(pages)
         else:
             fill(a, fresh, family)
-            done = a.save(match.keys[load.blocks:], fresh)
             pages += fresh
-            held += done
+            a.cache(match.keys, pages)
             data = [a.pool()[p].clone() for p in pages]
-            live.append((list(match.keys), pages, held, data))
-        # A page is shared only by requests holding the same cached block; a lent page is one request's.
+            live.append((list(match.keys), pages, data))
+        refs = a.store.pages.referenced()
+        owned = a.store.pages.owned()
         owner: dict[int, bytes | None] = {}
-        for ks, ps, hs, _ in live:
-            for k, p, h in zip(ks, ps, hs):
-                assert p not in owner or (h and owner[p] == k)
-                owner[p] = k if h else None
-        held_keys = {k for ks, _, hs, _ in live for k, h in zip(ks, hs) if h}
+        for ks, ps, _ in live:
+            for k, p in zip(ks, ps):
+                assert (p in owned) != (p in refs)  # one state per page
+                if p in refs:
+                    assert refs[p][0] == k and (p not in owner or owner[p] == k)
+                else:
+                    assert p not in owner           # an owned page is one request's
+                owner[p] = k if p in refs else None
         st = a.store.stats()
         assert all(t.used_blocks <= t.capacity_blocks for t in st.tiers)
-        for ks, ps, hs, data in live:
+        for ks, ps, data in live:
             for p, d in zip(ps, data):
                 assert torch.equal(a.pool()[p], d)  # nobody overwrote a page in use
-        assert held_keys <= set(a.store.index.ready)
+        assert {k for k, _ in refs.values()} <= set(a.store.index.ready)
         if finish_one and live:
-            ks, ps, hs, _ = live.pop(0)
-            a.release([k for k, h in zip(ks, hs) if h])
-            a.free([p for p, h in zip(ps, hs) if not h])
+            _, ps, _ = live.pop(0)
+            a.free(ps)
 
 
-def test_slots_and_holds_are_checked_at_the_boundary():
+def test_pages_are_checked_at_the_boundary():
     a = make()
     slots = a.allocate(2)
     a.free(slots)
-    with pytest.raises(kvtier.LayoutError, match="not lent"):
+    with pytest.raises(kvtier.LayoutError, match="not allocated or referenced"):
         a.free(slots)                                  # twice
-    with pytest.raises(kvtier.LayoutError, match="not lent"):
+    with pytest.raises(kvtier.LayoutError, match="not allocated or referenced"):
         a.free([-5])
     slots = a.allocate(2)
     with pytest.raises(kvtier.LayoutError, match="named twice"):
-        a.save(a.keys(list(range(8))), [slots[0], slots[0]])
+        a.cache(a.keys(list(range(8))), [slots[0], slots[0]])
+    with pytest.raises(kvtier.LayoutError, match="not allocated or loaded"):
+        a.cache(a.keys(list(range(8))), [slots[0], min(set(range(8)) - set(slots))])
     keys = a.keys(list(range(8)))
-    assert a.save(keys, slots) == [True, True]
-    with pytest.raises(kvtier.LayoutError, match="not lent"):
-        a.free(slots)                                  # published: no longer the engine's
-    a.release(keys)
-    with pytest.raises(kvtier.KeyNotCachedError, match="not held"):
-        a.release(keys)
+    assert a.cache(keys, slots) == 2
+    assert a.cache(keys, slots) == 0                   # cached already: nothing to do
+    a.free(slots)                                      # the blocks stay cached, unreferenced
+    with pytest.raises(kvtier.LayoutError, match="freed twice"):
+        a.free(slots)
+    assert a.lookup(list(range(8))).blocks == 2
 
 
-def test_a_failed_load_leaves_nothing_held_or_lent(monkeypatch):
+def test_a_failed_load_leaves_nothing_referenced_or_allocated(monkeypatch):
     a = make(device_blocks=4)
     tokens = list(range(16))
-    keys, _, _ = compute(a, tokens, 7)
-    a.release(keys)
-    other, _, _ = compute(a, list(range(300, 308)), 8)   # two of the first prompt's blocks go to host
-    a.release(other)
+    keys, slots, _ = compute(a, tokens, 7)
+    a.free(slots)
+    other, pages, _ = compute(a, list(range(300, 308)), 8)   # two of the first prompt's blocks go to host
+    a.free(pages)
     match = a.lookup(tokens)
     assert "host" in match.tiers and "device" in match.tiers
 
     def broken(*args, **kwargs):
         raise OSError("disk on fire")
-    monkeypatch.setattr(a.store, "get", broken)
+    monkeypatch.setattr(a.store, "_held_reads", broken)
     with pytest.raises(OSError):
         a.load(match)
     monkeypatch.undo()
     assert all(e.refs == 0 for e in a.store.index.entries.values())
+    assert not a.store.pages.owned() and not a.store.pages.referenced()
     assert a.allocate(4) is not None                   # every device slot can be had again
 
 

@@ -178,10 +178,8 @@ class LLM:
         for s in scheduled:                                      # the pages now hold these tokens' KV
             r = s.req
             r.computed += s.num_new
-            if r.load is not None:                               # copies from lower tiers are done:
-                self.adapter.commit(r.load)                      # publish them as device-tier blocks
-                for i in range(r.load.blocks):
-                    r.held[i] = r.load.held[i]
+            if r.load is not None:                               # copies from lower tiers are in:
+                r.load.wait()                                    # save() caches those pages too
                 r.load = None
             self.scheduler.save(r)
         finished = []

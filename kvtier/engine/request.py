@@ -3,8 +3,8 @@
 A request's tokens are its prompt followed by what it generated so far. `computed` of
 them have KV in the request's pages; every step computes the next ones (a prefill chunk,
 or the single newest token when decoding) and, when it reaches the last token, samples
-one more. `pages[i]` is the device-tier slot of block i: a cached block the request
-holds (`held[i]`, release its key at the end) or a slot lent to it (free it at the end).
+one more. `pages[i]` is the device-tier page of block i; the store's PagePool knows
+whether it is a cached block or the request's own (free() handles both at the end).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.adapter import PrefixLoad
+from kvtier.adapter import PageLoad
 from kvtier.engine.sampling import SamplingParams
 from kvtier.keys import BlockKeys
 
@@ -36,10 +36,9 @@ class Request:
     finish_reason: str | None = None          # "length", "stop"
     computed: int = 0                         # leading tokens with KV in `pages`
     pages: list[int] = field(default_factory=list)
-    held: list[bool] = field(default_factory=list)
-    saved: int = 0                            # leading full blocks already cached (published or hit)
+    saved: int = 0                            # leading full blocks known cached (hit or cached)
     keys: BlockKeys | None = None             # keys of the full blocks of `tokens`, as far as computed
-    load: PrefixLoad | None = None            # a prefix load whose copies the next step waits for
+    load: PageLoad | None = None            # a prefix load whose copies the next step waits for
     generator: torch.Generator | None = None
     # What the cache did for it (first admission only) and when things happened.
     cached_tokens: int = 0

@@ -99,9 +99,9 @@ class Scheduler:
             a.pin(req.session, match.keys, self.session_ttl)
         load = a.load(match)
         req.keys = match.keys                 # keyed once; save() extends the chain as blocks fill
-        req.pages, req.held = list(load.slots), list(load.held)
+        req.pages = list(load.pages)
         req.computed = load.blocks * self.block_tokens
-        req.saved = load.blocks
+        req.saved = load.cached               # copied-in blocks are cached with the step's own
         req.load = load if load.pending else None
         if req.preemptions == 0:
             req.cached_tokens = req.computed
@@ -116,7 +116,6 @@ class Scheduler:
         if slots is None:
             return False
         req.pages += slots
-        req.held += [False] * need
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -130,7 +129,7 @@ class Scheduler:
 
     # -- pages ---------------------------------------------------------------------------
     def save(self, req: Request) -> None:
-        """Publish the request's newly completed full blocks as cached blocks (no copy)."""
+        """Cache the request's newly completed full blocks (no copy): the pages become blocks."""
         a, bt = self.adapter, self.block_tokens
         full = req.computed // bt
         if full <= req.saved:
@@ -140,10 +139,7 @@ class Scheduler:
         if len(keys) < full:                  # key only the new blocks, continuing the chain
             more = a.keys(req.token_range(len(keys) * bt, full * bt), parent=keys)
             req.keys = keys = keys + more     # still one chain, and still this store's keys
-        done = a.save(keys[req.saved:full], req.pages[req.saved:full])
-        for j, d in enumerate(done):
-            if d:
-                req.held[req.saved + j] = True
+        a.cache(keys[req.saved:full], req.pages[req.saved:full])
         req.saved = full
 
     def finish(self, req: Request, reason: str) -> None:
@@ -167,13 +163,9 @@ class Scheduler:
         self._blocked = False
 
     def _drop_pages(self, req: Request) -> None:
-        """Release held blocks and free lent pages (their full blocks are cached already)."""
-        if req.load is not None:          # copies into lent pages must finish before reuse
+        """Give the request's pages back (its full blocks are cached already and stay so)."""
+        if req.load is not None:          # copies into its pages must finish before reuse
             req.load.wait()
             req.load = None
-        if any(req.held):
-            keys = req.keys                   # covers every held block: loaded or published
-            assert keys is not None
-            self.adapter.release([keys[i] for i, h in enumerate(req.held) if h])
-        self.adapter.free([p for p, h in zip(req.pages, req.held) if not h])
-        req.pages, req.held, req.computed, req.saved, req.keys = [], [], 0, 0, None
+        self.adapter.free(req.pages)
+        req.pages, req.computed, req.saved, req.keys = [], 0, 0, None

@@ -1,0 +1,201 @@
+"""The one owner of a store's top-tier slots when they are an engine's KV pages.
+
+Every slot of the top tier is in exactly one of three states, and only this object moves
+it between them (the index keeps the eviction order and the holds; this class keeps who
+has which page):
+
+    free     in the index's free list, or a cached block nobody references (evictable)
+    owned    allocate()d to the caller: its bytes are the caller's, no key names it
+    cached   a cached block the caller references (held: never evicted or moved)
+
+Four verbs, with the same names in KVAdapter and the reference engine:
+
+    allocate(n)          free -> owned (evicting, demoting as needed)
+    load(keys)           the cached prefix as pages: top-tier blocks -> cached (in place),
+                         lower-tier blocks -> owned pages their bytes are copied into
+    cache(keys, pages)   owned -> cached, once the caller wrote (or a load copied) the bytes
+    free(pages)          owned -> free; cached -> one reference fewer
+
+A load is planned in one pass under the store's lock; the copies run outside it, holding
+the blocks they read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.ids import BlockKey, SlotId, TierId
+from kvtier.index import Move, Reservation
+
+if TYPE_CHECKING:
+    from kvtier.store import Store
+
+
+@dataclass
+class LoadPlan:
+    """A cached prefix made pages, decided under the lock: `pages[i]` is the page of block i.
+
+    Blocks `lower` (positions) came from lower tiers: their pages are owned and still empty,
+    and `store_locs[j]` is where block lower[j] is held for reading until the copy ends
+    (`Store._held_reads`). The rest are top-tier blocks, referenced in place."""
+
+    keys: list[BlockKey]
+    pages: list[SlotId]
+    tiers: list[TierId]                                  # the tier each block was found in
+    lower: list[int] = field(default_factory=list)
+    store_locs: list[tuple[TierId, SlotId]] = field(default_factory=list)
+
+
+class PagePool:
+    """Who holds each top-tier slot of one store (see the module docstring)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._owned: set[SlotId] = set()
+        # page -> (its block's key, how many references the callers hold). A cached page
+        # may be referenced by several requests at once (a shared prefix).
+        self._refs: dict[SlotId, tuple[BlockKey, int]] = {}
+
+    # -- free -> owned ----------------------------------------------------------------
+    def allocate(self, n: int) -> list[SlotId] | None:
+        """`n` empty pages, or None when the top tier cannot free that many (everything else
+        is referenced or pinned). Less valuable blocks are evicted (demoted) to make room."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"allocate(n): n is a number of pages >= 0, got {n!r}")
+        st = self._store
+        with st._lock:
+            st._check_open()
+            return self._allocate(n)
+
+    def _allocate(self, n: int) -> list[SlotId] | None:
+        """allocate() with the lock held."""
+        st = self._store
+        moves: list[Move] = []
+        slots = st.index.lend(0, n, moves)
+        try:
+            st._apply(Reservation(moves=moves))     # evictions chosen stand even when slots is None
+        except BaseException:
+            if slots:
+                st.index.give_back(0, slots)
+            raise
+        if slots:
+            self._owned.update(slots)
+        return slots
+
+    # -- owned -> cached --------------------------------------------------------------
+    def cache(self, keys: Sequence[BlockKey], pages: Sequence[SlotId]) -> int:
+        """Owned pages whose bytes are in become the cached blocks `keys` (prefix order); the
+        caller keeps referencing them. Pages already cached under the same key are left as
+        they are; a page whose key another page caches already stays owned (free() handles
+        both). Returns how many pages became cached blocks."""
+        st = self._store
+        st._check_keys(keys)
+        if len(pages) != len(keys):
+            raise LayoutError(f"cache: {len(keys)} keys but {len(pages)} pages; give one page per key")
+        with st._lock:
+            st._check_open()
+            slots: list[SlotId | None] = []
+            seen: set[SlotId] = set()
+            for k, p in zip(keys, pages):
+                if p in seen:
+                    raise LayoutError(f"page {p} is named twice in one cache(): give each block its own page")
+                seen.add(p)
+                if p in self._owned:
+                    slots.append(p)
+                elif p in self._refs and self._refs[p][0] == k:
+                    slots.append(None)               # cached under this key already
+                else:
+                    raise LayoutError(f"page {p} was not allocated or loaded by this pool (or is cached under "
+                                      "another key): cache only pages allocate() or load() returned")
+            top = st.index.tiers[0].counters
+            refused = top.rejected
+            done = st.index.publish(0, keys, slots)
+            refused = top.rejected - refused
+            for k, p, d in zip(keys, slots, done):
+                if d:
+                    self._owned.discard(p)           # type: ignore[arg-type]
+                    self._refs[p] = (k, 1)           # type: ignore[index]
+            tried, n = sum(s is not None for s in slots), sum(done)
+            c = st.counters
+            c.puts += 1
+            c.put_blocks += n
+            c.put_bytes += n * st.layout.block_bytes
+            c.put_rejected += refused
+            c.put_present += tried - n - refused
+        if st.write_through and n:
+            st._write_through([k for k, d in zip(keys, done) if d])
+        return n
+
+    # -- cached prefix -> pages ---------------------------------------------------------
+    def plan(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        """The longest locally cached prefix of `keys` as pages, in one pass under the lock:
+        top-tier blocks referenced in place; blocks in lower tiers held for reading, each
+        given an owned page. With no page to spare for them, the prefix stops at the first
+        lower-tier block. Copy the bytes (Store._held_reads(plan.store_locs...)), then
+        cache() the pages; free() them if the copy fails."""
+        st = self._store
+        st._check_keys(keys)
+        with st._lock:
+            st._check_open()
+            n, _ = st.index.lookup(keys)
+            prefix = list(keys[:n])
+            locs = st.index.acquire(prefix)          # held: nothing below evicts them
+            lower = [i for i, (t, _) in enumerate(locs) if t > 0]
+            owned: list[SlotId] | None = []
+            if lower:
+                try:
+                    owned = self._allocate(len(lower))
+                except BaseException:
+                    st.index.release(prefix)
+                    raise
+                if owned is None:                     # no page for them: keep the top-tier part
+                    st.index.release(prefix[lower[0]:])
+                    n, prefix, locs, lower, owned = lower[0], prefix[:lower[0]], locs[:lower[0]], [], []
+            pages = [s for _, s in locs]
+            for j, i in enumerate(lower):
+                pages[i] = owned[j]                   # type: ignore[index]
+            for i, (t, s) in enumerate(locs):
+                if t == 0:
+                    self._refs[s] = (prefix[i], self._refs.get(s, (None, 0))[1] + 1)   # type: ignore[arg-type]
+            c = st.counters
+            c.gets += 1
+            c.get_blocks += n
+            c.get_bytes += n * st.layout.block_bytes
+        return LoadPlan(prefix, pages, [t for t, _ in locs], lower, [locs[i] for i in lower])
+
+    # -- owned / cached -> free ----------------------------------------------------------
+    def free(self, pages: Sequence[SlotId]) -> None:
+        """Drop the caller's reference to each page: an owned page is free again; a cached
+        block is evictable once nobody references it (it stays cached until then)."""
+        st = self._store
+        with st._lock:
+            seen: set[SlotId] = set()
+            refs = dict(self._refs)
+            for p in pages:                           # all checked before anything changes
+                if p in self._owned:
+                    if p in seen:
+                        raise LayoutError(f"page {p} is named twice in one free(): free each page once")
+                elif p in refs and refs[p][1] > 0:
+                    refs[p] = (refs[p][0], refs[p][1] - 1)
+                else:
+                    raise LayoutError(f"page {p} is not allocated or referenced here (freed twice?): free only "
+                                      "pages allocate() or load() returned, once each")
+                seen.add(p)
+            back = [p for p in seen if p in self._owned]
+            released = [self._refs[p][0] for p in pages if p not in self._owned]
+            self._owned.difference_update(back)
+            self._refs = {p: r for p, r in refs.items() if r[1] > 0}
+            st.index.give_back(0, back)
+            st.index.release(released)
+
+    # -- state, for tests and stats -------------------------------------------------------
+    def owned(self) -> set[SlotId]:
+        """Pages allocated and not cached."""
+        with self._store._lock:
+            return set(self._owned)
+
+    def referenced(self) -> dict[SlotId, tuple[BlockKey, int]]:
+        """Cached pages callers reference: page -> (key, references)."""
+        with self._store._lock:
+            return dict(self._refs)
