@@ -23,8 +23,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["StoreStats", "TierStats"], "kvtier.stats"),
     **dict.fromkeys(["Hit", "Store"], "kvtier.store"),
     **dict.fromkeys(["Node", "PeerList", "RedisDirectory"], "kvtier.net"),
+    "Remote": "kvtier.net.remote",
     **dict.fromkeys(["DeviceTier", "DiskTier", "HostTier", "Tier"], "kvtier.tiers"),
-    "RemoteTier": "kvtier.tiers.remote",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eager
     from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
     from kvtier.layout import KVLayout, preset_layout
     from kvtier.net import Node, PeerList, RedisDirectory
+    from kvtier.net.remote import Remote
     from kvtier.stats import StoreStats, TierStats
     from kvtier.store import Hit, Store
     from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
-    from kvtier.tiers.remote import RemoteTier

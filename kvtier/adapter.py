@@ -312,9 +312,9 @@ class KVAdapter:
         loader = self._loader
         cuda = paged.device.type == "cuda"
         st = self.store
-        if not cuda and st.remote is None:
+        if not cuda:
             # Host pages: scattered straight from the slots holding the blocks (one copy);
-            # blocks on disk are read (verified) into a reused buffer first.
+            # blocks on disk or on a peer are read (verified) into a reused buffer first.
             return PagesLoad(len(keys), loader.load_held(lambda: st.reading(keys), table))
 
         def read() -> torch.Tensor:               # on the loader's thread

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.policies import make_policy
     from kvtier.store import Store
     from kvtier.tiers import DiskTier, HostTier
-    from kvtier.tiers.remote import RemoteTier
+    from kvtier.net.remote import Remote
     from kvtier.units import format_bytes
 
     # Everything that can be checked is checked before any memory or disk is taken.
@@ -152,13 +152,11 @@ def run(args: argparse.Namespace) -> int:
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
-        remote = RemoteTier(directory=directory, secret=secret, transport=args.transport)
+        remote = Remote(directory=directory, secret=secret, transport=args.transport)
         where.append(f"directory {directory.url}")
     elif args.peers:
-        remote = RemoteTier(args.peers, secret, transport=args.transport)
+        remote = Remote(args.peers, secret, transport=args.transport)
         where.append(f"peers {','.join(args.peers)}")
-    if remote is not None:
-        tiers.append(remote)
 
     stop = threading.Event()
 
@@ -168,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                   "not on disk yet", flush=True)
         stop.set()
 
-    with Store(layout, tiers, ns, policy=args.policy) as store:
+    with Store(layout, tiers, ns, remote=remote, policy=args.policy) as store:
         with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
                   transport=args.transport) as node:
             for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly

@@ -39,7 +39,7 @@ from kvtier.policies import DEFAULT_POLICY
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.policies.base import BlockInfo
 from kvtier.tiers.base import Tier
-from kvtier.tiers.remote import RemoteTier
+from kvtier.net.remote import Remote
 
 log = logging.getLogger("kvtier.store")
 
@@ -108,6 +108,7 @@ class Store:
     """A KV-cache store over an ordered list of tiers (fastest first)."""
 
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
+                 remote: Remote | None = None,
                  policy: str | Sequence[str] = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
                  write_through: bool = False, promote: bool = True,
                  io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
@@ -115,14 +116,18 @@ class Store:
             raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
         if not isinstance(namespace, Namespace):
             raise ConfigError("namespace must be a kvtier.Namespace(model=..., revision=..., salt=b'')")
-        if isinstance(tiers, (Tier, RemoteTier)) or not tiers:
+        if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise ConfigError("tiers must be a non-empty list of tiers, fastest first, e.g. [kvtier.HostTier(capacity='8GiB')]")
         tiers = list(tiers)
-        self.remote: RemoteTier | None = tiers.pop() if isinstance(tiers[-1], RemoteTier) else None
-        if not tiers or not all(isinstance(t, Tier) for t in tiers):
-            raise ConfigError("tiers must be local tiers (DeviceTier, HostTier, DiskTier), fastest first, with at most "
-                              "one RemoteTier, last: e.g. [HostTier(capacity='8GiB'), RemoteTier(peers, secret)]")
-        names = [t.name for t in tiers] + ([self.remote.name] if self.remote else [])
+        if any(isinstance(t, Remote) for t in tiers):
+            raise ConfigError("a Remote is not a tier: pass it as Store(layout, tiers, namespace, remote=Remote(...))")
+        if not all(isinstance(t, Tier) for t in tiers):
+            raise ConfigError("tiers must be local tiers (DeviceTier, HostTier, DiskTier), fastest first: "
+                              "e.g. [HostTier(capacity='8GiB'), DiskTier('/nvme/kv', '200GiB')]")
+        if remote is not None and not isinstance(remote, Remote):
+            raise ConfigError(f"remote must be a kvtier.Remote(peers, secret), not {type(remote).__name__}")
+        self.remote = remote                # blocks past the local prefix are fetched from peers
+        names = [t.name for t in tiers] + ([remote.name] if remote else [])
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}: pass name=... to tell them apart")
         if hash not in HASHES:
@@ -199,7 +204,7 @@ class Store:
             promote: bool | None = None) -> Transfer:
         """Copy the blocks of `keys` into `out` ([n, block_bytes] uint8, [n, *block_shape], or a list).
 
-        Every key must be cached (get what lookup() returned); with a RemoteTier, the keys
+        Every key must be cached (get what lookup() returned); with a remote, the keys
         past the local prefix are fetched from peers. With blocking=False the copy runs
         on an I/O thread; wait() on the handle before reading `out`. The handle's `loaded`
         says how many leading blocks arrived intact. `promote` (default: the store's) copies
@@ -240,12 +245,7 @@ class Store:
         if bad:
             self._discard([(keys[j], t) for j, t in bad])
         if loaded == n_local < len(keys) and self.remote is not None:
-            fetched = self.remote.fetch(keys[n_local:], rows[n_local:])   # straight into `out`
-            loaded += fetched
-            with self._lock:
-                self.counters.remote_blocks += fetched
-            if fetched and self.remote.promote:
-                self._store(keys[n_local:loaded], rows[n_local:loaded])
+            loaded += self._fetch_remote(keys[n_local:], rows[n_local:])   # straight into `out`
         transfer.loaded = loaded
         if promote and len(self.tiers) > 1:
             lower = [i for i in range(min(loaded, n_local)) if locs[i][0] > 0]
@@ -453,7 +453,34 @@ class Store:
             c.get_blocks += n
             c.get_bytes += n * self.layout.block_bytes
         with self._held_reads(held, locs, promote) as blocks:
-            yield blocks
+            if self.remote is None or blocks.blocks < n or n == len(keys):
+                yield blocks
+                return
+            buffer = self._read_buffer(len(keys) - n)     # the rest from peers, verified
+            try:
+                got = self._fetch_remote(keys[n:], list(buffer.numpy()[:len(keys) - n]))
+                if got:
+                    with self._lock:
+                        self.counters.get_blocks += got
+                        self.counters.get_bytes += got * self.layout.block_bytes
+                    blocks.groups.append(ReadGroup(buffer, torch.arange(got, dtype=torch.int64),
+                                                   list(range(n, n + got))))
+                    blocks.blocks += got
+                    blocks.tiers += [len(self.tiers)] * got
+                yield blocks
+            finally:
+                self._buffer_back(buffer)
+
+    def _fetch_remote(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
+        """Fetch the longest prefix of `keys` peers hold into `rows` (verified), count it, and
+        keep a copy in the local tiers if the remote is set to; how many arrived."""
+        assert self.remote is not None
+        fetched = self.remote.fetch(keys, rows)
+        with self._lock:
+            self.counters.remote_blocks += fetched
+        if fetched and self.remote.promote:
+            self._store(keys[:fetched], rows[:fetched])
+        return fetched
 
     @contextmanager
     def _held_reads(self, keys: Sequence[bytes], locs: list[tuple[int, int]],
@@ -607,6 +634,24 @@ class Store:
                     return i
             raise ConfigError(f"no tier named {tier!r}; tiers are {[t.name for t in self.tiers]}")
         return tier
+
+    # -- what the store holds, for a directory that tells other nodes ---------------------
+    def watch(self, on: bool = True) -> None:
+        """Start (or stop) recording the keys that become readable or leave the store, for
+        changes(). Off by default: nobody listening costs nothing."""
+        with self._lock:
+            self.index.changes = ([] if self.index.changes is None else self.index.changes) if on else None
+
+    def changes(self) -> list[tuple[str, bytes]]:
+        """The ("+" | "-", key) changes recorded since the last call, oldest first."""
+        with self._lock:
+            out, self.index.changes = self.index.changes or [], ([] if self.index.changes is not None else None)
+        return out
+
+    def cached_keys(self) -> list[bytes]:
+        """Every readable block's key (a snapshot)."""
+        with self._lock:
+            return list(self.index.ready)
 
     # -- stats and lifetime -------------------------------------------------------------
     def stats(self) -> StoreStats:

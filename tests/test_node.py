@@ -48,7 +48,7 @@ def spawn(children):
 
 
 def client_store(peers, secret=SECRET, ns=NS, timeout=0.5, host=64) -> kvtier.Store:
-    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=host), kvtier.RemoteTier(peers, secret, timeout=timeout)], ns)
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=host)], ns, remote=kvtier.Remote(peers, secret, timeout=timeout))
 
 
 def assert_each_fetched(store, seeds):
@@ -76,6 +76,31 @@ def test_two_nodes_exchange_blocks_byte_exact(spawn):
     assert store.stats().counters.remote_blocks == 4
     mixed = store.keys([2] * 16 + [7] * 16)                # the peer has half of it
     assert store.lookup(mixed).blocks == 2
+    store.close()
+
+
+def test_engine_pages_load_local_then_peer_blocks_in_one_pass(spawn):
+    """load_into on host pages: the local prefix from host slots, the rest fetched from a
+    peer into the store's read buffer, verified, then promoted locally."""
+    from kvtier.adapter import KVAdapter
+    from kvtier.transfer.pages import PagedKV
+
+    _, addr = spawn(seeds=[3])
+    store = client_store([addr])
+    keys = store.keys([3] * 32)
+    store.put(keys[:1], payload(keys[:1], LAYOUT.block_bytes))     # block 0 is here, 1-3 on the peer
+    pages = [torch.zeros(8, LAYOUT.layer_bytes, dtype=torch.uint8) for _ in range(LAYOUT.num_layers)]
+    paged = PagedKV.of_pages(pages, LAYOUT, num_pages=8)      # opaque pages: one layer of a block each
+    adapter = KVAdapter(store)
+    table = [[5], [0], [7], [2]]
+    load = adapter.load_into(keys, paged, table)
+    assert load.wait() == 4 and load.error is None
+    want = payload(keys, LAYOUT.block_bytes)
+    for i, (page,) in enumerate(table):
+        assert torch.equal(torch.cat([pages[l][page] for l in range(LAYOUT.num_layers)]), want[i])
+    assert store.lookup(keys).by_tier() == {"host": 4, "remote": 0}       # promoted
+    assert store.stats().counters.remote_blocks == 3
+    adapter.close()
     store.close()
 
 
@@ -233,11 +258,13 @@ def test_peer_client_errors_are_peer_errors():
     with pytest.raises(PeerError):
         dead.has(probe.keys([1] * 8))
     with pytest.raises(kvtier.ConfigError, match="host:port|127.0.0.1:7700"):
-        kvtier.RemoteTier(["nohost"], SECRET)
+        kvtier.Remote(["nohost"], SECRET)
     with pytest.raises(kvtier.ConfigError, match="16 bytes"):
-        kvtier.RemoteTier(["127.0.0.1:1"], b"short")
-    with pytest.raises(kvtier.ConfigError, match="RemoteTier"):
-        kvtier.Store(LAYOUT, [kvtier.RemoteTier(["127.0.0.1:1"], SECRET)], NS)
+        kvtier.Remote(["127.0.0.1:1"], b"short")
+    with pytest.raises(kvtier.ConfigError, match="not a tier: pass it as Store"):
+        kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4), kvtier.Remote(["127.0.0.1:1"], SECRET)], NS)
+    with pytest.raises(kvtier.ConfigError, match="remote must be a kvtier.Remote"):
+        kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS, remote="10.0.0.2:7700")
 
 
 def test_kvtier_node_command_serves_and_stops(tmp_path):

@@ -83,8 +83,8 @@ def spawn_node(children, url: str, seeds, blocks: int = 64, lease: float = 10.0)
 
 
 def client(url: str) -> kvtier.Store:
-    remote = kvtier.RemoteTier(directory=RedisDirectory(url), secret=SECRET, timeout=1.0)
-    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64), remote], NS)
+    remote = kvtier.Remote(directory=RedisDirectory(url), secret=SECRET, timeout=1.0)
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64)], NS, remote=remote)
 
 
 def wait_for(cond, secs: float = 5.0) -> bool:

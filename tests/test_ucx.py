@@ -25,8 +25,8 @@ def spawn(children):
 
 
 def client_store(peers, secret=SECRET, timeout=2.0):
-    remote = kvtier.RemoteTier(peers, secret, timeout=timeout, transport="ucx")
-    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64), remote], NS)
+    remote = kvtier.Remote(peers, secret, timeout=timeout, transport="ucx")
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64)], NS, remote=remote)
 
 
 def test_two_nodes_exchange_blocks_byte_exact_over_ucx(spawn):
@@ -87,7 +87,7 @@ def test_killed_ucx_peer_costs_a_miss_not_a_hang(spawn):
 
 def test_unknown_transport_is_a_config_error():
     with pytest.raises(kvtier.errors.ConfigError):
-        kvtier.RemoteTier(["127.0.0.1:1"], SECRET, transport="carrier-pigeon")
+        kvtier.Remote(["127.0.0.1:1"], SECRET, transport="carrier-pigeon")
 
 
 def test_stalled_ucx_peer_costs_a_miss_within_the_timeout(spawn):

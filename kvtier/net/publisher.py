@@ -28,8 +28,7 @@ class Publisher:
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-publisher", daemon=True)
-        with store._lock:
-            store.index.changes = []
+        store.watch()
 
     def start(self) -> Publisher:
         self.round()
@@ -41,8 +40,7 @@ class Publisher:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self.directory.leave(self.address)
-        with self.store._lock:
-            self.store.index.changes = None
+        self.store.watch(False)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -50,13 +48,11 @@ class Publisher:
 
     def round(self) -> None:
         """Publish what changed (or everything, after a lapse) and renew the lease."""
-        index = self.store.index
-        with self.store._lock:
-            batch, index.changes = index.changes or [], []
-            everything = list(index.ready) if self.resync else None
+        batch = self.store.changes()
+        everything = self.store.cached_keys() if self.resync else None
         try:
             if not self.directory.heartbeat(self.address):
-                everything = everything if everything is not None else self._all()
+                everything = everything if everything is not None else self.store.cached_keys()
             if everything is not None:
                 self.directory.publish(self.address, everything, [])
             else:
@@ -70,7 +66,3 @@ class Publisher:
             self.errors += 1
             self.resync = True
             log.debug("node %s: %s; will publish everything once it answers", self.address, e)
-
-    def _all(self) -> list[bytes]:
-        with self.store._lock:
-            return list(self.store.index.ready)

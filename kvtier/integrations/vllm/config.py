@@ -73,11 +73,9 @@ class ConnectorConfig:
         return next((t for t in self.tiers_spec if t.kind == "remote"), None)
 
     def tiers(self, subdir: str = "") -> list[Any]:
-        """Fresh tier objects, fastest first. `subdir` is appended to disk paths: each
+        """Fresh local tier objects, fastest first. `subdir` is appended to disk paths: each
         namespace (model, revision, tensor-parallel rank, layout) is a store of its own."""
-        from kvtier.net import PeerList, RedisDirectory
         from kvtier.tiers import DiskTier, HostTier
-        from kvtier.tiers.remote import RemoteTier
 
         out: list[Any] = []
         for t in self.tiers_spec:
@@ -87,14 +85,23 @@ class ConnectorConfig:
             elif t.kind == "disk":
                 path = Path(a.pop("path"))
                 out.append(DiskTier(path / subdir if subdir else path, **a))
-            else:
-                assert self.secret is not None
-                directory = a.pop("directory", None)
-                peers = a.pop("peers", None)
-                lease = a.pop("lease_s", 10.0)
-                d = (RedisDirectory(directory, lease_s=lease) if directory else PeerList(peers))
-                out.append(RemoteTier(directory=d, secret=self.secret, transport=self.transport, **a))
         return out
+
+    def build_remote(self) -> Any:
+        """The store's `remote=` (a kvtier.Remote over the peers or the directory), or None."""
+        spec = self.remote
+        if spec is None:
+            return None
+        from kvtier.net import PeerList, RedisDirectory
+        from kvtier.net.remote import Remote
+
+        assert self.secret is not None
+        a = dict(spec.args)
+        directory = a.pop("directory", None)
+        peers = a.pop("peers", None)
+        lease = a.pop("lease_s", 10.0)
+        d = RedisDirectory(directory, lease_s=lease) if directory else PeerList(peers)
+        return Remote(directory=d, secret=self.secret, transport=self.transport, **a)
 
 
 def model_revision(model: str, revision: str | None) -> str:

@@ -95,7 +95,8 @@ class WorkerSide:
         layout = self.pages.layout
         cfg = self.cfg
         try:
-            self.store = Store(layout, cfg.tiers(self.disk_subdir(layout)), self.namespace, policy=cfg.policy,
+            self.store = Store(layout, cfg.tiers(self.disk_subdir(layout)), self.namespace,
+                               remote=cfg.build_remote(), policy=cfg.policy,
                                hash=cfg.hash, pin_budget=cfg.pin_budget, write_through=cfg.write_through,
                                promote=cfg.promote, io_threads=cfg.io_threads)
         except ConfigError as e:

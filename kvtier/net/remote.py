@@ -1,4 +1,7 @@
-"""Other nodes as the store's lowest tier: blocks this node lacks are fetched, not recomputed.
+"""Other nodes behind a store: blocks this node lacks are fetched, not recomputed.
+
+Not a tier: the index never holds remote blocks and nothing is evicted to a peer. A store
+is given one as `Store(..., remote=Remote(peers, secret))`.
 
 Lookup asks the directory which node holds each block of the prefix past what is cached
 here; get fetches each run of blocks from its holder straight into the caller's buffers,
@@ -27,17 +30,14 @@ from kvtier.net.transport import check_transport
 log = logging.getLogger("kvtier.remote")
 
 
-class RemoteTier:
-    """`RemoteTier(["10.0.0.2:7700", ...], secret)` or `RemoteTier(directory=RedisDirectory(url), secret=...)`,
-    last in a store's tier list."""
-
-    kind = "remote"
-    persistent = False
+class Remote:
+    """`Remote(["10.0.0.2:7700", ...], secret)` or `Remote(directory=RedisDirectory(url), secret=...)`:
+    pass it as `Store(..., remote=...)`."""
 
     def __init__(self, peers: Sequence[str] | None = None, secret: bytes = b"", *, directory: Directory | None = None,
                  timeout: float = 0.5, promote: bool = True, name: str = "remote", transport: str = "tcp") -> None:
         if (peers is None) == (directory is None):
-            raise ConfigError("give a RemoteTier either peers=['host:port', ...] or directory=RedisDirectory(url)")
+            raise ConfigError("give a Remote either peers=['host:port', ...] or directory=RedisDirectory(url)")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ConfigError("the cluster's shared secret must be at least 16 bytes")
         if timeout <= 0:
