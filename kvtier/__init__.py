@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["KVLayout", "preset_layout"], "kvtier.layout"),
     **dict.fromkeys(["StoreStats", "TierStats"], "kvtier.stats"),
     **dict.fromkeys(["Hit", "Store"], "kvtier.store"),
+    "StoreConfig": "kvtier.config",
     **dict.fromkeys(["Node", "PeerList", "RedisDirectory"], "kvtier.net"),
     "Remote": "kvtier.net.remote",
     **dict.fromkeys(["DeviceTier", "DiskTier", "HostTier", "Tier"], "kvtier.tiers"),
@@ -52,4 +53,5 @@ if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eager
     from kvtier.net.remote import Remote
     from kvtier.stats import StoreStats, TierStats
     from kvtier.store import Hit, Store
+    from kvtier.config import StoreConfig
     from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier

@@ -69,7 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to serve; port 0 picks any free port")
     p.add_argument("--layout", default="kimi-k2", metavar="NAME", choices=list(PRESETS),
                    help=f"KV layout preset: {', '.join(PRESETS)}")
-    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
+                        "(default: the defaults of kvtier.StoreConfig)")
+    p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens per block (default: block_tokens, 16)")
     p.add_argument("--model", default=None,
                    help="namespace model id; nodes share blocks only within one namespace "
                         "(default: the --layout preset's name)")
@@ -77,11 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default="", type=_checked(_shard, "shard"),
                    help="namespace shard: tpRANK/SIZE (tp0/8 is tensor-parallel rank 0 of 8), ppRANK/SIZE, "
                         "or both as tp0/8,pp1/4 (default: unsharded)")
-    p.add_argument("--capacity", default="8GiB", type=size, metavar="SIZE", help="host tier capacity")
+    p.add_argument("--capacity", default=None, type=size, metavar="SIZE",
+                   help="host tier capacity (default: host_capacity, 1GiB)")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="directory of a disk tier below the host tier (default: none)")
-    p.add_argument("--disk-capacity", default="100GiB", type=size, metavar="SIZE",
-                   help="disk tier capacity (preallocated at start)")
+                   help="directory of a disk tier below the host tier (default: disk_path, none)")
+    p.add_argument("--disk-capacity", default=None, type=size, metavar="SIZE",
+                   help="disk tier capacity, preallocated at start (default: disk_capacity, 16GiB)")
     p.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
                    help="other nodes to fetch from, comma-separated; each is asked directly (default: none)")
     p.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
@@ -98,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=None, metavar="FILE",
                    help="file holding the cluster's shared secret, at least 16 bytes "
                         "(default: the KVTIER_SECRET variable)")
-    p.add_argument("--policy", default="recommended", metavar="NAME",
-                   help="eviction policy, e.g. lru or arc+nopartial (default: recommended)")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="eviction policy, e.g. lru or arc+nopartial (default: policy, lru+nopartial)")
 
 
 def read_secret(path: str | None) -> bytes:
@@ -128,27 +133,30 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.layout import preset_layout
     from kvtier.net import Node
     from kvtier.policies import make_policy
-    from kvtier.store import Store
-    from kvtier.tiers import DiskTier, HostTier
+    from kvtier.config import StoreConfig
     from kvtier.net.remote import Remote
-    from kvtier.units import format_bytes
+    from kvtier.units import format_bytes, parse_bytes
 
     # Everything that can be checked is checked before any memory or disk is taken.
     secret = read_secret(args.secret_file)
-    layout = preset_layout(args.layout, args.block_tokens)
+    config = StoreConfig.from_file(args.config) if args.config else StoreConfig()
+    flags = {"block_tokens": args.block_tokens, "host_capacity": args.capacity, "disk_path": args.disk,
+             "disk_capacity": args.disk_capacity, "policy": args.policy}
+    config = config.replace(**{k: v for k, v in flags.items() if v is not None})
+    if config.host_capacity is None:
+        raise ConfigError("a node serves from a host tier: give host_capacity (--capacity) a size")
+    layout = preset_layout(args.layout, config.block_tokens)
     ns = Namespace(args.model or args.layout, args.revision, args.shard)
-    make_policy(args.policy, 1)
+    make_policy(config.policy, 1)
     if args.directory and args.peers:
         raise ConfigError("give --peers or --directory, not both")
     if args.advertise and not args.directory:
         raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
 
     directory = remote = None
-    tiers: list = [HostTier(capacity=args.capacity)]
-    where = [f"host {format_bytes(args.capacity)}"]
-    if args.disk:
-        tiers.append(DiskTier(args.disk, capacity=args.disk_capacity))
-        where.append(f"disk {args.disk} {format_bytes(args.disk_capacity)}")
+    where = [f"host {format_bytes(parse_bytes(config.host_capacity))}"]
+    if config.disk_path:
+        where.append(f"disk {config.disk_path} {format_bytes(parse_bytes(config.disk_capacity))}")
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
@@ -166,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                   "not on disk yet", flush=True)
         stop.set()
 
-    with Store(layout, tiers, ns, remote=remote, policy=args.policy) as store:
+    with config.build(layout, ns, remote=remote) as store:
         with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
                   transport=args.transport) as node:
             for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly

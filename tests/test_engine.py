@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvtier.cli import main
-from kvtier.engine import CacheConfig, LLM, SamplingParams
+from kvtier import StoreConfig
+from kvtier.engine import LLM, SamplingParams
 from kvtier.errors import ClosedError, ConfigError
 
 torch.set_num_threads(1)
@@ -25,7 +26,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def block_bytes() -> int:
-    with LLM("kimi-tiny", cache=CacheConfig(kv_cache="4MiB", host_cache=None)) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity="4MiB", host_capacity=None)) as llm:
         return llm.store.layout.block_bytes
 
 
@@ -37,7 +38,7 @@ def reference() -> dict:
     def get(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
         key = (tuple(prompt), params)
         if key not in memo:
-            with LLM("kimi-tiny", cache=CacheConfig(host_cache=None)) as llm:
+            with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None)) as llm:
                 out = llm.generate([prompt], params)[0]
                 assert out.cached_tokens == 0
                 memo[key] = out.token_ids
@@ -50,9 +51,9 @@ def test_greedy_output_with_a_cached_prefix_equals_it_without(tmp_path, block_by
     shared = tokens(1, 100)
     first, second = shared + tokens(2, 20), shared + tokens(3, 20)
     pages = 10     # one request's worth: a second request pushes the first one's blocks down
-    cache = CacheConfig(kv_cache=(64 if tier == "device" else pages) * block_bytes,
-                        host_cache="16MiB" if tier == "host" else None,
-                        disk_path=str(tmp_path / "kv") if tier == "disk" else None, disk_cache="16MiB")
+    cache = StoreConfig(device_capacity=(64 if tier == "device" else pages) * block_bytes,
+                        host_capacity="16MiB" if tier == "host" else None,
+                        disk_path=str(tmp_path / "kv") if tier == "disk" else None, disk_capacity="16MiB")
     with LLM("kimi-tiny", cache=cache) as llm:
         llm.generate([first], GREEDY)
         if tier != "device":
@@ -69,7 +70,7 @@ def test_greedy_output_with_a_cached_prefix_equals_it_without(tmp_path, block_by
 
 def test_a_restarted_engine_finds_the_prefix_on_disk(tmp_path, reference):
     p = tokens(6, 80)
-    cache = CacheConfig(host_cache=None, disk_path=str(tmp_path / "kv"), disk_cache="16MiB")
+    cache = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "kv"), disk_capacity="16MiB")
     with LLM("kimi-tiny", cache=cache) as llm:
         llm.generate([p], GREEDY)
     with LLM("kimi-tiny", cache=cache) as llm:                # close() flushed; this one recovers
@@ -82,14 +83,14 @@ def test_a_restarted_engine_finds_the_prefix_on_disk(tmp_path, reference):
 def test_batching_chunking_and_preemption_change_no_token(block_bytes, reference):
     prompts = [tokens(10 + i, n) for i, n in enumerate((70, 33, 120, 5))]
     want = [reference["get"](p) for p in prompts]
-    with LLM("kimi-tiny", cache=CacheConfig(host_cache=None), max_batched_tokens=24) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None), max_batched_tokens=24) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     # Two 64-token prompts fill 8 of 9 pages; as both decode past a page boundary one must
     # be preempted (its blocks stay cached) and readmitted after the other finishes.
     longer = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [tokens(30, 64), tokens(31, 64)]
     want = [reference["get"](p, longer) for p in prompts]
-    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=9 * block_bytes, host_cache="8MiB")) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity=9 * block_bytes, host_capacity="8MiB")) as llm:
         outs = llm.generate(prompts, longer)
         assert [o.token_ids for o in outs] == want
         assert llm.stats()["preemptions"] > 0 and sum(o.preemptions for o in outs) > 0
@@ -115,7 +116,7 @@ def test_text_prompts_sampling_and_sessions():
 
 
 def test_bad_requests_say_what_to_do(block_bytes):
-    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=8 * block_bytes, host_cache=None)) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity=8 * block_bytes, host_capacity=None)) as llm:
         with pytest.raises(ConfigError, match="larger kv_cache"):
             llm.generate([tokens(1, 200)], GREEDY)
         with pytest.raises(ConfigError, match="token ids must be ints"):
@@ -183,14 +184,14 @@ def test_a_checkpoint_folder_with_its_tokenizer(tmp_path, reference):
 def test_on_a_gpu_cached_prefixes_from_each_tier_give_the_same_tokens(tmp_path):
     """The same path on CUDA: pages in GPU memory, layer-wise loads from host and disk."""
     shared = tokens(1, 100)
-    with LLM("kimi-tiny", device="cuda", cache=CacheConfig(host_cache=None)) as llm:
+    with LLM("kimi-tiny", device="cuda", cache=StoreConfig(host_capacity=None)) as llm:
         want = llm.generate([shared + tokens(3, 20)], GREEDY)[0].token_ids
         assert llm.adapter.device_tier.on_gpu
         bb = llm.store.layout.block_bytes
     for tier in ("device", "host", "disk"):
-        cache = CacheConfig(kv_cache=(64 if tier == "device" else 10) * bb,
-                            host_cache="16MiB" if tier == "host" else None,
-                            disk_path=str(tmp_path / tier) if tier == "disk" else None, disk_cache="16MiB")
+        cache = StoreConfig(device_capacity=(64 if tier == "device" else 10) * bb,
+                            host_capacity="16MiB" if tier == "host" else None,
+                            disk_path=str(tmp_path / tier) if tier == "disk" else None, disk_capacity="16MiB")
         with LLM("kimi-tiny", device="cuda", cache=cache) as llm:
             llm.generate([shared + tokens(2, 20)], GREEDY)
             if tier != "device":
@@ -200,7 +201,7 @@ def test_on_a_gpu_cached_prefixes_from_each_tier_give_the_same_tokens(tmp_path):
 
 
 def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_cannot_fit(block_bytes):
-    with LLM("kimi-tiny", cache=CacheConfig(kv_cache=10 * block_bytes, host_cache=None)) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity=10 * block_bytes, host_capacity=None)) as llm:
         with pytest.raises(ConfigError, match="other weights"):
             LLM("kimi-tiny", seed=1, store=llm.store)
         # A session pins its blocks; a long request then cannot get enough pages: it fails
@@ -217,19 +218,20 @@ def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_
 
 def test_an_engine_never_closed_still_leaves_its_blocks_on_disk(tmp_path, children):
     """The documented script without close(): the store is flushed at interpreter exit."""
-    code = ("from kvtier.engine import LLM, CacheConfig, SamplingParams\n"
-            f"llm = LLM('kimi-tiny', cache=CacheConfig(host_cache=None, disk_path={str(tmp_path / 'kv')!r}, disk_cache='16MiB'))\n"
+    code = ("from kvtier import StoreConfig
+from kvtier.engine import LLM, SamplingParams\n"
+            f"llm = LLM('kimi-tiny', cache=StoreConfig(host_capacity=None, disk_path={str(tmp_path / 'kv')!r}, disk_capacity='16MiB'))\n"
             "llm.generate([list(range(80))], SamplingParams(max_tokens=2))\n"
             "print('generated', flush=True)\n")
     proc, _ = children(code)
     assert proc.wait(timeout=120) == 0
-    with LLM("kimi-tiny", cache=CacheConfig(host_cache=None, disk_path=str(tmp_path / "kv"), disk_cache="16MiB")) as llm:
+    with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None, disk_path=str(tmp_path / "kv"), disk_capacity="16MiB")) as llm:
         assert llm.generate([list(range(80))], SamplingParams(max_tokens=2))[0].cached_by_tier == {"disk": 4}
         with pytest.raises(ConfigError, match="one session id"):
             llm.generate(["a"], GREEDY, sessions="s1")
     with pytest.raises(ClosedError, match="LLM is closed"):
         llm.generate(["a"], GREEDY)
-    with pytest.raises(ConfigError, match="CacheConfig"):
+    with pytest.raises(ConfigError, match="StoreConfig"):
         LLM("kimi-tiny", cache={"kv_cache": "1GiB"})
     with pytest.raises(ConfigError, match="CUDA"):
         LLM("kimi-tiny", device="cuda:7" if torch.cuda.is_available() else "cuda:0")

@@ -105,8 +105,9 @@ def test_a_failed_flush_at_exit_is_reported_not_silent(tmp_path):
 
 
 def engine(path) -> "kvtier.engine.LLM":
-    from kvtier.engine import LLM, CacheConfig
-    return LLM("kimi-tiny", cache=CacheConfig(host_cache=None, disk_path=str(path), disk_cache="16MiB"))
+    from kvtier import StoreConfig
+from kvtier.engine import LLM
+    return LLM("kimi-tiny", cache=StoreConfig(host_capacity=None, disk_path=str(path), disk_capacity="16MiB"))
 
 
 def generate(llm, first: int) -> dict:

@@ -21,6 +21,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+import kvtier
 import torch
 
 from kvtier.errors import ConfigError
@@ -165,16 +167,18 @@ def test_another_checkpoint_in_the_same_place_never_hits(models, tmp_path):
 def test_config_defaults_and_shorthand(tmp_path):
     c = parse_config({})
     assert [t.kind for t in c.tiers_spec] == ["host"] and c.failure_policy == "recompute" and c.secret is None
-    c = parse_config({"host_capacity": "1GiB", "disk_path": str(tmp_path), "policy": "arc", "pin_ttl": 60})
-    assert [(t.kind, t.args.get("capacity")) for t in c.tiers_spec] == [("host", "1GiB"), ("disk", "64GiB")]
-    assert c.policy == "arc" and c.pin_ttl == 60
+    assert c.store == kvtier.StoreConfig()                  # kvtier's one set of defaults
+    c = parse_config({"host_capacity": "2GiB", "disk_path": str(tmp_path), "policy": "arc", "pin_ttl": 60})
+    assert [(t.kind, t.args.get("capacity")) for t in c.tiers_spec] == [("host", "2GiB"), ("disk", "16GiB")]
+    assert c.store.policy == "arc" and c.store.pin_ttl == 60 and c.store.disk_capacity == "16GiB"
+    assert c.store.disk_path == str(tmp_path)
 
 
 def test_config_file_and_inline_override(tmp_path):
     f = tmp_path / "kvtier.json"
     f.write_text(json.dumps({"host_capacity": "2GiB", "disk_path": "/x", "write_through": True}))
     c = parse_config({"config_file": str(f), "disk_path": str(tmp_path / "d")})
-    assert c.write_through and c.tiers_spec[1].args["path"] == str(tmp_path / "d")
+    assert c.store.write_through and c.store.disk_path == str(tmp_path / "d")
     assert c.tiers_spec[0].args["capacity"] == "2GiB"
 
 
@@ -186,6 +190,8 @@ def test_config_file_and_inline_override(tmp_path):
     ({"tiers": [{"kind": "disk", "path": "/x", "capacity": "1GiB"}]}, "first tier must be the one host tier"),
     ({"tiers": [], "host_capacity": "1GiB"}, "not both"),
     ({"failure_policy": "ignore"}, "failure_policy"),
+    ({"hash": "md5"}, "hash must be one of"),
+    ({"tiers": [{"kind": "host", "capacity": "1GiB", "pinned": True}]}, "unknown setting 'pinned'"),
     ({"config_file": "/nonexistent/kvtier.json"}, "cannot read"),
 ])
 def test_config_errors_say_what_to_do(extra, match, monkeypatch):

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kvtier.bench.common import Column, emit, existing_dir, fmt_float, quiet_threads
-    from kvtier.engine import CacheConfig, LLM, SamplingParams
+    from kvtier import StoreConfig
+    from kvtier.engine import LLM, SamplingParams
     from kvtier.engine.generate_cli import kv_block_bytes, model_config
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         return rng.integers(0, min(vocab, 256), args.prompt_tokens).tolist()
 
     def engine(kv_blocks: int, host: bool, disk: str | None, seqs: int = 64) -> LLM:
-        cache = CacheConfig(block_tokens=bt, kv_cache=kv_blocks * bb, host_cache=8 * kv_blocks * bb if host else None,
-                            disk_path=disk, disk_cache=8 * kv_blocks * bb)
+        cache = StoreConfig(block_tokens=bt, device_capacity=kv_blocks * bb, host_capacity=8 * kv_blocks * bb if host else None,
+                            disk_path=disk, disk_capacity=8 * kv_blocks * bb)
         return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=STEP_TOKENS,
                    max_seqs=max(64, seqs))
 

@@ -5,14 +5,14 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
 Folders follow the data: scheduler.py (1. schedule: prefix lookup and load), runner.py
-(2. prepare, 3. run), llm.py (4. postprocess: sample, save, finish), model/ (the network),
-cache.py (the store whose device tier is the KV pages).
+(2. prepare, 3. run), llm.py (4. postprocess: sample, save, finish), model/ (the network).
+The store whose device tier is the KV pages is built from a kvtier.StoreConfig.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "CacheConfig"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:   # lazy: `import kvtier.engine.sampling` stays light
@@ -22,7 +22,4 @@ def __getattr__(name: str) -> Any:   # lazy: `import kvtier.engine.sampling` sta
     if name == "SamplingParams":
         from kvtier.engine.sampling import SamplingParams
         return SamplingParams
-    if name == "CacheConfig":
-        from kvtier.engine.cache import CacheConfig
-        return CacheConfig
     raise AttributeError(f"module 'kvtier.engine' has no attribute {name!r}")

@@ -32,12 +32,12 @@ def top_p_arg(text: str) -> float:
     return value
 
 
-def size_or_none(text: str) -> int | None:
-    """argparse type: a size such as 1GiB, or 0 / none for no tier."""
+def size_or_none(text: str) -> int:
+    """argparse type: a size such as 1GiB, or 0 / none for no tier (0)."""
     from kvtier.argtypes import size
 
     if text.strip().lower() in ("0", "none"):
-        return None
+        return 0
     return size(text)
 
 
@@ -65,19 +65,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of a preset's random weights (default 0)")
     p.add_argument("--session", default=None, metavar="ID",
-                   help="pin this session's prefix in the store for 300 s (default: no pinning)")
+                   help="pin this session's prefix in the store for pin_ttl seconds (600 unless --config says otherwise) (default: no pinning)")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--dtype", type=dtype_arg, default=None,
                    help=f"compute dtype: {', '.join(DTYPES)} (default: the model's; float32 for kimi-tiny)")
-    p.add_argument("--kv-cache", type=size, default=256 << 20, metavar="SIZE",
-                   help="device tier: the engine's KV pages (default 256MiB)")
-    p.add_argument("--host-cache", type=size_or_none, default=1 << 30, metavar="SIZE",
-                   help="host-memory tier below it; 0 or none for none (default 1GiB)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
+                        "(default: the defaults of kvtier.StoreConfig)")
+    p.add_argument("--kv-cache", type=size, default=None, metavar="SIZE",
+                   help=f"device tier: the engine's KV pages (default: device_capacity, {_default('device_capacity')})")
+    p.add_argument("--host-cache", type=size_or_none, default=None, metavar="SIZE",
+                   help=f"host-memory tier below it; 0 or none for none (default: host_capacity, {_default('host_capacity')})")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="a folder for a disk tier below host memory, kept across runs (default: none)")
-    p.add_argument("--disk-cache", type=size, default=1 << 30, metavar="SIZE",
-                   help="size of the disk tier (default 1GiB, allocated up front)")
-    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="N", help="tokens per block and page")
+                   help="a folder for a disk tier below host memory, kept across runs (default: disk_path, none)")
+    p.add_argument("--disk-cache", type=size, default=None, metavar="SIZE",
+                   help=f"size of the disk tier, allocated up front (default: disk_capacity, {_default('disk_capacity')})")
+    p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
+                   help=f"tokens per block and page (default: block_tokens, {_default('block_tokens')})")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -108,21 +112,30 @@ def kv_block_bytes(config, dtype: str | None, block_tokens: int) -> int:
                         compute_dtype(dtype, c)).block_bytes
 
 
-def _check_capacities(args: argparse.Namespace, block_bytes: int) -> None:
+def _check_capacities(cache, block_bytes: int) -> None:
     """Each cache tier holds at least one block of this model."""
     from kvtier.errors import ConfigError
-    from kvtier.units import format_bytes
+    from kvtier.units import format_bytes, parse_bytes
 
-    for option, value in (("--kv-cache", args.kv_cache), ("--host-cache", args.host_cache),
-                          ("--disk-cache", args.disk_cache if args.disk else None)):
-        if value is not None and value < block_bytes:
-            raise ConfigError(f"{option} {format_bytes(value)} is smaller than one KV block of this model "
-                              f"({block_bytes} bytes = {format_bytes(block_bytes)} at --block-tokens "
-                              f"{args.block_tokens}): give at least that much")
+    for option, value in (("--kv-cache", cache.device_capacity), ("--host-cache", cache.host_capacity),
+                          ("--disk-cache", cache.disk_capacity if cache.disk_path else None)):
+        if value is not None and parse_bytes(value) < block_bytes:
+            raise ConfigError(f"{option} {format_bytes(parse_bytes(value))} is smaller than one KV block of this "
+                              f"model ({block_bytes} bytes = {format_bytes(block_bytes)} at --block-tokens "
+                              f"{cache.block_tokens}): give at least that much")
+
+
+def _default(name: str) -> str:
+    """A StoreConfig default as help text shows it."""
+    import dataclasses
+
+    from kvtier.config import StoreConfig
+    return str(next(f.default for f in dataclasses.fields(StoreConfig) if f.name == name))
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.engine import CacheConfig, LLM, SamplingParams
+    from kvtier import StoreConfig
+    from kvtier.engine import LLM, SamplingParams
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
 
@@ -137,10 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if args.session is not None and not args.session.strip():
         raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
     source = args.model or args.preset or "kimi-tiny"
-    _check_capacities(args, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
-                                           args.dtype, args.block_tokens))
-    cache = CacheConfig(block_tokens=args.block_tokens, kv_cache=args.kv_cache, host_cache=args.host_cache,
-                        disk_path=args.disk, disk_cache=args.disk_cache)
+    cache = StoreConfig.from_file(args.config) if args.config else StoreConfig()
+    flags = {"block_tokens": args.block_tokens, "device_capacity": args.kv_cache, "disk_path": args.disk,
+             "disk_capacity": args.disk_cache}
+    cache = cache.replace(**{k: v for k, v in flags.items() if v is not None})
+    if args.host_cache is not None:
+        cache = cache.replace(host_capacity=args.host_cache or None)      # 0 / none: no host tier
+    _check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
+                                            args.dtype, cache.block_tokens))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):

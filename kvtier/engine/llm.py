@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from kvtier.adapter import KVAdapter
-from kvtier.engine.cache import CacheConfig, build_store
+from kvtier.config import StoreConfig
 from kvtier.engine.model import load_model
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
@@ -53,21 +53,20 @@ class LLM:
 
     `model` is a preset name (`kimi-tiny`: random weights, byte-level tokenizer, runs on a
     CPU) or a Hugging Face checkpoint directory (config.json + safetensors). The store is
-    built from `cache` (a CacheConfig: device tier size, host tier, disk tier, policy), or
+    built from `cache` (a kvtier.StoreConfig: device tier size, host tier, disk tier, policy, pin TTL), or
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
-                 device: str | None = None, cache: CacheConfig | None = None, store: Store | None = None,
-                 max_batched_tokens: int = 512, max_seqs: int = 64, session_ttl: float = 300.0) -> None:
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise ConfigError(f"cache must be a kvtier.engine.CacheConfig(...), not {type(cache).__name__}")
+                 device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
+                 max_batched_tokens: int = 512, max_seqs: int = 64) -> None:
+        if cache is not None and not isinstance(cache, StoreConfig):
+            raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
         self.config = self.model.config
-        cache = cache or CacheConfig()
+        cache = cache or StoreConfig()
         layout = self.model.kv_layout(cache.block_tokens)
-        self.store = store if store is not None else build_store(layout, self.info.namespace(), cache,
-                                                                   device=self.model.device)
+        self.store = store if store is not None else cache.build(layout, self.info.namespace(), device=self.model.device)
         self._own_store = store is None
         if self.store.layout != layout:
             raise ConfigError(f"the store's layout ({self.store.layout.describe()}) is not this model's "
@@ -82,7 +81,7 @@ class LLM:
                               f"{self.model.device}: put both on one device")
         self.tokenizer = load_tokenizer(self.info.tokenizer_path, self.config.vocab_size)
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
-                                   session_ttl=session_ttl)
+                                   pin_ttl=cache.pin_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
         # A store this engine built is closed (flushed down to disk) when the engine is
         # garbage collected without close(); at interpreter exit every open store closes itself.

@@ -34,14 +34,14 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 512, max_seqs: int = 64,
-                 session_ttl: float = 300.0) -> None:
+                 pin_ttl: float = 600.0) -> None:
         if max_batched_tokens < 1 or max_seqs < 1:
             raise ConfigError("max_batched_tokens and max_seqs must be >= 1")
         self.adapter = adapter
         self.block_tokens = adapter.block_tokens
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
-        self.session_ttl = session_ttl
+        self.pin_ttl = pin_ttl              # the store config's pin_ttl (LLM passes it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -96,7 +96,7 @@ class Scheduler:
         a = self.adapter
         match = a.lookup(req.tokens[:req.num_tokens - 1])   # the last token is always computed: it gives logits
         if req.session is not None and match.keys:
-            a.pin(req.session, match.keys, self.session_ttl)
+            a.pin(req.session, match.keys, self.pin_ttl)
         load = a.load(match)
         req.keys = match.keys                 # keyed once; save() extends the chain as blocks fill
         req.pages = list(load.pages)
@@ -147,7 +147,7 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.running.remove(req)
         if req.session is not None and req.keys:
-            self.adapter.pin(req.session, req.keys, self.session_ttl)
+            self.adapter.pin(req.session, req.keys, self.pin_ttl)
         self._drop_pages(req)
         self._blocked = False
 

@@ -1,7 +1,8 @@
 """The connector's configuration: vLLM's `kv_connector_extra_config` and/or a kvtier config file.
 
 Every key is optional; unknown keys are a ConfigError (a typo must not silently mean
-"default"). A `config_file` (JSON, or TOML on Python 3.11+) holds the same keys; keys
+"default"). The tier and store keys are kvtier.StoreConfig's fields, with its defaults
+(docs/config.md); the others are the connector's own. A `config_file` (JSON, or TOML on Python 3.11+) holds the same keys; keys
 given inline override the file's.
 
     {"host_capacity": "8GiB",                       # the host-memory tier (always present)
@@ -9,7 +10,7 @@ given inline override the file's.
      "peers": ["10.0.0.2:7700"] | "directory": "redis://10.0.0.9:6379",   # optional remote tier
      "secret_file": "/etc/kvtier/secret",           # cluster secret (or KVTIER_SECRET)
      "listen": "127.0.0.1:0", "advertise": null,    # where this worker's node serves its store
-     "policy": "lru+nopartial", "write_through": false, "hash": "xxh3",
+     "policy": "lru+nopartial", "write_through": false, "hash": "xxh3",   # StoreConfig fields
      "model": null, "revision": null, "salt": "",  # namespace overrides
      "pin_ttl": 600, "max_pending_save": "1GiB", "failure_policy": "recompute"}
 
@@ -18,16 +19,17 @@ Or an explicit tier list: "tiers": [{"kind": "host", "capacity": "8GiB"},
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.config import StoreConfig, check_names, read_settings
 from kvtier.errors import ConfigError
 from kvtier.keys import checkpoint_revision
 from kvtier.units import parse_bytes
 
+_DEFAULTS = StoreConfig()      # the one set of defaults (docs/config.md)
 _KEYS = {
     "config_file", "tiers", "host_capacity", "disk_path", "disk_capacity", "disk_direct", "disk_io_threads",
     "peers", "directory", "lease_s", "remote_timeout", "secret", "secret_file", "listen", "advertise",
@@ -49,20 +51,14 @@ class ConnectorConfig:
     """What the connector was asked for, checked; `tiers()` builds the store's tiers."""
 
     tiers_spec: list[TierSpec]
+    store: StoreConfig                   # the tiers and the store's behaviour: kvtier.StoreConfig's defaults
     secret: bytes | None = None          # None: a random per-process secret (scheduler <-> own workers only)
     listen: str = "127.0.0.1:0"
     advertise: str | None = None
     transport: str = "tcp"
-    policy: str | list[str] = "lru+nopartial"
-    write_through: bool = False
-    promote: bool = True
-    hash: str = "xxh3"
-    pin_budget: float = 0.5
-    io_threads: int = 1
     model: str | None = None
     revision: str | None = None
     salt: bytes = b""
-    pin_ttl: float = 600.0
     session_param: str = "x-session-affinity"
     max_pending_save: int = 1 << 30
     failure_policy: str = "recompute"    # "recompute": vLLM recomputes blocks that failed to load; "keep": vLLM's own setting
@@ -71,21 +67,6 @@ class ConnectorConfig:
     @property
     def remote(self) -> TierSpec | None:
         return next((t for t in self.tiers_spec if t.kind == "remote"), None)
-
-    def tiers(self, subdir: str = "") -> list[Any]:
-        """Fresh local tier objects, fastest first. `subdir` is appended to disk paths: each
-        namespace (model, revision, tensor-parallel rank, layout) is a store of its own."""
-        from kvtier.tiers import DiskTier, HostTier
-
-        out: list[Any] = []
-        for t in self.tiers_spec:
-            a = dict(t.args)
-            if t.kind == "host":
-                out.append(HostTier(**a))
-            elif t.kind == "disk":
-                path = Path(a.pop("path"))
-                out.append(DiskTier(path / subdir if subdir else path, **a))
-        return out
 
     def build_remote(self) -> Any:
         """The store's `remote=` (a kvtier.Remote over the peers or the directory), or None."""
@@ -114,24 +95,7 @@ def model_revision(model: str, revision: str | None) -> str:
 
 
 def _load_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read the kvtier config file {path}: {e.strerror}") from None
-    try:
-        if p.suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:     # Python 3.10
-                raise ConfigError(f"{path}: TOML config files need Python 3.11+; use JSON") from None
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold one object of settings (see docs/vllm.md)")
+    data = read_settings(path)
     data = data.get("vllm", data) if isinstance(data.get("vllm"), dict) else data
     if "config_file" in data:
         raise ConfigError(f"{path}: a config file cannot name another config_file")
@@ -177,9 +141,9 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
             args = {k: v for k, v in t.items() if k != "kind"}
             specs.append(TierSpec(t["kind"], args))
     else:
-        specs = [TierSpec("host", {"capacity": cfg.get("host_capacity", "4GiB")})]
+        specs = [TierSpec("host", {"capacity": cfg.get("host_capacity", _DEFAULTS.host_capacity)})]
         if cfg.get("disk_path"):
-            d: dict[str, Any] = {"path": cfg["disk_path"], "capacity": cfg.get("disk_capacity", "64GiB")}
+            d: dict[str, Any] = {"path": cfg["disk_path"], "capacity": cfg.get("disk_capacity", _DEFAULTS.disk_capacity)}
             if "disk_direct" in cfg:
                 d["direct"] = cfg["disk_direct"]
             if "disk_io_threads" in cfg:
@@ -231,13 +195,35 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         raise ConfigError(f"failure_policy must be 'recompute' or 'keep', got {failure!r}")
     salt = cfg.get("salt", b"")
     return ConnectorConfig(
-        tiers_spec=specs, secret=secret, listen=str(cfg.get("listen", "127.0.0.1:0")),
+        tiers_spec=specs, store=_store_config(cfg, specs), secret=secret, listen=str(cfg.get("listen", "127.0.0.1:0")),
         advertise=cfg.get("advertise"), transport=str(cfg.get("transport", "tcp")),
-        policy=cfg.get("policy", "lru+nopartial"), write_through=bool(cfg.get("write_through", False)),
-        promote=bool(cfg.get("promote", True)), hash=str(cfg.get("hash", "xxh3")),
-        pin_budget=_num(cfg, "pin_budget", 0.5), io_threads=int(_num(cfg, "io_threads", 1, 1)),
         model=cfg.get("model"), revision=cfg.get("revision"),
         salt=salt.encode() if isinstance(salt, str) else bytes(salt),
-        pin_ttl=_num(cfg, "pin_ttl", 600.0), session_param=str(cfg.get("session_param", "x-session-affinity")),
+        session_param=str(cfg.get("session_param", "x-session-affinity")),
         max_pending_save=parse_bytes(cfg.get("max_pending_save", "1GiB")), failure_policy=failure,
         min_hit_blocks=int(_num(cfg, "min_hit_blocks", 1, 1)))
+
+
+def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:
+    """The StoreConfig of these settings: the tiers (shorthand keys or the 'tiers' list) and the
+    store's keys; what is not given keeps StoreConfig's default."""
+    host = next(t for t in specs if t.kind == "host").args
+    disks = [t.args for t in specs if t.kind == "disk"]
+    for args, known in [(host, ["capacity"])] + [(d, ["path", "capacity", "direct", "io_threads"]) for d in disks]:
+        check_names(args, known, "'tiers' list")
+    if len(disks) > 1:
+        raise ConfigError("give at most one disk tier (one directory per vLLM instance)")
+    if "capacity" not in host or any("capacity" not in d for d in disks):
+        raise ConfigError("give each tier a capacity, e.g. {'kind': 'host', 'capacity': '8GiB'}")
+    fields: dict[str, Any] = {"host_capacity": host["capacity"]}
+    if disks:
+        d = disks[0]
+        fields.update(disk_path=str(d["path"]), disk_capacity=d["capacity"])
+        if d.get("direct") is not None:
+            fields["disk_direct"] = d["direct"]
+        if "io_threads" in d:
+            fields["disk_io_threads"] = d["io_threads"]
+    for key in ("policy", "hash", "pin_budget", "pin_ttl", "write_through", "promote", "io_threads"):
+        if key in cfg:
+            fields[key] = cfg[key]
+    return StoreConfig.from_dict(fields, where="kvtier connector settings")

@@ -116,7 +116,7 @@ class SchedulerSide:
         n = len(prompt) // B
         params = getattr(request, "kv_transfer_params", None) or {}
         session = params.get(self.cfg.session_param) if isinstance(params, dict) else None
-        ttl = params.get("x-session-ttl", self.cfg.pin_ttl) if isinstance(params, dict) else self.cfg.pin_ttl
+        ttl = params.get("x-session-ttl", self.cfg.store.pin_ttl) if isinstance(params, dict) else self.cfg.store.pin_ttl
         lora = getattr(request, "lora_request", None)
         tag = b""
         if lora is not None:

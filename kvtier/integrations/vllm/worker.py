@@ -95,10 +95,8 @@ class WorkerSide:
         layout = self.pages.layout
         cfg = self.cfg
         try:
-            self.store = Store(layout, cfg.tiers(self.disk_subdir(layout)), self.namespace,
-                               remote=cfg.build_remote(), policy=cfg.policy,
-                               hash=cfg.hash, pin_budget=cfg.pin_budget, write_through=cfg.write_through,
-                               promote=cfg.promote, io_threads=cfg.io_threads)
+            self.store = cfg.store.build(layout, self.namespace, remote=cfg.build_remote(),
+                                         subdir=self.disk_subdir(layout))
         except ConfigError as e:
             if "in use by another process" not in str(e):
                 raise
@@ -120,7 +118,7 @@ class WorkerSide:
     def disk_subdir(self, layout: Any) -> str:
         """Where under disk_path this store lives: one directory per namespace (model,
         revision, rank, layout), since a disk tier holds one namespace and one process."""
-        seed = self.namespace.seed(layout, self.cfg.hash).hex()[:16]
+        seed = self.namespace.seed(layout, self.cfg.store.hash).hex()[:16]
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", self.namespace.model).strip("_")[-48:] or "model"
         return f"{slug}-{seed}"
 
@@ -130,14 +128,14 @@ class WorkerSide:
         if self.store is None:
             return None
         return {"address": self.address, "secret": self.secret, "seed": self.store.keyer.seed,
-                "hash": self.cfg.hash, "block_tokens": self.store.layout.block_tokens, "rank": self.rank,
+                "hash": self.cfg.store.hash, "block_tokens": self.store.layout.block_tokens, "rank": self.rank,
                 "pid": os.getpid()}
 
     # -- per step ------------------------------------------------------------------------
     def ingest(self, plan: StepPlan) -> None:
         """Key the step's new requests; let resynced requests save again."""
         assert self.store is not None and self.adapter is not None
-        bt, seed, h = self.store.layout.block_tokens, self.store.keyer.seed, self.cfg.hash
+        bt, seed, h = self.store.layout.block_tokens, self.store.keyer.seed, self.cfg.store.hash
         for r in plan.new:
             keys = self._chains[r.req_id] = request_keys(r.token_ids, bt, seed, h, r.tag)
             if r.session and keys:

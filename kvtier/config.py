@@ -1,0 +1,159 @@
+"""One configuration for every store kvtier builds: the CLI's, the reference engine's and
+the vLLM connector's. The defaults live here and nowhere else (docs/config.md).
+
+    config = kvtier.StoreConfig(host_capacity="8GiB", disk_path="/nvme/kv")
+    config = kvtier.StoreConfig.from_file("kvtier.toml")        # or .json; unknown keys refused
+    store = config.build(layout, namespace)                     # host -> disk
+    store = config.build(layout, namespace, device="cuda:0")    # engine pages -> host -> disk
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from kvtier.errors import ConfigError
+from kvtier.policies import DEFAULT_POLICY
+from kvtier.units import parse_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.keys import Namespace
+    from kvtier.layout import KVLayout
+    from kvtier.net.remote import Remote
+    from kvtier.store import Store
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What a store is made of and how it behaves. Sizes are bytes or strings like "8GiB"."""
+
+    block_tokens: int = 16                   # tokens per block (an engine with its own page size uses that)
+    device_capacity: int | str = "256MiB"    # the device tier: the KV pages of an engine whose pages are kvtier's
+    host_capacity: int | str | None = "1GiB"  # host memory (pinned where CUDA is); None: no host tier
+    disk_path: str | None = None             # a disk tier's directory, kept across runs; None: no disk tier
+    disk_capacity: int | str = "16GiB"       # allocated when the directory is first used (refused if it does not fit)
+    disk_direct: bool | None = None          # O_DIRECT: None = where the filesystem allows it
+    disk_io_threads: int = 4                 # parallel disk reads and writes
+    policy: str = DEFAULT_POLICY             # eviction (+ admission) policy, kvtier.policies
+    hash: str = "xxh3"                       # block keys: xxh3, sha256 or blake3
+    pin_budget: float = 0.5                  # share of each tier session pins may hold
+    pin_ttl: float = 600.0                   # seconds a session's prefix stays pinned after its last turn
+    write_through: bool = False              # write each new block to disk at once (else on eviction/flush)
+    promote: bool = True                     # copy blocks read from lower tiers up into the top tier
+    io_threads: int = 1                      # store threads for non-blocking get/put
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "disk_io_threads", "io_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
+        for name in ("device_capacity", "host_capacity", "disk_capacity"):
+            v = getattr(self, name)
+            if v is None and name == "host_capacity":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ConfigError(f"{name} must be a size like '8GiB' or a number of bytes, got {v!r}")
+            parse_bytes(v)                   # raises a ConfigError that says what a size looks like
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise ConfigError(f"disk_path must be a directory path (a string), got {self.disk_path!r}")
+        if self.disk_direct not in (None, True, False):
+            raise ConfigError(f"disk_direct must be true, false or null (O_DIRECT where allowed), got {self.disk_direct!r}")
+        for name in ("write_through", "promote"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} (see `kvtier policies`)")
+        from kvtier.keys import HASHES
+        if self.hash not in HASHES:
+            raise ConfigError(f"hash must be one of {', '.join(HASHES)}, got {self.hash!r}")
+        for name, lo, hi in (("pin_budget", 0.0, 0.9), ("pin_ttl", 0.0, float("inf"))):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (name == "pin_ttl" and v == 0):
+                raise ConfigError(f"{name} must be a number in {'[0, 0.9]' if name == 'pin_budget' else '(0, inf)'}, got {v!r}")
+
+    # -- from settings -------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any], *, where: str = "store config") -> StoreConfig:
+        """A config from a mapping of field names; an unknown name is a ConfigError that
+        suggests the closest known one (a typo must not silently mean "default")."""
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"the {where} must be a mapping of settings, not {type(settings).__name__}")
+        check_names(settings, cls.fields(), where)
+        return cls(**dict(settings))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> StoreConfig:
+        """A config from a JSON or TOML (.toml) file of settings."""
+        return cls.from_dict(read_settings(path), where=f"config file {path}")
+
+    def replace(self, **changes: Any) -> StoreConfig:
+        """A copy with some fields changed (e.g. command-line flags over a file's settings)."""
+        check_names(changes, self.fields(), "store config")
+        return dataclasses.replace(self, **changes)
+
+    # -- a store -------------------------------------------------------------------------
+    def build(self, layout: KVLayout, namespace: Namespace, *, device: str | torch.device | None = None,
+              remote: Remote | None = None, subdir: str = "") -> Store:
+        """The store this config describes. With `device` (where an engine's KV pages live,
+        e.g. "cuda:0" or "cpu"), a DeviceTier of device_capacity comes first: the engine's
+        pages. `subdir` is appended to disk_path (one store per namespace or rank)."""
+        from kvtier.store import Store
+        from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
+
+        tiers: list[Tier] = []
+        if device is not None:
+            tiers.append(DeviceTier(self.device_capacity, device=device, name="device"))
+        if self.host_capacity is not None:
+            tiers.append(HostTier(self.host_capacity, name="host"))
+        if self.disk_path is not None:
+            path = Path(self.disk_path) / subdir if subdir else Path(self.disk_path)
+            tiers.append(DiskTier(path, self.disk_capacity, name="disk", direct=self.disk_direct,
+                                  io_threads=self.disk_io_threads))
+        if not tiers:
+            raise ConfigError("this config has no tier: give host_capacity, disk_path, or a device for engine pages")
+        return Store(layout, tiers, namespace, remote=remote, policy=self.policy, hash=self.hash,
+                     pin_budget=self.pin_budget, write_through=self.write_through, promote=self.promote,
+                     io_threads=self.io_threads)
+
+
+def check_names(settings: Mapping[str, Any], known: list[str], where: str) -> None:
+    """ConfigError for the first unknown setting, with the closest known name."""
+    for name in settings:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+            raise ConfigError(f"unknown setting {name!r} in the {where}{hint}")
+
+
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """One object of settings from a JSON file, or a TOML file (.toml)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"the config file {p} is not text: give a JSON or TOML file") from None
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:      # Python 3.10
+                raise ConfigError(f"{p}: TOML config files need Python 3.11+; use JSON") from None
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold one object of settings, e.g. {{\"host_capacity\": \"8GiB\"}}")
+    return data
