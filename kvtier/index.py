@@ -14,16 +14,15 @@ tier, dropped. A block or copy being written is invisible until commit().
 """
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvtier.ids import IndexKey as Key
 from kvtier.errors import CapacityError, ConfigError, KeyNotCachedError
+from kvtier.pins import UNPINNED, Pins
 from kvtier.policies import BlockInfo, EvictionPolicy, make_policy
 
-_UNPINNED = 1 << 30
 
 
 class Entry:
@@ -93,18 +92,10 @@ class TierState:
         self.free = list(range(capacity))
         self.policy = policy
         self.counters = TierCounters()
-        self.pinned = 0          # distinct keys pinned with this tier as their floor
 
     @property
     def used(self) -> int:
         return self.capacity - len(self.free)
-
-
-@dataclass(slots=True)
-class PinRecord:
-    keys: list[Key]
-    tier: int
-    expires: float
 
 
 class BlockIndex:
@@ -116,9 +107,6 @@ class BlockIndex:
                  clock: Callable[[], float] = time.monotonic, allow_offline: bool = False) -> None:
         if not tiers:
             raise ConfigError("a store needs at least one tier")
-        if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or not 0.0 <= pin_budget <= 0.9:
-            raise ConfigError(f"pin_budget is the fraction of each tier that pins may hold, in [0, 0.9] "
-                              f"(pins must never starve the store), got {pin_budget!r}")
         given = [policy] * len(tiers) if isinstance(policy, (str, EvictionPolicy)) else list(policy)
         if len(given) != len(tiers):
             raise ConfigError(f"got {len(given)} policies for {len(tiers)} tiers: give one or one per tier")
@@ -128,16 +116,12 @@ class BlockIndex:
             if t.policy.offline and not allow_offline:
                 raise ConfigError(f"policy {t.policy.name!r} needs the future: it is for trace replay only")
         self.block_tokens = block_tokens
-        self.pin_budget = pin_budget
         self.clock = clock
+        self.pins = Pins([c for _, c in tiers], pin_budget, clock)   # sessions' floors (kvtier/pins.py)
         self.entries: dict[Key, Entry] = {}
         # key -> tier of every readable block. Kept beside `entries` so lookup is one
         # C-level map over the keys (a 128k-token prompt has 8,192 of them).
         self.ready: dict[Key, int] = {}
-        self._pins: dict[str, PinRecord] = {}
-        self._pinners: dict[Key, dict[str, int]] = {}
-        self._floor: dict[Key, int] = {}     # key -> highest tier it must stay in or above
-        self._expiry: list[tuple[float, str]] = []
         self._copying: set[tuple[Key, int]] = set()   # copies reserved but not committed yet
         # Keys that became readable (+) or left the store (-), for a directory that tells
         # other nodes what this one holds. None: nobody listens, nothing is recorded.
@@ -160,7 +144,7 @@ class BlockIndex:
 
         All or nothing: raises KeyNotCachedError, holding none, if any key is not readable.
         """
-        self.expire_pins()
+        self.pins.expire()
         found = list(map(self.entries.get, keys))
         for i, e in enumerate(found):
             if e is None or not e.ready:
@@ -208,7 +192,7 @@ class BlockIndex:
         so after a put the root is the most recent block. New blocks stay invisible
         until commit().
         """
-        self.expire_pins()
+        self.pins.expire()
         top = self.tiers[0]
         if len(keys) > top.capacity:
             raise CapacityError(
@@ -303,7 +287,7 @@ class BlockIndex:
         blocks down (write-through, flush). The blocks are held until commit() or abort().
         Blocks not readable, or already in `tier`, are skipped (counted as present).
         """
-        self.expire_pins()
+        self.pins.expire()
         res = Reservation(tier=tier, copy=True)
         ts = self.tiers[tier]
         for i, k in enumerate(keys):
@@ -335,7 +319,7 @@ class BlockIndex:
         `n` can be had, the ones found go back to the free list (evictions already chosen
         stand: their moves are in `moves` and must still be carried out).
         """
-        self.expire_pins()
+        self.pins.expire()
         slots: list[int] = []
         for _ in range(n):
             slot = self._allocate(tier, moves)
@@ -359,7 +343,7 @@ class BlockIndex:
         stays the caller's; a None slot is skipped. `keys` should remember their chain
         (BlockKeys) for the policies.
         """
-        self.expire_pins()
+        self.pins.expire()
         ts = self.tiers[tier]
         start = getattr(keys, "start", 0)
         parent = getattr(keys, "parent", None)
@@ -470,8 +454,8 @@ class BlockIndex:
         e = self.entries[key]
         if e.refs or not e.ready:
             return False
-        floor = self._floor.get(key, _UNPINNED)
-        if floor == _UNPINNED or self._has_other_copy(e, tier, floor):
+        floor = self.pins.floor(key)
+        if floor == UNPINNED or self._has_other_copy(e, tier, floor):
             return True
         # A pinned block's only copy within its floor may move down to the floor, never out.
         return floor > tier and tier + 1 < len(self.tiers)
@@ -495,14 +479,14 @@ class BlockIndex:
             if victim is None:
                 return None
             e = self.entries[victim]
-            if self._has_other_copy(e, tier, self._floor.get(victim, _UNPINNED)):
+            if self._has_other_copy(e, tier, self.pins.floor(victim)):
                 dst = None          # another copy stays readable: drop this one, no I/O
                 break
             # The lower tier's admission filter decides whether the block is worth a slot
             # there (most blocks are never reused); a pinned block always moves down.
-            admitted = below < len(self.tiers) and (victim in self._floor or self.tiers[below].policy.admit(e.info))
+            admitted = below < len(self.tiers) and (victim in self.pins or self.tiers[below].policy.admit(e.info))
             dst = self._allocate(below, moves) if admitted else None
-            if dst is None and victim in self._floor:
+            if dst is None and victim in self.pins:
                 stuck.add(victim)   # a pinned block may move down but never out: try the next
                 continue
             break
@@ -523,77 +507,3 @@ class BlockIndex:
         ts.counters.dropped += 1
         self._drop_copy(victim, e, tier)
         return slot
-
-    # -- pins ------------------------------------------------------------------------
-    def pin(self, session: str, keys: Sequence[Key], ttl: float, tier: int = 0) -> int:
-        """Keep `keys` in `tier` or above until `ttl` seconds pass or unpin(session).
-
-        Pins the longest prefix of `keys` that fits the tier's pinned budget and returns
-        its length. Keys not cached yet are protected once they arrive. Pinning a session
-        again replaces its previous pin.
-        """
-        if not 0 <= tier < len(self.tiers):
-            raise ConfigError(f"pin tier {tier} out of range: the store has {len(self.tiers)} tiers")
-        if ttl <= 0:
-            raise ConfigError(f"ttl must be positive seconds, got {ttl}")
-        self.unpin(session)
-        self.expire_pins()
-        ts = self.tiers[tier]
-        budget = int(self.pin_budget * ts.capacity)
-        pinned: list[Key] = []
-        for k in keys:
-            if session in self._pinners.get(k, ()):
-                continue            # a key listed twice is pinned once
-            old = self._floor.get(k, _UNPINNED)
-            if old > tier:
-                if ts.pinned + 1 > budget:
-                    break
-                ts.pinned += 1
-                if old != _UNPINNED:
-                    self.tiers[old].pinned -= 1
-                self._floor[k] = tier
-            self._pinners.setdefault(k, {})[session] = tier
-            pinned.append(k)
-        expires = self.clock() + ttl
-        self._pins[session] = PinRecord(pinned, tier, expires)
-        heapq.heappush(self._expiry, (expires, session))
-        return len(pinned)
-
-    def unpin(self, session: str) -> int:
-        """Release a session's pin; returns how many keys it had pinned (0 if none)."""
-        rec = self._pins.pop(session, None)
-        if rec is None:
-            return 0
-        for k in rec.keys:
-            who = self._pinners[k]
-            del who[session]
-            old = self._floor[k]
-            new = min(who.values(), default=_UNPINNED)
-            if not who:
-                del self._pinners[k]
-            if new != old:
-                self.tiers[old].pinned -= 1
-                if new == _UNPINNED:
-                    del self._floor[k]
-                else:
-                    self.tiers[new].pinned += 1
-                    self._floor[k] = new
-        return len(rec.keys)
-
-    def expire_pins(self) -> None:
-        """Drop pins whose TTL has passed."""
-        exp = self._expiry
-        if not exp or exp[0][0] > self.clock():
-            return
-        now = self.clock()
-        while exp and exp[0][0] <= now:
-            expires, session = heapq.heappop(exp)
-            rec = self._pins.get(session)
-            if rec is not None and rec.expires == expires:   # not re-pinned since
-                self.unpin(session)
-
-    def pinned_keys(self) -> int:
-        return len(self._floor)
-
-    def sessions(self) -> dict[str, PinRecord]:
-        return dict(self._pins)

@@ -74,7 +74,7 @@ class PagePool:
         moves: list[Move] = []
         slots = st.index.lend(0, n, moves)
         try:
-            st._apply(Reservation(moves=moves))     # evictions chosen stand even when slots is None
+            st._mover.apply(Reservation(moves=moves))     # evictions chosen stand even when slots is None
         except BaseException:
             if slots:
                 st.index.give_back(0, slots)

@@ -27,12 +27,13 @@ import numpy as np
 import torch
 
 from kvtier.checksum import block_checksum
-from kvtier.errors import ClosedError, ConfigError, LayoutError, TransferError
+from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
-from kvtier.index import BlockIndex, Move, Reservation
+from kvtier.index import BlockIndex, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
+from kvtier.moves import Mover
 from kvtier.payload import as_rows
 from kvtier.pool import PagePool
 from kvtier.policies import DEFAULT_POLICY
@@ -169,6 +170,7 @@ class Store:
             self.remote.attach(self.keyer.seed, layout.block_bytes)
         self.counters = StoreCounters()
         self._lock = threading.Lock()
+        self._mover = Mover(self.tiers, self.index, self._lock, self.counters)   # runs the index's moves
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
@@ -243,14 +245,14 @@ class Store:
                 self.index.release(local)
         loaded = min((j for j, _ in bad), default=n_local)
         if bad:
-            self._discard([(keys[j], t) for j, t in bad])
+            self._mover.discard([(keys[j], t) for j, t in bad])
         if loaded == n_local < len(keys) and self.remote is not None:
             loaded += self._fetch_remote(keys[n_local:], rows[n_local:])   # straight into `out`
         transfer.loaded = loaded
         if promote and len(self.tiers) > 1:
             lower = [i for i in range(min(loaded, n_local)) if locs[i][0] > 0]
             if lower:
-                self._copy_into(0, [keys[i] for i in lower], rows, lower)
+                self._mover.copy_into(0, [keys[i] for i in lower], rows, lower)
 
     # -- save ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: object, *, blocking: bool = True) -> Transfer:
@@ -271,7 +273,7 @@ class Store:
             return Transfer("put", 0, 0, res.present, res.rejected)
 
         def save() -> None:
-            self._fill(res, rows, res.positions)
+            self._mover.fill(res, rows, res.positions)
             self._written(res, rows)
 
         return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
@@ -281,7 +283,7 @@ class Store:
         with self._lock:
             self._check_open()
             res = self.index.reserve(keys)
-            self._apply(res)
+            self._mover.apply(res)
             c = self.counters
             c.puts += 1
             c.put_present += res.present
@@ -298,107 +300,9 @@ class Store:
             for i, tier in enumerate(self.tiers):
                 if i > 0 and tier.persistent:
                     if rows is None:
-                        self._copy_into(i, res.keys)
+                        self._mover.copy_into(i, res.keys)
                     else:
-                        self._copy_into(i, res.keys, rows, res.positions)
-
-    def _apply(self, res: Reservation) -> None:
-        """Carry out a reservation's moves (caller holds the lock). If one fails, the blocks
-        it was moving are forgotten where they were going (their bytes may not be there) and
-        the reservation is undone: the index never claims bytes that did not arrive."""
-        try:
-            self._move(res.moves)
-        except Exception as e:
-            for m in res.moves:
-                if m.dst_tier is not None:
-                    gone = self.index.discard(m.key, m.dst_tier)
-                    if gone is not None:
-                        self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
-            self.index.abort(res)
-            raise TransferError(f"moving evicted blocks to a lower tier failed: {e}") from e
-
-    def _move(self, moves: list[Move]) -> None:
-        """Carry out demotions and drops chosen by the index (under the lock, before slots are reused).
-
-        Moves run in the order the index chose them (a block may move twice in one put, and
-        a move into a slot must follow the move out of it). Consecutive demotions between
-        the same two tiers that touch no slot or block twice are one batched write (one disk
-        transaction); a drop independent of that batch may go first, as it moves no bytes.
-        """
-        batch: list[Move] = []
-        touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
-        keys: set[bytes] = set()
-
-        def flush() -> None:
-            if batch:
-                src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
-                dst.write([m.dst_slot for m in batch], [src.block(m.src_slot) for m in batch], None,
-                          [m.key for m in batch])
-                src.release([m.src_slot for m in batch], [m.key for m in batch])
-                batch.clear()
-                touched.clear()
-                keys.clear()
-
-        for m in moves:
-            here = (m.src_tier, m.src_slot)
-            if m.dst_tier is None:                 # a drop: forget the copy
-                if here in touched or m.key in keys:
-                    flush()
-                self.tiers[m.src_tier].release([m.src_slot], [m.key])
-                continue
-            there = (m.dst_tier, m.dst_slot)
-            if batch and ((m.src_tier, m.dst_tier) != (batch[0].src_tier, batch[0].dst_tier)
-                          or here in touched or there in touched or m.key in keys):
-                flush()
-            batch.append(m)
-            touched.update((here, there))
-            keys.add(m.key)
-        flush()
-
-    def _discard(self, bad: list[tuple[bytes, int]]) -> None:
-        """Drop copies whose bytes failed verification: they are misses from now on."""
-        with self._lock:
-            for key, tier in bad:
-                m = self.index.discard(key, tier)
-                if m is not None:
-                    self.tiers[tier].release([m.src_slot], [key])
-            self.counters.corrupt_blocks += len(bad)
-
-    def _copy_into(self, tier: int, keys: Sequence[bytes], rows: Sequence[np.ndarray] | None = None,
-                   positions: list[int] | None = None) -> int:
-        """Give cached blocks a copy in `tier`: from `rows[positions[j]]` (their bytes, already
-        in memory), or without rows from their primary copies (held while they are read)."""
-        with self._lock:
-            res = self.index.reserve_copies(keys, tier)
-            self._apply(res)
-            if rows is None:
-                entries = self.index.entries
-                srcs: Sequence[np.ndarray] = [self.tiers[entries[k].tier].block(entries[k].slot) for k in res.keys]
-                idx = None
-            else:
-                srcs, idx = rows, [positions[j] for j in res.positions]
-        if not res.keys:
-            return 0
-        self._fill(res, srcs, idx)
-        return len(res.keys)
-
-    def _fill(self, res: Reservation, rows: Sequence[np.ndarray], idx: Sequence[int] | None) -> None:
-        """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
-        with self._committing(res):
-            self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
-
-    @contextmanager
-    def _committing(self, res: Reservation) -> Iterator[None]:
-        """The reserved blocks become readable once the `with` body has written them; if it
-        raises, they are forgotten and their slots freed."""
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                self.index.abort(res)
-            raise
-        with self._lock:
-            self.index.commit(res)
+                        self._mover.copy_into(i, res.keys, rows, res.positions)
 
     def _run(self, transfer: Transfer, work: Callable[[], None], blocking: bool) -> Transfer:
         if blocking:
@@ -430,7 +334,7 @@ class Store:
         if memory is None:
             raise ConfigError(f"writing() needs a memory top tier; this store's is {self.tiers[0].name}: use put()")
         res = self._reserve(keys)
-        with self._committing(res):
+        with self._mover.committing(res):
             yield WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
                              res.present, res.rejected)
         self._written(res)
@@ -512,7 +416,7 @@ class Store:
             if (self.promote if promote is None else promote) and len(self.tiers) > 1:
                 up = [(i, r) for i, r in stored if i < n]
                 if up:
-                    self._copy_into(0, [keys[i] for i, _ in up], [r for _, r in up], list(range(len(up))))
+                    self._mover.copy_into(0, [keys[i] for i, _ in up], [r for _, r in up], list(range(len(up))))
             yield HeldBlocks(n, groups, tiers[:n])
         finally:
             with self._lock:
@@ -520,7 +424,7 @@ class Store:
             if buffer is not None:
                 self._buffer_back(buffer)
             if bad:
-                self._discard(bad)
+                self._mover.discard(bad)
 
     def _release(self, keys: Sequence[bytes]) -> None:
         """End holds taken for reading (index.acquire) that no read will end."""
@@ -574,7 +478,7 @@ class Store:
         for i, tier in enumerate(self.tiers):
             if i > 0 and tier.persistent:
                 try:
-                    self._copy_into(i, keys)
+                    self._mover.copy_into(i, keys)
                 except Exception as e:
                     log.warning("write-through of %d blocks to %s failed: %s", len(keys), tier.name, e)
 
@@ -602,7 +506,7 @@ class Store:
             with self._lock:
                 self._check_open()
                 keys = self.index.without_copy(i)
-            self._copy_into(i, keys)
+            self._mover.copy_into(i, keys)
             tier.flush()
 
     # -- pins ------------------------------------------------------------------------
@@ -620,12 +524,12 @@ class Store:
             raise ConfigError(f"ttl is a number of seconds, e.g. 600, not {ttl!r}")
         with self._lock:
             self._check_open()
-            return self.index.pin(session, keys, float(ttl), self._tier_index(tier))
+            return self.index.pins.pin(session, keys, float(ttl), self._tier_index(tier))
 
     def unpin(self, session: str) -> int:
         """Release a session's pin; returns how many blocks it held (0 if none)."""
         with self._lock:
-            return self.index.unpin(session)
+            return self.index.pins.unpin(session)
 
     def _tier_index(self, tier: int | str) -> int:
         if isinstance(tier, str):
@@ -657,13 +561,13 @@ class Store:
     def stats(self) -> StoreStats:
         """Counters for the store and each tier (hits, evictions, bytes, pinned bytes)."""
         with self._lock:
-            self.index.expire_pins()
+            self.index.pins.expire()
             tiers = []
-            for t, s in zip(self.tiers, self.index.tiers):
+            for t, s, pinned in zip(self.tiers, self.index.tiers, self.index.pins.pinned):
                 c = s.counters
                 tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
-                                       c.evicted, c.demoted_in, c.dropped, c.rejected, s.pinned, t.info()))
-            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.sessions()),
+                                       c.evicted, c.demoted_in, c.dropped, c.rejected, pinned, t.info()))
+            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.pins.sessions()),
                               self.recovered, self.remote.info() if self.remote else None)
 
     def close(self) -> None:

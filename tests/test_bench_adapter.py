@@ -1,4 +1,4 @@
-"""`kvtier bench adapter`: the engine's pages <-> host tier path, timed against memcpy."""
+"""`kvtier bench adapter`: the engine's pages <-> kvtier's tiers, timed against memcpy."""
 import json
 
 from conftest import assert_one_line_error, run_kvtier
@@ -9,8 +9,9 @@ def test_rows_for_each_page_size_and_op():
                    "--prompt-tokens", "256", "--page-tokens", "16,64", "--repeat", "1", "--json")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [(x["op"], x["page_tokens"], x["blocks"]) for x in rows] == [
-        ("load_into", 16, 32), ("save_from", 16, 32), ("load_into", 64, 8), ("save_from", 64, 8)]
+    ops = ["load_into", "save_from", "load_host", "load_disk"]
+    assert [(x["op"], x["page_tokens"], x["blocks"]) for x in rows] == \
+        [(op, 16, 32) for op in ops] + [(op, 64, 8) for op in ops]
     for x in rows:
         assert x["gbps"] > 0 and x["memcpy_gbps"] > 0
         assert abs(x["ratio"] - x["gbps"] / x["memcpy_gbps"]) < 0.01

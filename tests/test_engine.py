@@ -218,8 +218,7 @@ def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_
 
 def test_an_engine_never_closed_still_leaves_its_blocks_on_disk(tmp_path, children):
     """The documented script without close(): the store is flushed at interpreter exit."""
-    code = ("from kvtier import StoreConfig
-from kvtier.engine import LLM, SamplingParams\n"
+    code = ("from kvtier import StoreConfig\nfrom kvtier.engine import LLM, SamplingParams\n"
             f"llm = LLM('kimi-tiny', cache=StoreConfig(host_capacity=None, disk_path={str(tmp_path / 'kv')!r}, disk_capacity='16MiB'))\n"
             "llm.generate([list(range(80))], SamplingParams(max_tokens=2))\n"
             "print('generated', flush=True)\n")

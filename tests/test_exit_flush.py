@@ -106,7 +106,7 @@ def test_a_failed_flush_at_exit_is_reported_not_silent(tmp_path):
 
 def engine(path) -> "kvtier.engine.LLM":
     from kvtier import StoreConfig
-from kvtier.engine import LLM
+    from kvtier.engine import LLM
     return LLM("kimi-tiny", cache=StoreConfig(host_capacity=None, disk_path=str(path), disk_capacity="16MiB"))
 
 

@@ -2,6 +2,9 @@
 
     save_from   the engine's pages (vLLM format, scattered page ids) -> the host tier
     load_into   the host tier -> the engine's pages, layer by layer, waited for
+    load_host   pages in kvtier (the reference engine): a prefix in the host tier -> the
+                device tier's pages (a CPU tensor here), planned by the page pool
+    load_disk   the same from the disk tier: read and verified, then copied into pages
 
 Each is timed against a raw memcpy of the same bytes in the same run, alternating the two
 so both see the same machine. The default layout is Llama-3-8B-like (32 layers, 8 KV
@@ -14,7 +17,7 @@ from typing import Any
 
 from kvtier import argtypes
 
-HELP = "time an engine's pages -> host tier (save_from) and back (load_into) against a raw memcpy"
+HELP = "time an engine's pages <-> kvtier's tiers (save_from, load_into, load from host and disk) against a raw memcpy"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=argtypes.positive_int, default=128, help="head dimension")
     p.add_argument("--repeat", type=argtypes.positive_int, default=5,
                    help="timed repetitions; the median is reported")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="where the load_disk row's disk tier goes (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -53,10 +58,93 @@ def run(args: argparse.Namespace) -> int:
         for pt in sizes:
             bar.describe(f"{pt}-token pages")
             rows += _one_size(args, pt)
+            rows += _pages_in_kvtier(args, pt)
             bar.advance()
-    emit(rows, args.json, "Engine pages <-> host tier vs a raw memcpy of the same bytes (higher GB/s is better)",
+    emit(rows, args.json, "Engine pages <-> kvtier's tiers vs a raw memcpy of the same bytes (higher GB/s is better)",
          ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio"], left=1)
     return 0
+
+
+def _sizes(args: argparse.Namespace, page_tokens: int) -> tuple[Any, int]:
+    """The layout of `page_tokens`-token blocks and how many blocks one operation moves."""
+    import torch
+
+    import kvtier
+
+    layout = kvtier.KVLayout.mha(args.layers, args.kv_heads, args.head_dim, page_tokens, torch.bfloat16)
+    n = args.requests * (args.prompt_tokens // page_tokens)
+    if n < 1:
+        from kvtier.errors import ConfigError
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} holds no full {page_tokens}-token page")
+    return layout, n
+
+
+def _row(op: str, page_tokens: int, n: int, nbytes: int, t_op: float, t_copy: float) -> dict[str, Any]:
+    gbps, base = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
+    return {"bench": "adapter", "op": op, "page_tokens": page_tokens, "blocks": n, "mib": round(nbytes / 2**20, 1),
+            "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3), "ratio": round(gbps / base, 3)}
+
+
+def _memcpy(nbytes: int) -> tuple[Any, Any]:
+    """A raw memcpy of `nbytes` between two page-aligned, prefaulted buffers, and its closer."""
+    from kvtier.tiers.memory import allocate_host
+
+    src, dst = allocate_host(nbytes), allocate_host(nbytes)
+    src.tensor[:] = 1
+
+    def close() -> None:
+        src.close()
+        dst.close()
+    return (lambda: dst.tensor.copy_(src.tensor)), close
+
+
+def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]]:
+    """An engine whose pages are the store's device tier loads a prefix found in the host tier,
+    then one found on disk: adapter.lookup -> adapter.load (planned under the lock once,
+    copied layer by layer into newly allocated pages) -> adapter.free. The blocks are not
+    cache()d, so each round loads from the same tier again."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    import kvtier
+    from kvtier.adapter import KVAdapter
+    from kvtier.bench.common import timeit_pair
+
+    layout, n = _sizes(args, page_tokens)
+    nbytes = n * layout.block_bytes
+    memcpy, close_memcpy = _memcpy(nbytes)
+    tmp = tempfile.mkdtemp(prefix="kvtier-bench-adapter-", dir=args.disk)
+    rows = []
+    try:
+        for op, lower in (("load_host", kvtier.HostTier(blocks=n)), ("load_disk", kvtier.DiskTier(f"{tmp}/kv", blocks=n))):
+            store = kvtier.Store(layout, [kvtier.DeviceTier(blocks=n, device="cpu"), lower],
+                                 kvtier.Namespace("bench-adapter", "r1"), promote=False)
+            adapter = KVAdapter(store)
+            try:
+                tokens = torch.arange(n * page_tokens)
+                keys = adapter.keys(tokens)
+                rows_in = torch.randint(0, 255, (n, layout.block_bytes), dtype=torch.uint8)
+                store.put(keys, rows_in)                      # into the device tier...
+                adapter.free(adapter.allocate(n) or [])       # ...and evicted down, all of it
+                assert adapter.lookup(tokens).tiers == [lower.name] * n
+
+                def load() -> None:
+                    got = adapter.load(adapter.lookup(tokens))
+                    got.wait()
+                    assert got.blocks == n, f"only {got.blocks} of {n} blocks loaded"
+                    adapter.free(got.pages)
+
+                t_op, t_copy = timeit_pair(load, memcpy, args.repeat)
+                rows.append(_row(op, page_tokens, n, nbytes, t_op, t_copy))
+            finally:
+                adapter.close()
+                store.close()
+    finally:
+        close_memcpy()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
 
 
 def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]]:
@@ -65,14 +153,9 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
     import kvtier
     from kvtier.adapter import KVAdapter
     from kvtier.bench.common import timeit_pair
-    from kvtier.tiers.memory import allocate_host
     from kvtier.transfer.pages import PagedKV
 
-    layout = kvtier.KVLayout.mha(args.layers, args.kv_heads, args.head_dim, page_tokens, torch.bfloat16)
-    n = args.requests * (args.prompt_tokens // page_tokens)
-    if n < 1:
-        from kvtier.errors import ConfigError
-        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} holds no full {page_tokens}-token page")
+    layout, n = _sizes(args, page_tokens)
     nbytes = n * layout.block_bytes
     # The engine's pages: twice the pages the requests use, the used ones scattered (as in a busy engine).
     g = torch.Generator().manual_seed(0)
@@ -84,12 +167,7 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
     # Room for two rounds of saves, so a timed save evicts (as a full store does) but never fails.
     store = kvtier.Store(layout, [kvtier.HostTier(blocks=2 * n + 1)], kvtier.Namespace("bench-adapter", "r1"))
     adapter = KVAdapter(store)
-    src, dst = allocate_host(nbytes), allocate_host(nbytes)
-    src.tensor[:] = 1
-
-    def memcpy() -> None:
-        dst.tensor.copy_(src.tensor)
-
+    memcpy, close_memcpy = _memcpy(nbytes)
     rounds = [0]
 
     def save() -> None:          # fresh tokens each time: a save of blocks already cached does nothing
@@ -108,13 +186,9 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
     try:
         for op, fn in (("load_into", load), ("save_from", save)):   # loads first: saves evict their blocks
             t_op, t_copy = timeit_pair(fn, memcpy, args.repeat)
-            gbps, base = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
-            rows.append({"bench": "adapter", "op": op, "page_tokens": page_tokens, "blocks": n,
-                         "mib": round(nbytes / 2**20, 1), "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3),
-                         "ratio": round(gbps / base, 3)})
+            rows.append(_row(op, page_tokens, n, nbytes, t_op, t_copy))
     finally:
         adapter.close()
         store.close()
-        src.close()
-        dst.close()
+        close_memcpy()
     return rows

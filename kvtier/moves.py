@@ -1,0 +1,129 @@
+"""Carries out what the BlockIndex decides, so the Store façade only decides when.
+
+The index moves no bytes: it answers with Moves (a block's last copy demoted one tier
+down, or a copy dropped) and Reservations (slots for new blocks or copies). This class
+runs them against the tiers: moves under the store's lock before a freed slot is reused,
+writes that make their blocks readable only once every byte is in (or forget them if
+the write fails), and the dropping of copies whose bytes failed verification.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvtier.errors import TransferError
+from kvtier.index import BlockIndex, Move, Reservation
+from kvtier.stats import StoreCounters
+from kvtier.tiers.base import Tier
+
+
+class Mover:
+    """The tiers, the index and the lock of one store, and the operations that move bytes
+    between tiers on the index's behalf."""
+
+    def __init__(self, tiers: list[Tier], index: BlockIndex, lock: threading.Lock, counters: StoreCounters) -> None:
+        self.tiers = tiers
+        self.index = index
+        self._lock = lock
+        self.counters = counters
+
+    def apply(self, res: Reservation) -> None:
+        """Carry out a reservation's moves (caller holds the lock). If one fails, the blocks
+        it was moving are forgotten where they were going (their bytes may not be there) and
+        the reservation is undone: the index never claims bytes that did not arrive."""
+        try:
+            self._move(res.moves)
+        except Exception as e:
+            for m in res.moves:
+                if m.dst_tier is not None:
+                    gone = self.index.discard(m.key, m.dst_tier)
+                    if gone is not None:
+                        self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
+            self.index.abort(res)
+            raise TransferError(f"moving evicted blocks to a lower tier failed: {e}") from e
+
+    def _move(self, moves: list[Move]) -> None:
+        """Carry out demotions and drops chosen by the index (under the lock, before slots are reused).
+
+        Moves run in the order the index chose them (a block may move twice in one put, and
+        a move into a slot must follow the move out of it). Consecutive demotions between
+        the same two tiers that touch no slot or block twice are one batched write (one disk
+        transaction); a drop independent of that batch may go first, as it moves no bytes.
+        """
+        batch: list[Move] = []
+        touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
+        keys: set[bytes] = set()
+
+        def flush() -> None:
+            if batch:
+                src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
+                dst.write([m.dst_slot for m in batch], [src.block(m.src_slot) for m in batch], None,
+                          [m.key for m in batch])
+                src.release([m.src_slot for m in batch], [m.key for m in batch])
+                batch.clear()
+                touched.clear()
+                keys.clear()
+
+        for m in moves:
+            here = (m.src_tier, m.src_slot)
+            if m.dst_tier is None:                 # a drop: forget the copy
+                if here in touched or m.key in keys:
+                    flush()
+                self.tiers[m.src_tier].release([m.src_slot], [m.key])
+                continue
+            there = (m.dst_tier, m.dst_slot)
+            if batch and ((m.src_tier, m.dst_tier) != (batch[0].src_tier, batch[0].dst_tier)
+                          or here in touched or there in touched or m.key in keys):
+                flush()
+            batch.append(m)
+            touched.update((here, there))
+            keys.add(m.key)
+        flush()
+
+    def discard(self, bad: list[tuple[bytes, int]]) -> None:
+        """Drop copies whose bytes failed verification: they are misses from now on."""
+        with self._lock:
+            for key, tier in bad:
+                m = self.index.discard(key, tier)
+                if m is not None:
+                    self.tiers[tier].release([m.src_slot], [key])
+            self.counters.corrupt_blocks += len(bad)
+
+    def copy_into(self, tier: int, keys: Sequence[bytes], rows: Sequence[np.ndarray] | None = None,
+                   positions: list[int] | None = None) -> int:
+        """Give cached blocks a copy in `tier`: from `rows[positions[j]]` (their bytes, already
+        in memory), or without rows from their primary copies (held while they are read)."""
+        with self._lock:
+            res = self.index.reserve_copies(keys, tier)
+            self.apply(res)
+            if rows is None:
+                entries = self.index.entries
+                srcs: Sequence[np.ndarray] = [self.tiers[entries[k].tier].block(entries[k].slot) for k in res.keys]
+                idx = None
+            else:
+                srcs, idx = rows, [positions[j] for j in res.positions]
+        if not res.keys:
+            return 0
+        self.fill(res, srcs, idx)
+        return len(res.keys)
+
+    def fill(self, res: Reservation, rows: Sequence[np.ndarray], idx: Sequence[int] | None) -> None:
+        """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
+        with self.committing(res):
+            self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
+
+    @contextmanager
+    def committing(self, res: Reservation) -> Iterator[None]:
+        """The reserved blocks become readable once the `with` body has written them; if it
+        raises, they are forgotten and their slots freed."""
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self.index.abort(res)
+            raise
+        with self._lock:
+            self.index.commit(res)

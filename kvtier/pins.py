@@ -1,0 +1,120 @@
+"""Session pins: which blocks must stay in a tier or above, for whom, until when.
+
+A pin names a session's keys and a tier (its floor). A key pinned by several sessions
+keeps the highest floor among them and counts once against that tier's pinned budget
+(`pin_budget` x capacity); a pin holds only the longest prefix of its keys that fits.
+Keys not cached yet are protected once they arrive. Expiry is checked lazily on each
+call, against an injectable clock. The BlockIndex consults `floor()` when it picks
+victims; it never evicts a pinned block's last copy out of its floor.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.ids import IndexKey as Key
+
+UNPINNED = 1 << 30      # the floor of a key nobody pins: below every tier
+
+
+@dataclass(slots=True)
+class PinRecord:
+    keys: list[Key]
+    tier: int
+    expires: float
+
+
+class Pins:
+    """Every live pin of one index, and the floor each pinned key gets from them."""
+
+    def __init__(self, capacities: Sequence[int], pin_budget: float, clock: Callable[[], float]) -> None:
+        if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or not 0.0 <= pin_budget <= 0.9:
+            raise ConfigError(f"pin_budget is the fraction of each tier that pins may hold, in [0, 0.9] "
+                              f"(pins must never starve the store), got {pin_budget!r}")
+        self.capacities = list(capacities)
+        self.pin_budget = pin_budget
+        self.clock = clock
+        self.pinned = [0] * len(self.capacities)     # distinct keys with each tier as their floor
+        self._pins: dict[str, PinRecord] = {}
+        self._pinners: dict[Key, dict[str, int]] = {}
+        self._floor: dict[Key, int] = {}             # key -> highest tier it must stay in or above
+        self._expiry: list[tuple[float, str]] = []
+
+    def floor(self, key: Key) -> int:
+        """The highest tier `key` must stay in or above (UNPINNED if none)."""
+        return self._floor.get(key, UNPINNED)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._floor
+
+    def pin(self, session: str, keys: Sequence[Key], ttl: float, tier: int = 0) -> int:
+        """Keep `keys` in `tier` or above until `ttl` seconds pass or unpin(session); pins the
+        longest prefix that fits the tier's budget and returns its length. Pinning a session
+        again replaces its previous pin."""
+        if not 0 <= tier < len(self.capacities):
+            raise ConfigError(f"pin tier {tier} out of range: the store has {len(self.capacities)} tiers")
+        if ttl <= 0:
+            raise ConfigError(f"ttl must be positive seconds, got {ttl}")
+        self.unpin(session)
+        self.expire()
+        budget = int(self.pin_budget * self.capacities[tier])
+        pinned: list[Key] = []
+        for k in keys:
+            if session in self._pinners.get(k, ()):
+                continue            # a key listed twice is pinned once
+            old = self._floor.get(k, UNPINNED)
+            if old > tier:
+                if self.pinned[tier] + 1 > budget:
+                    break
+                self.pinned[tier] += 1
+                if old != UNPINNED:
+                    self.pinned[old] -= 1
+                self._floor[k] = tier
+            self._pinners.setdefault(k, {})[session] = tier
+            pinned.append(k)
+        expires = self.clock() + ttl
+        self._pins[session] = PinRecord(pinned, tier, expires)
+        heapq.heappush(self._expiry, (expires, session))
+        return len(pinned)
+
+    def unpin(self, session: str) -> int:
+        """Release a session's pin; returns how many keys it had pinned (0 if none)."""
+        rec = self._pins.pop(session, None)
+        if rec is None:
+            return 0
+        for k in rec.keys:
+            who = self._pinners[k]
+            del who[session]
+            old = self._floor[k]
+            new = min(who.values(), default=UNPINNED)
+            if not who:
+                del self._pinners[k]
+            if new != old:
+                self.pinned[old] -= 1
+                if new == UNPINNED:
+                    del self._floor[k]
+                else:
+                    self.pinned[new] += 1
+                    self._floor[k] = new
+        return len(rec.keys)
+
+    def expire(self) -> None:
+        """Drop pins whose TTL has passed."""
+        exp = self._expiry
+        if not exp or exp[0][0] > self.clock():
+            return
+        now = self.clock()
+        while exp and exp[0][0] <= now:
+            expires, session = heapq.heappop(exp)
+            rec = self._pins.get(session)
+            if rec is not None and rec.expires == expires:   # not re-pinned since
+                self.unpin(session)
+
+    def keys(self) -> int:
+        """How many distinct keys are pinned."""
+        return len(self._floor)
+
+    def sessions(self) -> dict[str, PinRecord]:
+        return dict(self._pins)
