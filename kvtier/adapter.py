@@ -27,7 +27,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from kvtier.errors import ConfigError, KeyNotCachedError, LayoutError, TransferError
+from kvtier.errors import ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.inplace import HeldBlocks
 from kvtier.keys import BlockKeys
@@ -35,6 +35,7 @@ from kvtier.pool import LoadPlan
 from kvtier.store import Store
 from kvtier.tiers.device import DeviceTier
 from kvtier.transfer.pages import PagedKV, copy
+from kvtier.transfer.runs import copy_rows
 from kvtier.transfer.streams import LayerLoader, LoadHandle, SaveHandle, Saver
 
 
@@ -148,8 +149,21 @@ class PagesSave:
     def wait(self) -> Transfer:
         if self._put is None:
             assert self.saved is not None
-            self._put = self.store.put(self.keys, self.saved.wait())
+            rows = self.saved.wait()
+            if rows.device.type == "cpu":
+                self._put = self.store.put(self.keys, rows)
+            else:                         # device rows: straight into reserved host-tier slots
+                self._put = _write_rows(self.store, self.keys, rows)
         return self._put
+
+
+def _write_rows(store: Store, keys: Sequence[bytes], rows: torch.Tensor) -> Transfer:
+    """A save of `rows` ([n, block_bytes], on any device) written in place into reserved
+    slots of the store's memory top tier, one copy per run of consecutive slots."""
+    with store.writing(keys) as w:
+        if w.positions:
+            copy_rows(rows, w.positions, w.memory, w.slots.tolist())
+    return Transfer("put", len(w.positions), len(w.positions) * store.layout.block_bytes, w.present, w.rejected)
 
 
 class KVAdapter:
@@ -162,8 +176,6 @@ class KVAdapter:
         self.layout = store.layout
         self.block_tokens = store.layout.block_tokens
         self._pool_loader: LayerLoader | None = None     # lower-tier blocks -> device-tier pages
-        self._staging: torch.Tensor | None = None        # (pages on a GPU: a reused pinned buffer)
-        self._last_pool_load: LoadHandle | None = None
         self._paged: PagedKV | None = None        # the engine's pages load_into/save_from last moved,
         self._loader: LayerLoader | None = None   # and their movers (made on first use)
         self._saver: Saver | None = None
@@ -253,33 +265,14 @@ class KVAdapter:
             if self._pool_loader is None:
                 self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
             table = torch.tensor([plan.pages[i] for i in plan.lower], dtype=torch.int64)[:, None]
-            if not tier.on_gpu:
-                # Pages in host memory: straight from the held slots (disk blocks via the
-                # store's read buffer), layer by layer, on this thread.
-                handle = self._pool_loader.load_held(reads, table)
-                return handle.wait_rows(), handle
-            # Pages on a GPU: the held rows are gathered into one reused pinned buffer, then
-            # copied up layer by layer on the loader's stream. (Never run on a GPU yet.)
-            if self._last_pool_load is not None:
-                self._last_pool_load.wait()       # its copy may still read the buffer
-            with reads() as held:
-                staging = self._staging_rows(held.blocks)
-                for g in held.groups:
-                    staging[torch.tensor(g.positions, dtype=torch.int64)] = g.memory.index_select(0, g.rows)
-            handle = self._pool_loader.load(staging[:held.blocks], table[:held.blocks])
-            self._last_pool_load = handle
-            return held.blocks, handle
+            # Straight from the held slots (disk blocks via the store's read buffer), layer by
+            # layer: on this thread for host pages, on the loader's for a GPU (DMA per run).
+            handle = self._pool_loader.load_held(reads, table)
+            return handle.wait_rows(), handle
         except BaseException:
             if not started:
                 st._release(lower)
             raise
-
-    def _staging_rows(self, rows: int) -> torch.Tensor:
-        """A pinned [>= rows, block_bytes] host buffer kept between loads (grown by powers of two)."""
-        if self._staging is None or self._staging.shape[0] < rows:
-            size = 1 << max(0, rows - 1).bit_length()
-            self._staging = torch.empty(size, self.layout.block_bytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging
 
     # -- the engine owns its pages -------------------------------------------------------
     def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[bytes]) -> torch.Tensor:
@@ -309,26 +302,11 @@ class KVAdapter:
             return PagesLoad(0, None)
         if self._loader is None:
             self._loader = LayerLoader(paged, self.layout, threaded=True)
-        loader = self._loader
-        cuda = paged.device.type == "cuda"
         st = self.store
-        if not cuda:
-            # Host pages: scattered straight from the slots holding the blocks (one copy);
-            # blocks on disk or on a peer are read (verified) into a reused buffer first.
-            return PagesLoad(len(keys), loader.load_held(lambda: st.reading(keys), table))
-
-        def read() -> torch.Tensor:               # on the loader's thread
-            n = st.lookup(keys).blocks            # evicted since the engine looked: fewer
-            host = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, pin_memory=cuda and n > 0)
-            if n == 0:
-                return host
-            try:
-                got = st.get(keys[:n], host.numpy()).loaded    # verified; promotes as the store is set to
-            except KeyNotCachedError:             # evicted between lookup and get: recompute
-                got = 0
-            return host[:got]
-
-        return PagesLoad(len(keys), loader.load(read, table))
+        # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
+        # verified into the store's reused buffer first): one copy into host pages; into
+        # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
+        return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table))
 
     def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
@@ -347,6 +325,10 @@ class KVAdapter:
             return PagesSave(None, keys, st, done)
         if self._saver is None:
             self._saver = Saver(paged, self.layout)
+        if paged.device.type == "cuda" and st.tiers[0].memory() is not None:
+            # Pages on a GPU: gathered on the device now; wait() copies the rows straight into
+            # reserved slots of the (pinned) host tier, one DMA per run. (Never run on a GPU yet.)
+            return PagesSave(self._saver.gather(table), keys, st)
         return PagesSave(self._saver.save(table), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------

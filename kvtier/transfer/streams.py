@@ -36,6 +36,7 @@ import torch
 from kvtier.errors import LayoutError, TransferError
 from kvtier.layout import KVLayout
 from kvtier.transfer.pages import PagedKV, copy
+from kvtier.transfer.runs import copy_rows
 
 if TYPE_CHECKING:
     from kvtier.inplace import HeldBlocks
@@ -234,9 +235,9 @@ class LayerLoader(_Mover):
     def load_held(self, hold: Callable[[], ContextManager[HeldBlocks]], block_table: object) -> LoadHandle:
         """Write blocks straight from where a store holds them into the pages of block_table's
         rows, layer by layer: `hold()` (called on the loader's thread, a Store.reading()) holds
-        the leading cached blocks while every layer is copied. Host pages only: one copy."""
-        if self.cuda:
-            raise LayoutError("load_held copies within host memory; pages on a GPU load with load()")
+        the leading cached blocks while every layer is copied. Host pages: one copy. Pages on
+        a GPU: the held rows go up by DMA straight from the (pinned) slots or read buffer, one
+        copy per run of consecutive rows, then are scattered into the pages layer by layer."""
         ids = self.kv.table(block_table, unique=True)
         handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
         handle._keep = (ids,)
@@ -257,6 +258,9 @@ class LayerLoader(_Mover):
         with hold() as held:
             n = min(held.blocks, ids.shape[0])
             handle._set_rows(n)
+            if self.cuda:
+                self._held_to_gpu(handle, held, ids[:n].to(self.kv.device))
+                return
             groups = []                  # (tier memory, its rows, the pages they go to): blocks < n only
             for g in held.groups:
                 keep = [j for j, i in enumerate(g.positions) if i < n]
@@ -268,6 +272,24 @@ class LayerLoader(_Mover):
                          impl=self.impl, rows=rows)
                 handle._ready(l, True)
 
+    def _held_to_gpu(self, handle: LoadHandle, held: HeldBlocks, ids: torch.Tensor) -> None:
+        """Held host rows -> device rows (DMA per run; the device buffer comes from torch's
+        caching allocator, so nothing is allocated per call after the first) -> pages, layer
+        by layer. Returns after the copies finished: the holds end only then. (Never run on
+        a GPU yet.)"""
+        n, lb = ids.shape[0], self.layout.layer_bytes
+        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
+            dev = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
+            for g in held.groups:
+                keep = [(r, i) for r, i in zip(g.rows.tolist(), g.positions) if i < n]
+                copy_rows(g.memory, [r for r, _ in keep], dev, [i for _, i in keep], non_blocking=True)
+            for l in range(self.layout.num_layers):
+                copy([self.kv.views[l]], ids, dev[:, l * lb:(l + 1) * lb], to_blocks=False, impl=self.impl)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                handle._ready(l, ev)
+            self.stream.synchronize()      # the held slots may be reused once the holds end
+
     def close(self, wait: bool = True) -> None:
         """Stop the loader's thread (loads already started still finish)."""
         if self._thread is not None:
@@ -276,6 +298,23 @@ class LayerLoader(_Mover):
 
 class Saver(_Mover):
     """Engine pages -> host blocks without blocking the engine's stream (sync on a CPU)."""
+
+    def gather(self, block_table: object) -> SaveHandle:
+        """Pages on a GPU -> device rows [n, block_bytes] on the saver's stream; the handle's
+        `blocks` are those device rows (wait() before reading them). The caller copies them
+        to the host itself, e.g. straight into a pinned tier's slots (kvtier.transfer.runs)."""
+        if not self.cuda:
+            raise LayoutError("gather() is for pages on a GPU; host pages are copied with save()")
+        ids = self.kv.table(block_table)
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # see every write queued so far
+        ids.record_stream(stream)
+        read = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            dev = torch.empty(ids.shape[0], self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
+            copy(self.kv.views, ids, dev, to_blocks=True, impl=self.impl)
+            read.record(stream)
+        return SaveHandle(dev, read, read, (ids,), self.kv.device)
 
     def save(self, block_table: object, out: torch.Tensor | None = None) -> SaveHandle:
         ids = self.kv.table(block_table)
