@@ -22,7 +22,7 @@ docs/adapter.md maps each call onto vLLM's KV-connector API.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ContextManager, Sequence
 
 import torch
@@ -68,7 +68,7 @@ class PageLoad:
     pages: list[int]
     cached: int                                # leading pages that are cached blocks already
     from_tiers: dict[str, int]                 # blocks per source tier, e.g. {"device": 10, "host": 6}
-    handle: LoadHandle | None = None           # the layer-wise copy of lower-tier blocks
+    copies: list[LoadHandle] = field(default_factory=list)   # layer-wise copies: lower tiers, then peers
 
     @property
     def blocks(self) -> int:
@@ -77,15 +77,15 @@ class PageLoad:
     @property
     def pending(self) -> bool:
         """Whether some blocks are copied into pages (wait before caching them)."""
-        return self.handle is not None
+        return bool(self.copies)
 
     def wait_for_layer(self, layer: int) -> None:
-        if self.handle is not None:
-            self.handle.wait_for_layer(layer)
+        for h in self.copies:
+            h.wait_for_layer(layer)
 
     def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
+        for h in self.copies:
+            h.wait()
 
 
 @dataclass
@@ -227,10 +227,11 @@ class KVAdapter:
 
     def load(self, match: PrefixMatch) -> PageLoad:
         """Make the cached prefix of `match` usable as pages: device-tier blocks in place,
-        lower-tier blocks read (verified) and copied into allocated pages layer by layer.
-        Planned in one step under the store's lock. The prefix may come back shorter than
-        match.blocks (a block failed verification, was evicted since the lookup, is on a
-        peer, or no page was free): compute from load.blocks on."""
+        lower-tier blocks read (verified) and copied into allocated pages layer by layer,
+        planned in one step under the store's lock; then blocks past the local prefix are
+        fetched from peers (verified) into allocated pages. The prefix may come back shorter
+        than match.blocks (a block failed verification, was evicted since the lookup, or no
+        page was free): compute from load.blocks on."""
         st, tier = self.store, self.device_tier
         plan = st.pages.plan(match.keys[:match.blocks])
         n, handle = len(plan.pages), None
@@ -247,7 +248,35 @@ class KVAdapter:
         for t in plan.tiers[:n]:
             counts[st.tier_names[t]] = counts.get(st.tier_names[t], 0) + 1
         cached = plan.lower[0] if plan.lower and plan.lower[0] < n else n
-        return PageLoad(match.keys[:n], plan.pages[:n], cached, counts, handle)
+        pages, copies = plan.pages[:n], [handle] if handle is not None else []
+        if st.remote is not None and n == len(plan.pages) < match.blocks:
+            got, fetched = self._fetch_peers(match.keys[n:match.blocks], tier)
+            if got:
+                pages += got
+                copies.append(fetched)            # type: ignore[arg-type]
+                counts[st.remote.name] = len(got)
+                n += len(got)
+        return PageLoad(match.keys[:n], pages, cached, counts, copies)
+
+    def _fetch_peers(self, keys: Sequence[bytes], tier: DeviceTier) -> tuple[list[int], LoadHandle | None]:
+        """Blocks past the local prefix, fetched from peers (Store.reading: verified, into the
+        store's read buffer) and copied into newly allocated pages; the pages that got one."""
+        st = self.store
+        pages = st.pages.allocate(len(keys)) or []
+        if not pages:
+            return [], None
+        try:
+            if self._pool_loader is None:
+                self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
+            table = torch.tensor(pages, dtype=torch.int64)[:, None]
+            handle = self._pool_loader.load_held(lambda: st.reading(keys, promote=False), table)
+            got = handle.wait_rows()
+        except BaseException:
+            st.pages.free(pages)
+            raise
+        if got < len(pages):
+            st.pages.free(pages[got:])
+        return pages[:got], handle
 
     def _copy_lower(self, plan: LoadPlan, tier: DeviceTier) -> tuple[int, LoadHandle]:
         """Copy the plan's lower-tier blocks into their pages; how many leading ones arrived.

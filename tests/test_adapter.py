@@ -54,7 +54,7 @@ def test_a_device_hit_is_used_in_place():
     match = a.lookup(tokens)
     assert (match.blocks, match.tokens, match.tiers) == (4, 16, ["device"] * 4)
     load = a.load(match)
-    assert load.pages == slots and load.cached == 4 and load.handle is None
+    assert load.pages == slots and load.cached == 4 and not load.copies
     assert load.from_tiers == {"device": 4}
     for s, d in zip(load.pages, data):
         assert torch.equal(a.pool()[s], d)

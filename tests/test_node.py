@@ -104,6 +104,33 @@ def test_engine_pages_load_local_then_peer_blocks_in_one_pass(spawn):
     store.close()
 
 
+def test_pages_in_kvtier_load_the_local_prefix_then_peer_blocks(spawn):
+    """An engine whose pages are the device tier: the local block in place, the peer's
+    blocks fetched (verified) and copied into newly allocated pages."""
+    from kvtier.adapter import KVAdapter
+
+    _, addr = spawn(seeds=[4])
+    store = kvtier.Store(LAYOUT, [kvtier.DeviceTier(blocks=8, device="cpu"), kvtier.HostTier(blocks=16)], NS,
+                         remote=kvtier.Remote([addr], SECRET, timeout=0.5))
+    adapter = KVAdapter(store)
+    tokens = [4] * 32
+    keys = store.keys(tokens)
+    want = payload(keys, LAYOUT.block_bytes)
+    store.put(keys[:1], want[:1])                                  # block 0 here, blocks 1-3 on the peer
+    match = adapter.lookup(tokens)
+    assert match.tiers == ["device", "remote", "remote", "remote"]
+    load = adapter.load(match)
+    load.wait()
+    assert load.blocks == 4 and load.cached == 1 and load.from_tiers == {"device": 1, "remote": 3}
+    for i, page in enumerate(load.pages):
+        assert torch.equal(store.tiers[0].tensor[page], want[i])
+    adapter.cache(load.keys, load.pages)
+    adapter.free(load.pages)
+    assert store.lookup(keys).blocks == 4 and not store.pages.owned() and not store.pages.referenced()
+    adapter.close()
+    store.close()
+
+
 def test_three_nodes_fetch_from_the_holder(spawn):
     _, a = spawn(seeds=[10])
     _, b = spawn(seeds=[20, 21])
