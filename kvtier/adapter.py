@@ -258,6 +258,12 @@ class KVAdapter:
                 n += len(got)
         return PageLoad(match.keys[:n], pages, cached, counts, copies)
 
+    def _pages_loader(self, tier: DeviceTier) -> LayerLoader:
+        """The loader that writes blocks into the device tier's pages (made on first use)."""
+        if self._pool_loader is None:
+            self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
+        return self._pool_loader
+
     def _fetch_peers(self, keys: Sequence[bytes], tier: DeviceTier) -> tuple[list[int], LoadHandle | None]:
         """Blocks past the local prefix, fetched from peers (Store.reading: verified, into the
         store's read buffer) and copied into newly allocated pages; the pages that got one."""
@@ -266,10 +272,8 @@ class KVAdapter:
         if not pages:
             return [], None
         try:
-            if self._pool_loader is None:
-                self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
             table = torch.tensor(pages, dtype=torch.int64)[:, None]
-            handle = self._pool_loader.load_held(lambda: st.reading(keys, promote=False), table)
+            handle = self._pages_loader(tier).load_held(lambda: st.reading(keys, promote=False), table)
             got = handle.wait_rows()
         except BaseException:
             st.pages.free(pages)
@@ -291,12 +295,10 @@ class KVAdapter:
             started = True                        # from here on the reads release the holds
             return held
         try:
-            if self._pool_loader is None:
-                self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
             table = torch.tensor([plan.pages[i] for i in plan.lower], dtype=torch.int64)[:, None]
             # Straight from the held slots (disk blocks via the store's read buffer), layer by
             # layer: on this thread for host pages, on the loader's for a GPU (DMA per run).
-            handle = self._pool_loader.load_held(reads, table)
+            handle = self._pages_loader(tier).load_held(reads, table)
             return handle.wait_rows(), handle
         except BaseException:
             if not started:
