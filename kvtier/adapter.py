@@ -23,13 +23,13 @@ docs/adapter.md maps each call onto vLLM's KV-connector API.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ContextManager, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
 from kvtier.errors import ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
-from kvtier.inplace import HeldBlocks
+from kvtier.inplace import HeldBlocks, WriteSlots
 from kvtier.keys import BlockKeys
 from kvtier.pool import LoadPlan
 from kvtier.store import Store
@@ -157,13 +157,18 @@ class PagesSave:
         return self._put
 
 
-def _write_rows(store: Store, keys: Sequence[bytes], rows: torch.Tensor) -> Transfer:
-    """A save of `rows` ([n, block_bytes], on any device) written in place into reserved
-    slots of the store's memory top tier, one copy per run of consecutive slots."""
+def _save_in_place(store: Store, keys: Sequence[bytes], write: Callable[[WriteSlots], None]) -> Transfer:
+    """A save written straight into reserved slots of the store's memory top tier by
+    `write` (called only when some block is new); the blocks are readable when it returns."""
     with store.writing(keys) as w:
         if w.positions:
-            copy_rows(rows, w.positions, w.memory, w.slots.tolist())
+            write(w)
     return Transfer("put", len(w.positions), len(w.positions) * store.layout.block_bytes, w.present, w.rejected)
+
+
+def _write_rows(store: Store, keys: Sequence[bytes], rows: torch.Tensor) -> Transfer:
+    """Rows ([n, block_bytes], on any device) saved in place, one copy per run of consecutive slots."""
+    return _save_in_place(store, keys, lambda w: copy_rows(rows, w.positions, w.memory, w.slots.tolist()))
 
 
 class KVAdapter:
@@ -258,11 +263,15 @@ class KVAdapter:
                 n += len(got)
         return PageLoad(match.keys[:n], pages, cached, counts, copies)
 
-    def _pages_loader(self, tier: DeviceTier) -> LayerLoader:
-        """The loader that writes blocks into the device tier's pages (made on first use)."""
+    def _into_pages(self, tier: DeviceTier, hold: Callable[[], ContextManager[HeldBlocks]],
+                    pages: list[int]) -> tuple[int, LoadHandle]:
+        """Copy the blocks `hold()` holds straight into `pages` of the device tier, layer by
+        layer (on this thread for host pages, on the loader's for a GPU: one DMA per run of
+        rows); how many leading blocks arrived, and the copy."""
         if self._pool_loader is None:
             self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
-        return self._pool_loader
+        handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None])
+        return handle.wait_rows(), handle
 
     def _fetch_peers(self, keys: Sequence[bytes], tier: DeviceTier) -> tuple[list[int], LoadHandle | None]:
         """Blocks past the local prefix, fetched from peers (Store.reading: verified, into the
@@ -272,9 +281,7 @@ class KVAdapter:
         if not pages:
             return [], None
         try:
-            table = torch.tensor(pages, dtype=torch.int64)[:, None]
-            handle = self._pages_loader(tier).load_held(lambda: st.reading(keys, promote=False), table)
-            got = handle.wait_rows()
+            got, handle = self._into_pages(tier, lambda: st.reading(keys, promote=False), pages)
         except BaseException:
             st.pages.free(pages)
             raise
@@ -295,11 +302,7 @@ class KVAdapter:
             started = True                        # from here on the reads release the holds
             return held
         try:
-            table = torch.tensor([plan.pages[i] for i in plan.lower], dtype=torch.int64)[:, None]
-            # Straight from the held slots (disk blocks via the store's read buffer), layer by
-            # layer: on this thread for host pages, on the loader's for a GPU (DMA per run).
-            handle = self._pages_loader(tier).load_held(reads, table)
-            return handle.wait_rows(), handle
+            return self._into_pages(tier, reads, [plan.pages[i] for i in plan.lower])
         except BaseException:
             if not started:
                 st._release(lower)
@@ -348,11 +351,8 @@ class KVAdapter:
         if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
             # Host pages: gathered straight into reserved top-tier slots (one copy), which
             # become cached blocks when the copy is done.
-            with st.writing(keys) as w:
-                if w.positions:
-                    copy(paged.views, table[w.positions], w.memory, to_blocks=True, rows=w.slots)
-            done = Transfer("put", len(w.positions), len(w.positions) * self.layout.block_bytes,
-                            w.present, w.rejected)
+            done = _save_in_place(st, keys, lambda w: copy(paged.views, table[w.positions], w.memory,
+                                                             to_blocks=True, rows=w.slots))
             return PagesSave(None, keys, st, done)
         if self._saver is None:
             self._saver = Saver(paged, self.layout)

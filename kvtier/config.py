@@ -95,6 +95,18 @@ class StoreConfig:
         """A config from a JSON or TOML (.toml) file of settings."""
         return cls.from_dict(read_settings(path), where=f"config file {path}")
 
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """A field's default (for help texts: the one place defaults are written)."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+    @classmethod
+    def from_cli(cls, path: str | None, **flags: Any) -> StoreConfig:
+        """A command's config: the file `path` (or the defaults), with the flags the user gave
+        (those not None) on top."""
+        config = cls.from_file(path) if path else cls()
+        return config.replace(**{k: v for k, v in flags.items() if v is not None})
+
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (e.g. command-line flags over a file's settings)."""
         check_names(changes, self.fields(), "store config")

@@ -62,6 +62,11 @@ def _shard(text: str) -> str:
     return check_shard(text)
 
 
+def _default(name: str) -> str:
+    from kvtier.config import StoreConfig
+    return str(StoreConfig.default(name))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.presets import LAYOUT_PRESETS as PRESETS
 
@@ -73,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
                         "(default: the defaults of kvtier.StoreConfig)")
     p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
-                   help="tokens per block (default: block_tokens, 16)")
+                   help=f"tokens per block (default: block_tokens, {_default('block_tokens')})")
     p.add_argument("--model", default=None,
                    help="namespace model id; nodes share blocks only within one namespace "
                         "(default: the --layout preset's name)")
@@ -82,11 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="namespace shard: tpRANK/SIZE (tp0/8 is tensor-parallel rank 0 of 8), ppRANK/SIZE, "
                         "or both as tp0/8,pp1/4 (default: unsharded)")
     p.add_argument("--capacity", default=None, type=size, metavar="SIZE",
-                   help="host tier capacity (default: host_capacity, 1GiB)")
+                   help=f"host tier capacity (default: host_capacity, {_default('host_capacity')})")
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="directory of a disk tier below the host tier (default: disk_path, none)")
     p.add_argument("--disk-capacity", default=None, type=size, metavar="SIZE",
-                   help="disk tier capacity, preallocated at start (default: disk_capacity, 16GiB)")
+                   help=f"disk tier capacity, preallocated at start (default: disk_capacity, {_default('disk_capacity')})")
     p.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
                    help="other nodes to fetch from, comma-separated; each is asked directly (default: none)")
     p.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
@@ -104,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the cluster's shared secret, at least 16 bytes "
                         "(default: the KVTIER_SECRET variable)")
     p.add_argument("--policy", default=None, metavar="NAME",
-                   help="eviction policy, e.g. lru or arc+nopartial (default: policy, lru+nopartial)")
+                   help=f"eviction policy, e.g. lru or arc+nopartial (default: policy, {_default('policy')})")
 
 
 def read_secret(path: str | None) -> bytes:
@@ -139,10 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything that can be checked is checked before any memory or disk is taken.
     secret = read_secret(args.secret_file)
-    config = StoreConfig.from_file(args.config) if args.config else StoreConfig()
-    flags = {"block_tokens": args.block_tokens, "host_capacity": args.capacity, "disk_path": args.disk,
-             "disk_capacity": args.disk_capacity, "policy": args.policy}
-    config = config.replace(**{k: v for k, v in flags.items() if v is not None})
+    config = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, host_capacity=args.capacity,
+                                  disk_path=args.disk, disk_capacity=args.disk_capacity, policy=args.policy)
     if config.host_capacity is None:
         raise ConfigError("a node serves from a host tier: give host_capacity (--capacity) a size")
     layout = preset_layout(args.layout, config.block_tokens)

@@ -170,23 +170,28 @@ class PagePool:
         block is evictable once nobody references it (it stays cached until then)."""
         st = self._store
         with st._lock:
-            seen: set[SlotId] = set()
-            refs = dict(self._refs)
+            owned: set[SlotId] = set()
+            drop: dict[SlotId, int] = {}              # cached page -> references this call drops
             for p in pages:                           # all checked before anything changes
                 if p in self._owned:
-                    if p in seen:
+                    if p in owned:
                         raise LayoutError(f"page {p} is named twice in one free(): free each page once")
-                elif p in refs and refs[p][1] > 0:
-                    refs[p] = (refs[p][0], refs[p][1] - 1)
+                    owned.add(p)
+                elif p in self._refs and drop.get(p, 0) < self._refs[p][1]:
+                    drop[p] = drop.get(p, 0) + 1
                 else:
                     raise LayoutError(f"page {p} is not allocated or referenced here (freed twice?): free only "
                                       "pages allocate() or load() returned, once each")
-                seen.add(p)
-            back = [p for p in seen if p in self._owned]
-            released = [self._refs[p][0] for p in pages if p not in self._owned]
-            self._owned.difference_update(back)
-            self._refs = {p: r for p, r in refs.items() if r[1] > 0}
-            st.index.give_back(0, back)
+            released: list[BlockKey] = []
+            for p, n in drop.items():
+                key, refs = self._refs[p]
+                released += [key] * n
+                if refs == n:
+                    del self._refs[p]
+                else:
+                    self._refs[p] = (key, refs - n)
+            self._owned -= owned
+            st.index.give_back(0, list(owned))
             st.index.release(released)
 
     # -- state, for tests and stats -------------------------------------------------------

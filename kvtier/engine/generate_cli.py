@@ -126,11 +126,8 @@ def _check_capacities(cache, block_bytes: int) -> None:
 
 
 def _default(name: str) -> str:
-    """A StoreConfig default as help text shows it."""
-    import dataclasses
-
     from kvtier.config import StoreConfig
-    return str(next(f.default for f in dataclasses.fields(StoreConfig) if f.name == name))
+    return str(StoreConfig.default(name))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,10 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if args.session is not None and not args.session.strip():
         raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
     source = args.model or args.preset or "kimi-tiny"
-    cache = StoreConfig.from_file(args.config) if args.config else StoreConfig()
-    flags = {"block_tokens": args.block_tokens, "device_capacity": args.kv_cache, "disk_path": args.disk,
-             "disk_capacity": args.disk_cache}
-    cache = cache.replace(**{k: v for k, v in flags.items() if v is not None})
+    cache = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, device_capacity=args.kv_cache,
+                                 disk_path=args.disk, disk_capacity=args.disk_cache)
     if args.host_cache is not None:
         cache = cache.replace(host_capacity=args.host_cache or None)      # 0 / none: no host tier
     _check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),

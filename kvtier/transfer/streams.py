@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -157,8 +157,6 @@ class _Mover:
         self.stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
 
 
-Blocks = Union[torch.Tensor, Callable[[], torch.Tensor]]
-
 
 class LayerLoader(_Mover):
     """Host blocks -> engine pages, layer by layer, off the caller's thread.
@@ -174,43 +172,30 @@ class LayerLoader(_Mover):
         self.threaded = self.cuda or threaded
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") if self.threaded else None
 
-    def load(self, blocks: Blocks, block_table: object) -> LoadHandle:
-        """Write `blocks` ([n, block_bytes] host rows, or a function returning up to n of them,
-        called on the loader's thread) into the pages of block_table's n rows."""
+    def load(self, blocks: torch.Tensor, block_table: object) -> LoadHandle:
+        """Write `blocks` ([n, block_bytes] host rows) into the pages of block_table's n rows."""
         ids = self.kv.table(block_table, unique=True)
         n = ids.shape[0]
-        read = blocks if callable(blocks) and not isinstance(blocks, torch.Tensor) else None
-        src = None if read is not None else _host_blocks(blocks, n, self.layout, "blocks")
-        handle = LoadHandle(self.layout.num_layers, self.kv.device, None if read is not None else n)
+        src = _host_blocks(blocks, n, self.layout, "blocks")
+        handle = LoadHandle(self.layout.num_layers, self.kv.device, n)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # ids and earlier engine work
             ids.record_stream(self.stream)
         if self._thread is None:               # a CPU, synchronous: errors reach the caller
-            self._load(handle, read, src, ids)
+            self._load(handle, src, ids)
             return handle
         handle._keep = (src, ids)
-        self._thread.submit(self._run, handle, read, src, ids)
+        self._thread.submit(self._run, handle, src, ids)
         return handle
 
-    def _run(self, handle: LoadHandle, read: Callable[[], torch.Tensor] | None, src: torch.Tensor | None,
-             ids: torch.Tensor) -> None:
+    def _run(self, handle: LoadHandle, src: torch.Tensor, ids: torch.Tensor) -> None:
         try:
-            self._load(handle, read, src, ids)
+            self._load(handle, src, ids)
         except BaseException as e:   # the engine's wait_for_layer raises it instead of hanging
             handle._failed(e)
 
-    def _load(self, handle: LoadHandle, read: Callable[[], torch.Tensor] | None, src: torch.Tensor | None,
-              ids: torch.Tensor) -> None:
+    def _load(self, handle: LoadHandle, src: torch.Tensor, ids: torch.Tensor) -> None:
         L, lb = self.layout.num_layers, self.layout.layer_bytes
-        if read is not None:
-            got = read()
-            m = got.shape[0] if isinstance(got, torch.Tensor) and got.dim() > 0 else -1
-            if not 0 <= m <= ids.shape[0]:
-                raise LayoutError(f"the read returned {m} blocks for a table of {ids.shape[0]} rows")
-            src, ids = _host_blocks(got, m, self.layout, "the read's blocks"), ids[:m]
-            handle._keep += (src,)
-            handle._set_rows(m)
-        assert src is not None
         if src.shape[0] == 0:
             for l in range(L):
                 handle._ready(l, True)

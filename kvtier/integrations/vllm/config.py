@@ -2,8 +2,8 @@
 
 Every key is optional; unknown keys are a ConfigError (a typo must not silently mean
 "default"). The tier and store keys are kvtier.StoreConfig's fields, with its defaults
-(docs/config.md); the others are the connector's own. A `config_file` (JSON, or TOML on Python 3.11+) holds the same keys; keys
-given inline override the file's.
+(docs/config.md); the others are the connector's own. A `config_file` (JSON, or TOML on
+Python 3.11+) holds the same keys; keys given inline override the file's.
 
     {"host_capacity": "8GiB",                       # the host-memory tier (always present)
      "disk_path": "/nvme/kvtier", "disk_capacity": "200GiB",   # optional disk tier
@@ -48,7 +48,7 @@ class TierSpec:
 
 @dataclass
 class ConnectorConfig:
-    """What the connector was asked for, checked; `tiers()` builds the store's tiers."""
+    """What the connector was asked for, checked: `store` builds the store, `build_remote()` its peers."""
 
     tiers_spec: list[TierSpec]
     store: StoreConfig                   # the tiers and the store's behaviour: kvtier.StoreConfig's defaults
