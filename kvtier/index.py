@@ -207,6 +207,8 @@ class BlockIndex:
         n = len(keys)
         res = Reservation()
         entries, ready, policy, bt = self.entries, self.ready, top.policy, self.block_tokens
+        # Speed: index a plain list, not BlockKeys (its __getitem__ is Python code).
+        keys = list(keys)
         run: list[Key] = []          # consecutive cached blocks, refreshed in one call
         for i in range(n - 1, -1, -1):
             k = keys[i]

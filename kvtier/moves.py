@@ -56,6 +56,12 @@ class Mover:
         batch: list[Move] = []
         touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
         keys: set[bytes] = set()
+        drops: list[Move] = []                     # consecutive drops from one tier, released at once
+
+        def release_drops() -> None:
+            if drops:
+                self.tiers[drops[0].src_tier].release([m.src_slot for m in drops], [m.key for m in drops])
+                drops.clear()
 
         def flush() -> None:
             if batch:
@@ -72,8 +78,11 @@ class Mover:
             if m.dst_tier is None:                 # a drop: forget the copy
                 if here in touched or m.key in keys:
                     flush()
-                self.tiers[m.src_tier].release([m.src_slot], [m.key])
+                if drops and drops[0].src_tier != m.src_tier:
+                    release_drops()
+                drops.append(m)
                 continue
+            release_drops()
             there = (m.dst_tier, m.dst_slot)
             if batch and ((m.src_tier, m.dst_tier) != (batch[0].src_tier, batch[0].dst_tier)
                           or here in touched or there in touched or m.key in keys):
@@ -81,6 +90,7 @@ class Mover:
             batch.append(m)
             touched.update((here, there))
             keys.add(m.key)
+        release_drops()
         flush()
 
     def discard(self, bad: list[tuple[bytes, int]]) -> None:
