@@ -29,6 +29,7 @@ import torch
 
 from kvtier.errors import ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
+from kvtier.ids import BlockKey, SlotId
 from kvtier.inplace import HeldBlocks, WriteSlots
 from kvtier.keys import BlockKeys
 from kvtier.pool import LoadPlan
@@ -65,7 +66,7 @@ class PageLoad:
     the request ends."""
 
     keys: BlockKeys
-    pages: list[int]
+    pages: list[SlotId]
     cached: int                                # leading pages that are cached blocks already
     from_tiers: dict[str, int]                 # blocks per source tier, e.g. {"device": 10, "host": 6}
     copies: list[LoadHandle] = field(default_factory=list)   # layer-wise copies: lower tiers, then peers
@@ -157,7 +158,7 @@ class PagesSave:
         return self._put
 
 
-def _save_in_place(store: Store, keys: Sequence[bytes], write: Callable[[WriteSlots], None]) -> Transfer:
+def _save_in_place(store: Store, keys: Sequence[BlockKey], write: Callable[[WriteSlots], None]) -> Transfer:
     """A save written straight into reserved slots of the store's memory top tier by
     `write` (called only when some block is new); the blocks are readable when it returns."""
     with store.writing(keys) as w:
@@ -166,7 +167,7 @@ def _save_in_place(store: Store, keys: Sequence[bytes], write: Callable[[WriteSl
     return Transfer("put", len(w.positions), len(w.positions) * store.layout.block_bytes, w.present, w.rejected)
 
 
-def _write_rows(store: Store, keys: Sequence[bytes], rows: torch.Tensor) -> Transfer:
+def _write_rows(store: Store, keys: Sequence[BlockKey], rows: torch.Tensor) -> Transfer:
     """Rows ([n, block_bytes], on any device) saved in place, one copy per run of consecutive slots."""
     return _save_in_place(store, keys, lambda w: copy_rows(rows, w.positions, w.memory, w.slots.tolist()))
 
@@ -211,19 +212,19 @@ class KVAdapter:
         assert t is not None
         return t.view(self.layout.dtype).view(t.shape[0], *self.layout.block_shape)
 
-    def allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int) -> list[SlotId] | None:
         """`n` empty pages (device-tier slots) for new tokens, or None when that many cannot be
         freed (everything else referenced or pinned): preempt a request and try again."""
         self.device_tier
         return self.store.pages.allocate(n)
 
-    def cache(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+    def cache(self, keys: Sequence[BlockKey], pages: Sequence[SlotId]) -> int:
         """Full pages whose KV is written become cached blocks (no copy); the engine keeps
         using them. Pages cached already are skipped. Returns how many became cached."""
         self.device_tier
         return self.store.pages.cache(keys, pages)
 
-    def free(self, pages: Sequence[int]) -> None:
+    def free(self, pages: Sequence[SlotId]) -> None:
         """The engine is done with these pages (allocated, loaded or cached): each cached block
         stays cached, evictable once no request uses it; other pages are free again."""
         self.device_tier
@@ -264,7 +265,7 @@ class KVAdapter:
         return PageLoad(match.keys[:n], pages, cached, counts, copies)
 
     def _into_pages(self, tier: DeviceTier, hold: Callable[[], ContextManager[HeldBlocks]],
-                    pages: list[int]) -> tuple[int, LoadHandle]:
+                    pages: list[SlotId]) -> tuple[int, LoadHandle]:
         """Copy the blocks `hold()` holds straight into `pages` of the device tier, layer by
         layer (on this thread for host pages, on the loader's for a GPU: one DMA per run of
         rows); how many leading blocks arrived, and the copy."""
@@ -273,7 +274,7 @@ class KVAdapter:
         handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None])
         return handle.wait_rows(), handle
 
-    def _fetch_peers(self, keys: Sequence[bytes], tier: DeviceTier) -> tuple[list[int], LoadHandle | None]:
+    def _fetch_peers(self, keys: Sequence[BlockKey], tier: DeviceTier) -> tuple[list[SlotId], LoadHandle | None]:
         """Blocks past the local prefix, fetched from peers (Store.reading: verified, into the
         store's read buffer) and copied into newly allocated pages; the pages that got one."""
         st = self.store
@@ -309,7 +310,7 @@ class KVAdapter:
             raise
 
     # -- the engine owns its pages -------------------------------------------------------
-    def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[bytes]) -> torch.Tensor:
+    def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[BlockKey]) -> torch.Tensor:
         """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
@@ -325,7 +326,7 @@ class KVAdapter:
             self._paged, self._loader, self._saver = paged, None, None
         return table
 
-    def load_into(self, keys: Sequence[bytes], paged: PagedKV, page_table: object) -> PagesLoad:
+    def load_into(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesLoad:
         """Load the cached blocks `keys` into the engine's pages named by `page_table`
         ([n, pages_per_block], one row per key). Returns at once: a loader thread reads the
         blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
@@ -342,7 +343,7 @@ class KVAdapter:
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
         return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table))
 
-    def save_from(self, keys: Sequence[bytes], paged: PagedKV, page_table: object) -> PagesSave:
+    def save_from(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
         the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
         them; wait() on the result puts them into the store (from any thread)."""
@@ -363,7 +364,7 @@ class KVAdapter:
         return PagesSave(self._saver.save(table), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
-    def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str | None = None) -> int:
+    def pin(self, session: str, keys: Sequence[BlockKey], ttl: float, tier: int | str | None = None) -> int:
         """Keep a session's prefix in `tier` or above for `ttl` seconds (default tier: the
         last memory tier, so a pinned prefix may leave the GPU but not memory)."""
         if tier is None:

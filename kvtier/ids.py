@@ -15,3 +15,4 @@ SlotId = NewType("SlotId", int)           # a block's place in one tier, 0 .. ca
 IndexKey = Hashable                       # a BlockKey in a store; a trace's block id in a replay
 
 KEY_BYTES = 16
+TOP_TIER = TierId(0)                      # the fastest tier: an engine's pages when they are kvtier's

@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvtier.ids import IndexKey as Key
 from kvtier.errors import CapacityError, ConfigError, KeyNotCachedError
+from kvtier.ids import TOP_TIER, SlotId, TierId
+from kvtier.ids import IndexKey as Key
 from kvtier.pins import UNPINNED, Pins
 from kvtier.policies import BlockInfo, EvictionPolicy, make_policy
 
@@ -30,16 +31,16 @@ class Entry:
 
     __slots__ = ("tier", "slot", "refs", "ready", "info", "copies", "checksum")
 
-    def __init__(self, tier: int, slot: int, info: BlockInfo) -> None:
+    def __init__(self, tier: TierId, slot: SlotId, info: BlockInfo) -> None:
         self.tier = tier       # the primary (fastest) copy
         self.slot = slot
         self.refs = 1          # the writer holds a new block until commit
         self.ready = False
         self.info = info
-        self.copies: dict[int, int] | None = None   # lower tier -> slot of further copies
+        self.copies: dict[TierId, SlotId] | None = None   # lower tier -> slot of further copies
         self.checksum: int | None = None   # xxh3-64 of the bytes, once someone computed it (they never change)
 
-    def slot_in(self, tier: int) -> int | None:
+    def slot_in(self, tier: TierId) -> SlotId | None:
         """The block's slot in `tier`, or None if it has no copy there."""
         if tier == self.tier:
             return self.slot
@@ -51,10 +52,10 @@ class Move:
     """A copy leaving (src_tier, src_slot): to (dst_tier, dst_slot), or dropped (dst_tier None)."""
 
     key: Key
-    src_tier: int
-    src_slot: int
-    dst_tier: int | None
-    dst_slot: int = -1
+    src_tier: TierId
+    src_slot: SlotId
+    dst_tier: TierId | None
+    dst_slot: SlotId | None = None
 
 
 @dataclass(slots=True)
@@ -62,12 +63,12 @@ class Reservation:
     """Slots given to a put's new blocks, and the moves to run before writing them."""
 
     keys: list[Key] = field(default_factory=list)      # new blocks, tail-first
-    slots: list[int] = field(default_factory=list)
+    slots: list[SlotId] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of each new block in the put
     moves: list[Move] = field(default_factory=list)
     present: int = 0        # blocks already cached (refreshed, not written)
     rejected: int = 0       # blocks not admitted or with no room
-    tier: int = 0
+    tier: TierId = TOP_TIER
     copy: bool = False      # copies of cached blocks into `tier` (not new blocks)
 
 
@@ -89,7 +90,7 @@ class TierState:
         self.capacity = capacity
         # pop() hands out the highest free slot first: a chain inserted tail-first then
         # fills ascending slots, which the host tier copies as one range.
-        self.free = list(range(capacity))
+        self.free: list[SlotId] = list(range(capacity))   # type: ignore[arg-type]
         self.policy = policy
         self.counters = TierCounters()
 
@@ -121,14 +122,14 @@ class BlockIndex:
         self.entries: dict[Key, Entry] = {}
         # key -> tier of every readable block. Kept beside `entries` so lookup is one
         # C-level map over the keys (a 128k-token prompt has 8,192 of them).
-        self.ready: dict[Key, int] = {}
-        self._copying: set[tuple[Key, int]] = set()   # copies reserved but not committed yet
+        self.ready: dict[Key, TierId] = {}
+        self._copying: set[tuple[Key, TierId]] = set()   # copies reserved but not committed yet
         # Keys that became readable (+) or left the store (-), for a directory that tells
         # other nodes what this one holds. None: nobody listens, nothing is recorded.
         self.changes: list[tuple[str, Key]] | None = None
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, keys: Sequence[Key]) -> tuple[int, list[int]]:
+    def lookup(self, keys: Sequence[Key]) -> tuple[int, list[TierId]]:
         """Length of the longest cached prefix of `keys`, and the tier of each of its blocks."""
         locs = list(map(self.ready.get, keys))
         try:
@@ -139,7 +140,7 @@ class BlockIndex:
         return n, locs
 
     # -- readers ---------------------------------------------------------------------
-    def acquire(self, keys: Sequence[Key]) -> list[tuple[int, int]]:
+    def acquire(self, keys: Sequence[Key]) -> list[tuple[TierId, SlotId]]:
         """Hold `keys` for reading (not evictable until release) and refresh them tail-first.
 
         All or nothing: raises KeyNotCachedError, holding none, if any key is not readable.
@@ -174,7 +175,7 @@ class BlockIndex:
             return
         # Keep the order within each tier; tiers are independent orders.
         ready = self.ready
-        groups: dict[int, list[Key]] = {}
+        groups: dict[TierId, list[Key]] = {}
         for k in keys:
             groups.setdefault(ready[k], []).append(k)
         for t, ks in groups.items():
@@ -226,7 +227,7 @@ class BlockIndex:
                 res.rejected += 1
                 top.counters.rejected += 1
                 continue
-            slot = self._allocate(0, res.moves)
+            slot = self._take_slot(TOP_TIER, res.moves)
             if slot is None:
                 res.rejected += 1
                 top.counters.rejected += 1
@@ -282,7 +283,7 @@ class BlockIndex:
             else:
                 del self.entries[k]
 
-    def reserve_copies(self, keys: Sequence[Key], tier: int) -> Reservation:
+    def reserve_copies(self, keys: Sequence[Key], tier: TierId) -> Reservation:
         """Give slots in `tier` to copies of cached blocks that have none there.
 
         Used to promote blocks up (a disk hit copied into host memory) and to write
@@ -298,7 +299,7 @@ class BlockIndex:
                 res.present += 1    # (another thread may be writing that very copy)
                 continue
             e.refs += 1             # held: not evictable while its copy is written
-            slot = self._allocate(tier, res.moves)
+            slot = self._take_slot(tier, res.moves)
             if slot is None:
                 e.refs -= 1
                 res.rejected += 1
@@ -313,35 +314,35 @@ class BlockIndex:
         return res
 
     # -- slots lent to an engine whose pages are the top tier ---------------------------
-    def lend(self, tier: int, n: int, moves: list[Move]) -> list[int] | None:
+    def allocate(self, tier: TierId, n: int, moves: list[Move]) -> list[SlotId] | None:
         """`n` empty slots of `tier` for the caller to write (evicting as needed), or None.
 
-        A lent slot belongs to the caller, outside every policy, until it is given back
-        (give_back) or becomes a cached block (publish). All or nothing: when fewer than
+        An allocated slot belongs to the caller, outside every policy, until it is freed
+        (free) or becomes a cached block (cache). All or nothing: when fewer than
         `n` can be had, the ones found go back to the free list (evictions already chosen
         stand: their moves are in `moves` and must still be carried out).
         """
         self.pins.expire()
-        slots: list[int] = []
+        slots: list[SlotId] = []
         for _ in range(n):
-            slot = self._allocate(tier, moves)
+            slot = self._take_slot(tier, moves)
             if slot is None:
                 self.tiers[tier].free.extend(slots)
                 return None
             slots.append(slot)
         return slots
 
-    def give_back(self, tier: int, slots: Sequence[int]) -> None:
-        """Lent slots the caller no longer needs: free again."""
+    def free(self, tier: TierId, slots: Sequence[SlotId]) -> None:
+        """Allocated slots the caller no longer needs: free again."""
         self.tiers[tier].free.extend(slots)
 
-    def publish(self, tier: int, keys: Sequence[Key], slots: Sequence[int | None]) -> list[bool]:
-        """Lent slots of `tier` whose bytes the caller wrote become the blocks of `keys`, held.
+    def cache(self, tier: TierId, keys: Sequence[Key], slots: Sequence[SlotId | None]) -> list[bool]:
+        """Allocated slots of `tier` whose bytes the caller wrote become the blocks of `keys`, held.
 
         The zero-copy save: for each key not cached in `tier` yet, its slot becomes the
         block's copy there (the primary, if the block lives only in slower tiers) and is
         held for the caller (release() it when done). A key already in `tier`, being
-        written, or refused by the admission filter is not published: False, and its slot
+        written, or refused by the admission filter is not cached: False, and its slot
         stays the caller's; a None slot is skipped. `keys` should remember their chain
         (BlockKeys) for the policies.
         """
@@ -381,7 +382,7 @@ class BlockIndex:
             done[i] = True
         return done
 
-    def discard(self, key: Key, tier: int | None = None) -> Move | None:
+    def discard(self, key: Key, tier: TierId | None = None) -> Move | None:
         """Drop one copy of a block nobody holds (default: its primary), e.g. because its
         bytes failed verification. Returns the dropped copy, or None if it was not dropped."""
         e = self.entries.get(key)
@@ -398,7 +399,7 @@ class BlockIndex:
         self._drop_copy(key, e, t)
         return Move(key, t, slot, None)
 
-    def _drop_copy(self, key: Key, e: Entry, tier: int) -> None:
+    def _drop_copy(self, key: Key, e: Entry, tier: TierId) -> None:
         """Forget `e`'s copy in `tier` (its slot is already free or reused)."""
         if tier != e.tier:
             del e.copies[tier]          # type: ignore[union-attr]
@@ -412,7 +413,7 @@ class BlockIndex:
             if self.changes is not None:
                 self.changes.append(("-", key))
 
-    def adopt(self, tier: int, items: Sequence[tuple[Key, int, BlockInfo]]) -> int:
+    def adopt(self, tier: TierId, items: Sequence[tuple[Key, SlotId, BlockInfo]]) -> int:
         """Register blocks a persistent tier already holds (after a restart), oldest first.
 
         Returns how many were adopted; slots already in use are skipped.
@@ -444,7 +445,7 @@ class BlockIndex:
         ts.free = sorted(free)
         return n
 
-    def without_copy(self, tier: int) -> list[Key]:
+    def without_copy(self, tier: TierId) -> list[Key]:
         """Readable blocks with no copy in `tier` or below it (what a flush must write down)."""
         out = []
         for k, e in self.entries.items():
@@ -452,7 +453,7 @@ class BlockIndex:
                 out.append(k)
         return out
 
-    def _evictable(self, key: Key, tier: int) -> bool:
+    def _evictable(self, key: Key, tier: TierId) -> bool:
         e = self.entries[key]
         if e.refs or not e.ready:
             return False
@@ -463,13 +464,13 @@ class BlockIndex:
         return floor > tier and tier + 1 < len(self.tiers)
 
     @staticmethod
-    def _has_other_copy(e: Entry, tier: int, floor: int) -> bool:
+    def _has_other_copy(e: Entry, tier: TierId, floor: int) -> bool:
         """Whether `e` has a copy outside `tier`, in `floor` or above."""
         if e.tier != tier and e.tier <= floor:
             return True
         return bool(e.copies) and any(t != tier and t <= floor for t in e.copies)  # type: ignore[union-attr]
 
-    def _allocate(self, tier: int, moves: list[Move]) -> int | None:
+    def _take_slot(self, tier: TierId, moves: list[Move]) -> SlotId | None:
         """A free slot in `tier`, evicting (and demoting) a victim if needed; None if impossible."""
         ts = self.tiers[tier]
         if ts.free:
@@ -487,7 +488,7 @@ class BlockIndex:
             # The lower tier's admission filter decides whether the block is worth a slot
             # there (most blocks are never reused); a pinned block always moves down.
             admitted = below < len(self.tiers) and (victim in self.pins or self.tiers[below].policy.admit(e.info))
-            dst = self._allocate(below, moves) if admitted else None
+            dst = self._take_slot(below, moves) if admitted else None
             if dst is None and victim in self.pins:
                 stuck.add(victim)   # a pinned block may move down but never out: try the next
                 continue

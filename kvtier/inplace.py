@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtier.ids import TierId
+
 
 @dataclass
 class WriteSlots:
@@ -43,7 +45,7 @@ class HeldBlocks:
 
     blocks: int
     groups: list[ReadGroup] = field(default_factory=list)
-    tiers: list[int] = field(default_factory=list)     # the tier each block came from
+    tiers: list[TierId] = field(default_factory=list)  # the tier each block came from
 
     def rows(self) -> list[np.ndarray]:
         """Each held block's bytes in order (views, valid inside the `with` block)."""

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvtier.errors import TransferError
+from kvtier.ids import BlockKey, TierId
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
 from kvtier.tiers.base import Tier
@@ -102,7 +103,7 @@ class Mover:
                     self.tiers[tier].release([m.src_slot], [key])
             self.counters.corrupt_blocks += len(bad)
 
-    def copy_into(self, tier: int, keys: Sequence[bytes], rows: Sequence[np.ndarray] | None = None,
+    def copy_into(self, tier: TierId, keys: Sequence[BlockKey], rows: Sequence[np.ndarray] | None = None,
                    positions: list[int] | None = None) -> int:
         """Give cached blocks a copy in `tier`: from `rows[positions[j]]` (their bytes, already
         in memory), or without rows from their primary copies (held while they are read)."""

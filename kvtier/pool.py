@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from kvtier.errors import ConfigError, LayoutError
-from kvtier.ids import BlockKey, SlotId, TierId
+from kvtier.ids import TOP_TIER, BlockKey, SlotId, TierId
 from kvtier.index import Move, Reservation
 
 if TYPE_CHECKING:
@@ -72,12 +72,12 @@ class PagePool:
         """allocate() with the lock held."""
         st = self._store
         moves: list[Move] = []
-        slots = st.index.lend(0, n, moves)
+        slots = st.index.allocate(TOP_TIER, n, moves)
         try:
             st._mover.apply(Reservation(moves=moves))     # evictions chosen stand even when slots is None
         except BaseException:
             if slots:
-                st.index.give_back(0, slots)
+                st.index.free(TOP_TIER, slots)
             raise
         if slots:
             self._owned.update(slots)
@@ -110,7 +110,7 @@ class PagePool:
                                       "another key): cache only pages allocate() or load() returned")
             top = st.index.tiers[0].counters
             refused = top.rejected
-            done = st.index.publish(0, keys, slots)
+            done = st.index.cache(TOP_TIER, keys, slots)
             refused = top.rejected - refused
             for k, p, d in zip(keys, slots, done):
                 if d:
@@ -191,7 +191,7 @@ class PagePool:
                 else:
                     self._refs[p] = (key, refs - n)
             self._owned -= owned
-            st.index.give_back(0, list(owned))
+            st.index.free(TOP_TIER, list(owned))
             st.index.release(released)
 
     # -- state, for tests and stats -------------------------------------------------------

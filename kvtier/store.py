@@ -29,6 +29,7 @@ import torch
 from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
+from kvtier.ids import BlockKey, SlotId, TierId
 from kvtier.index import BlockIndex, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
@@ -90,7 +91,7 @@ class Hit:
 
     blocks: int
     block_tokens: int
-    tiers: list[int]          # tier index of each hit block (0 = top)
+    tiers: list[TierId]       # tier index of each hit block (0 = top)
     tier_names: list[str]
 
     @property
@@ -184,7 +185,7 @@ class Store:
         with this store's origin: a store of another namespace, layout or hash refuses them."""
         return self.keyer(tokens, parent)
 
-    def lookup(self, keys: Sequence[bytes]) -> Hit:
+    def lookup(self, keys: Sequence[BlockKey]) -> Hit:
         """The longest cached prefix of `keys` and the tier of each block; moves no data."""
         self._check_keys(keys)
         with self._lock:
@@ -202,7 +203,7 @@ class Store:
         return Hit(n, self.layout.block_tokens, locs, self.tier_names)
 
     # -- load ------------------------------------------------------------------------
-    def get(self, keys: Sequence[bytes], out: object, *, blocking: bool = True,
+    def get(self, keys: Sequence[BlockKey], out: object, *, blocking: bool = True,
             promote: bool | None = None) -> Transfer:
         """Copy the blocks of `keys` into `out` ([n, block_bytes] uint8, [n, *block_shape], or a list).
 
@@ -226,8 +227,8 @@ class Store:
         promote = self.promote if promote is None else promote
         return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, promote), blocking)
 
-    def _load(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], n_local: int,
-              locs: list[tuple[int, int]], transfer: Transfer, promote: bool) -> None:
+    def _load(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], n_local: int,
+              locs: list[tuple[TierId, SlotId]], transfer: Transfer, promote: bool) -> None:
         """Read the held blocks keys[:n_local] (locs), fetch the rest from peers, promote.
 
         Sets transfer.loaded to the leading blocks that arrived intact; releases the holds."""
@@ -255,7 +256,7 @@ class Store:
                 self._mover.copy_into(0, [keys[i] for i in lower], rows, lower)
 
     # -- save ------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks: object, *, blocking: bool = True) -> Transfer:
+    def put(self, keys: Sequence[BlockKey], blocks: object, *, blocking: bool = True) -> Transfer:
         """Store blocks under `keys` (prefix order). Cached ones are refreshed, not rewritten.
 
         Blocks become visible to lookup() once written; with blocking=False the copy
@@ -265,7 +266,7 @@ class Store:
         rows = as_rows(blocks, len(keys), self.layout, "blocks")
         return self._store(keys, rows, blocking)
 
-    def _store(self, keys: Sequence[bytes], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
+    def _store(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
         """put() after validation: `rows` are checked one-block uint8 rows."""
         res = self._reserve(keys)
         nbytes = len(res.keys) * self.layout.block_bytes
@@ -278,7 +279,7 @@ class Store:
 
         return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
 
-    def _reserve(self, keys: Sequence[bytes]) -> Reservation:
+    def _reserve(self, keys: Sequence[BlockKey]) -> Reservation:
         """Top-tier slots for a save's new blocks, evictions carried out (counted as a put)."""
         with self._lock:
             self._check_open()
@@ -322,7 +323,7 @@ class Store:
         return transfer
 
     @contextmanager
-    def writing(self, keys: Sequence[bytes]) -> Iterator[WriteSlots]:
+    def writing(self, keys: Sequence[BlockKey]) -> Iterator[WriteSlots]:
         """A save written in place: reserve top-tier slots for the blocks of `keys` (prefix
         order) not cached yet and yield them; the caller writes each block's bytes straight
         into its slot (e.g. gathers an engine's pages there: one copy, no staging buffer).
@@ -340,7 +341,7 @@ class Store:
         self._written(res)
 
     @contextmanager
-    def reading(self, keys: Sequence[bytes], promote: bool | None = None) -> Iterator[HeldBlocks]:
+    def reading(self, keys: Sequence[BlockKey], promote: bool | None = None) -> Iterator[HeldBlocks]:
         """A load read in place: hold the longest locally cached prefix of `keys` and yield
         where each block's bytes are. Blocks in memory tiers are their slots (no copy);
         blocks on disk are read into a buffer of the store's and verified (the prefix ends
@@ -375,7 +376,7 @@ class Store:
             finally:
                 self._buffer_back(buffer)
 
-    def _fetch_remote(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
+    def _fetch_remote(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray]) -> int:
         """Fetch the longest prefix of `keys` peers hold into `rows` (verified), count it, and
         keep a copy in the local tiers if the remote is set to; how many arrived."""
         assert self.remote is not None
@@ -387,7 +388,7 @@ class Store:
         return fetched
 
     @contextmanager
-    def _held_reads(self, keys: Sequence[bytes], locs: list[tuple[int, int]],
+    def _held_reads(self, keys: Sequence[BlockKey], locs: list[tuple[TierId, SlotId]],
                     promote: bool | None = None) -> Iterator[HeldBlocks]:
         """reading() after the lookup: `keys`, held (index.acquire) at `locs`, are read where
         they lie (disk: verified, into the reused buffer) and released when the block exits."""
@@ -426,7 +427,7 @@ class Store:
             if bad:
                 self._mover.discard(bad)
 
-    def _release(self, keys: Sequence[bytes]) -> None:
+    def _release(self, keys: Sequence[BlockKey]) -> None:
         """End holds taken for reading (index.acquire) that no read will end."""
         with self._lock:
             self.index.release(keys)
@@ -453,7 +454,7 @@ class Store:
                 self._spare = buf
 
     @contextmanager
-    def hold(self, keys: Sequence[bytes]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
+    def hold(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
         """Hold the longest cached prefix of `keys` and yield its blocks' bytes and xxh3-64
         checksums: views of slot memory for memory tiers (no copy: a node sends them straight
         to a peer), verified copies for disk. Nothing held is evicted or overwritten until
@@ -472,7 +473,7 @@ class Store:
             yield rows, sums
 
     # -- an engine whose pages are the top tier (kvtier.adapter) ---------------------------
-    def _write_through(self, keys: Sequence[bytes]) -> None:
+    def _write_through(self, keys: Sequence[BlockKey]) -> None:
         """Best effort: copy blocks that just became cached in the top tier down to the
         persistent tiers (the blocks are cached either way)."""
         for i, tier in enumerate(self.tiers):
@@ -483,7 +484,7 @@ class Store:
                     log.warning("write-through of %d blocks to %s failed: %s", len(keys), tier.name, e)
 
     # -- tiers: prefetch and durability ---------------------------------------------------
-    def prefetch(self, keys: Sequence[bytes], *, blocking: bool = False) -> Transfer:
+    def prefetch(self, keys: Sequence[BlockKey], *, blocking: bool = False) -> Transfer:
         """Copy the cached blocks of `keys` that live in lower tiers up into the top tier,
         verified, so a later get() is served from memory. Runs on an I/O thread by default."""
         self._check_keys(keys)
@@ -510,7 +511,7 @@ class Store:
             tier.flush()
 
     # -- pins ------------------------------------------------------------------------
-    def pin(self, session: str, keys: Sequence[bytes], ttl: float, tier: int | str = 0) -> int:
+    def pin(self, session: str, keys: Sequence[BlockKey], ttl: float, tier: int | str = 0) -> int:
         """Keep a session's blocks in `tier` (name or index) or above for `ttl` seconds.
 
         Pins the longest prefix of `keys` that fits the tier's pinned budget
@@ -552,7 +553,7 @@ class Store:
             out, self.index.changes = self.index.changes or [], ([] if self.index.changes is not None else None)
         return out
 
-    def cached_keys(self) -> list[bytes]:
+    def cached_keys(self) -> list[BlockKey]:
         """Every readable block's key (a snapshot)."""
         with self._lock:
             return list(self.index.ready)
@@ -601,7 +602,7 @@ class Store:
         if self._closed:
             raise ClosedError("this store is closed; create a new Store")
 
-    def _check_keys(self, keys: Sequence[bytes]) -> None:
+    def _check_keys(self, keys: Sequence[BlockKey]) -> None:
         """Keys must be 16-byte keys; BlockKeys made by another store are refused."""
         if isinstance(keys, BlockKeys):
             # Made by a Keyer: the right type and size. Speed: one comparison, not one per key.
@@ -615,7 +616,7 @@ class Store:
                 raise LayoutError(f"keys[{i}] is not a {KEY_BYTES}-byte block key: use store.keys(tokens)")
 
 
-def _group(locs: list[tuple[int, int]]) -> list[tuple[int, list[int], list[int]]]:
+def _group(locs: list[tuple[TierId, SlotId]]) -> list[tuple[int, list[int], list[int]]]:
     """(tier, slots, positions) for each tier that holds some of `locs`."""
     by: dict[int, tuple[list[int], list[int]]] = {}
     for i, (t, s) in enumerate(locs):

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 from kvtier.errors import ConfigError, TierSizeError
+from kvtier.ids import BlockKey, SlotId
 from kvtier.units import format_bytes, parse_bytes
 
 
@@ -62,20 +63,20 @@ class Tier(ABC):
     def _allocate(self, slots: int, block_bytes: int) -> None: ...
 
     @abstractmethod
-    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
+    def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+              idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> None:
         """Copy rows[idx[j]] (rows[j] without idx) into slots[j]; keys[j] is that block's key."""
 
     @abstractmethod
-    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+             idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> list[int]:
         """Copy slots[j] into rows[idx[j]] (rows[j] without idx).
 
         Returns the positions j whose bytes failed verification (always empty for memory).
         """
 
     @abstractmethod
-    def block(self, slot: int) -> np.ndarray:
+    def block(self, slot: SlotId) -> np.ndarray:
         """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
 
     def memory(self) -> torch.Tensor | None:
@@ -83,10 +84,10 @@ class Tier(ABC):
         and write in place (memory tiers on the host), or None (disk, or GPU memory)."""
         return None
 
-    def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+    def release(self, slots: Sequence[SlotId], keys: Sequence[BlockKey]) -> None:
         """These blocks left the tier (a persistent tier forgets their records)."""
 
-    def recover(self) -> list[tuple[bytes, int]]:
+    def recover(self) -> list[tuple[BlockKey, SlotId]]:
         """(key, slot) of the blocks a persistent tier already holds, least recent first."""
         return []
 
@@ -101,7 +102,7 @@ class Tier(ABC):
         """Release the tier's memory or files."""
 
 
-def copy_runs(slots: Sequence[int], idx: Sequence[int] | None, mergeable: bool) -> Iterator[tuple[int, int, int]]:
+def copy_runs(slots: Sequence[SlotId], idx: Sequence[int] | None, mergeable: bool) -> Iterator[tuple[int, int, int]]:
     """(first slot, first row, length) of each run where slots and rows both step by +1
     or both by -1, as ascending ranges; single pairs when the rows cannot be sliced."""
     rows = range(len(slots)) if idx is None else idx
@@ -124,7 +125,7 @@ def copy_runs(slots: Sequence[int], idx: Sequence[int] | None, mergeable: bool) 
         j += k
 
 
-def rows_into_slots(pool: np.ndarray, slots: Sequence[int], rows: Sequence[np.ndarray],
+def rows_into_slots(pool: np.ndarray, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
                     idx: Sequence[int] | None) -> None:
     """pool[slots[j]] = rows[idx[j]], one copy per run of consecutive slots and rows."""
     for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):
@@ -134,7 +135,7 @@ def rows_into_slots(pool: np.ndarray, slots: Sequence[int], rows: Sequence[np.nd
             pool[s:s + n] = rows[i:i + n]
 
 
-def slots_into_rows(pool: np.ndarray, slots: Sequence[int], rows: Sequence[np.ndarray],
+def slots_into_rows(pool: np.ndarray, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
                     idx: Sequence[int] | None) -> None:
     """rows[idx[j]] = pool[slots[j]], one copy per run of consecutive slots and rows."""
     for s, i, n in copy_runs(slots, idx, isinstance(rows, np.ndarray)):

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.ids import BlockKey, SlotId
 from kvtier.tiers.base import Tier, copy_runs, rows_into_slots, slots_into_rows
 from kvtier.tiers.memory import out_of_memory, prefault, too_large
 from kvtier.units import format_bytes
@@ -86,8 +87,8 @@ class DeviceTier(Tier):
             self._np = self.tensor.numpy()
 
     # Copies: runs of consecutive slots matching consecutive rows are one copy (copy_runs).
-    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
+    def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+              idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> None:
         if self._np is not None:
             rows_into_slots(self._np, slots, rows, idx)
             return
@@ -97,8 +98,8 @@ class DeviceTier(Tier):
                 src = rows[i:i + n] if n > 1 else rows[i][None]
                 self.tensor[s:s + n].copy_(torch.from_numpy(np.ascontiguousarray(src)))
 
-    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+             idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> list[int]:
         if self._np is not None:
             slots_into_rows(self._np, slots, rows, idx)
             return []
@@ -110,7 +111,7 @@ class DeviceTier(Tier):
     def memory(self) -> torch.Tensor | None:
         return self.tensor if self.tensor is not None and not self.on_gpu else None
 
-    def block(self, slot: int) -> np.ndarray:
+    def block(self, slot: SlotId) -> np.ndarray:
         """A view of the slot on a CPU; a host copy on a GPU."""
         if self._np is not None:
             return self._np[slot]

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
+from kvtier.ids import BlockKey, SlotId
 from kvtier.tiers.base import Tier
 from kvtier.units import format_bytes
 
@@ -249,14 +250,14 @@ class DiskTier(Tier):
                 for k in stale:
                     txn.delete(k)
 
-    def recover(self) -> list[tuple[bytes, int]]:
+    def recover(self) -> list[tuple[BlockKey, SlotId]]:
         """(key, slot) of every block the directory holds, least recently used first."""
         order = sorted(self._records, key=lambda s: self._access.get(s, 0.0))
         return [(self._records[s][0], s) for s in order]
 
     # -- moving bytes ----------------------------------------------------------------
-    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
-              keys: Sequence[bytes] | None = None) -> None:
+    def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
+              keys: Sequence[BlockKey] | None = None) -> None:
         if keys is None:
             raise ConfigError("the disk tier needs the blocks' keys to write them")
         if self.read_only:
@@ -301,8 +302,8 @@ class DiskTier(Tier):
                 txn.cursor().putmulti(puts)
         del self._deleted[:n_pending]
 
-    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
-             keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
+             keys: Sequence[BlockKey] | None = None) -> list[int]:
         """Copy and verify; returns the positions j whose block failed verification."""
         order = list(range(len(slots))) if idx is None else list(idx)
         bad: list[int] = []
@@ -323,7 +324,7 @@ class DiskTier(Tier):
                         self.path, key, slots[j])
         return sorted(set(bad))
 
-    def _parallel(self, fn, slots: Sequence[int], rows: Sequence[np.ndarray], order: list[int],
+    def _parallel(self, fn, slots: Sequence[SlotId], rows: Sequence[np.ndarray], order: list[int],
                   wait: bool = True) -> list[Any]:
         """Split the copy into runs of consecutive slots and run them on the I/O threads;
         returns their results, or (wait=False) their futures."""
@@ -401,14 +402,14 @@ class DiskTier(Tier):
             self._free_staging.append(i)
         return bad
 
-    def block(self, slot: int) -> np.ndarray:
+    def block(self, slot: SlotId) -> np.ndarray:
         out = np.empty(self.block_bytes, dtype=np.uint8)
         rec = self._records.get(slot)
         if self.read([slot], [out], keys=[rec[0]] if rec else None):
             raise ConfigError(f"disk tier {self.path}: slot {slot} failed verification")
         return out
 
-    def release(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+    def release(self, slots: Sequence[SlotId], keys: Sequence[BlockKey]) -> None:
         """These blocks left the tier: their records go at the next commit."""
         with self._meta_lock:
             for s in slots:
@@ -489,7 +490,7 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
     return msgpack.unpackb(raw), records
 
 
-def _runs_by_slot(slots: Sequence[int], positions: Sequence[int]) -> list[tuple[int, list[int]]]:
+def _runs_by_slot(slots: Sequence[SlotId], positions: Sequence[int]) -> list[tuple[int, list[int]]]:
     """Split sorted `slots` into runs of consecutive slots: (first slot, their positions)."""
     runs = []
     j = 0

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kvtier.ids import BlockKey, SlotId
 from kvtier.tiers.base import Tier, rows_into_slots, slots_into_rows
 from kvtier.tiers.memory import HostBuffer, allocate_host
 
@@ -34,16 +35,16 @@ class HostTier(Tier):
     # that match consecutive rows are copied as one range. The index hands out slots
     # so that a chain put tail-first fills ascending slots: a put and a later get of
     # the same prefix are then a few large copies instead of one per block.
-    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-              idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> None:
+    def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+              idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> None:
         rows_into_slots(self.slots, slots, rows, idx)
 
-    def read(self, slots: Sequence[int], rows: Sequence[np.ndarray],
-             idx: Sequence[int] | None = None, keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
+             idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> list[int]:
         slots_into_rows(self.slots, slots, rows, idx)
         return []
 
-    def block(self, slot: int) -> np.ndarray:
+    def block(self, slot: SlotId) -> np.ndarray:
         return self.slots[slot]
 
     def memory(self) -> torch.Tensor | None:
