@@ -55,20 +55,20 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
 
 def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
     """Median seconds of a() and of b(), alternating them, so both see the same conditions
-    (a virtual disk's speed drifts from second to second)."""
+    (a virtual disk's speed drifts from second to second). Which one goes first swaps every
+    round (a b, b a, a b, ...): each is timed as often right after the other as before it,
+    so neither inherits more of the other's left-over work (a disk still flushing a write)."""
     _check_repeat(repeat)
     a()
     b()
-    ta, tb = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-    return statistics.median(ta), statistics.median(tb)
+    fns = (a, b)
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeat):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 # -- option types -------------------------------------------------------------------------
