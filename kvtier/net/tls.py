@@ -9,6 +9,7 @@ ConfigError that says which file and what to do.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -70,7 +71,9 @@ def _readable(path: str, what: str) -> None:
 
 
 def _ssl_why(e: BaseException) -> str:
-    return str(getattr(e, "reason", None) or getattr(e, "strerror", None) or e)
+    """OpenSSL's reason, without its source location."""
+    text = str(getattr(e, "reason", None) or getattr(e, "strerror", None) or e)
+    return re.sub(r"\s*\(_ssl\.c:\d+\)", "", text).replace("[SSL] ", "")
 
 
 def throwaway_cert(directory: str, host: str = "127.0.0.1") -> Tls:
