@@ -364,14 +364,23 @@ def test_tls_round_trip_and_a_plaintext_client_is_refused_cleanly(tmp_path):
             out = np.zeros((4, LAYOUT.block_bytes), dtype=np.uint8)
             assert c.get(keys, out) == 4 and np.array_equal(out, want.numpy())
         with PeerClient.for_store(store, node.address, SECRET, timeout=5) as plain:
-            with pytest.raises(PeerError):
+            with pytest.raises(PeerError, match="closed the connection without answering"):
                 plain.has(keys)
+        (tmp_path / "other").mkdir()
+        other_ca = throwaway_cert(str(tmp_path / "other"))             # a CA that did not sign the node's
+        with PeerClient.for_store(store, node.address, SECRET, timeout=5, tls=Tls(ca=other_ca.ca)) as wrong:
+            with pytest.raises(PeerError, match="certificate does not verify"):
+                wrong.has(keys)
         remote = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS,
                               remote=kvtier.Remote([node.address], SECRET, timeout=5, tls=Tls(ca=tls.ca)))
         out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
         assert remote.get(keys, out).loaded == 4 and torch.equal(out, want)     # a store over TLS
         remote.close()
         assert node.refused >= 1
+    with kvtier.Node(store, "127.0.0.1:0", SECRET) as plain_node:            # TLS client, plain node
+        with PeerClient.for_store(store, plain_node.address, SECRET, timeout=5, tls=Tls(ca=tls.ca)) as c:
+            with pytest.raises(PeerError, match="is the node serving TLS"):
+                c.has(keys)
     with pytest.raises(kvtier.ConfigError, match="does not exist"):
         kvtier.Node(store, "127.0.0.1:0", SECRET, tls=Tls(cert=str(tmp_path / "nope.pem"), key=tls.key))
     with pytest.raises(kvtier.ConfigError, match="CA file"):

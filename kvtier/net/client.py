@@ -10,6 +10,7 @@ move over a transport (transport.py): TCP by default, UCX with transport="ucx".
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -225,6 +226,12 @@ def _reason(e: BaseException) -> str:
     """A short reason for a failed call: "connection refused", "timed out", the frame error."""
     if isinstance(e, FrameError):
         return str(e)
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return (f"TLS: the node's certificate does not verify ({e.verify_message}): give the CA that signed it "
+                "(Tls(ca=...), --tls-ca), and a certificate that names the address dialled")
+    if isinstance(e, ssl.SSLError):
+        return (f"TLS failed ({e.reason or e}): is the node serving TLS (--tls-cert), and this client "
+                "given tls=Tls(ca=...) (--tls-ca)?")
     if isinstance(e, socket.timeout):
         return "no answer within the deadline"
     if isinstance(e, EOFError):
