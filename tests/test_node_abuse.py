@@ -9,6 +9,7 @@ import hmac
 import os
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -25,7 +26,7 @@ import kvtier
 from kvtier.net import NodeLimits, PeerClient, PeerError, Tls
 from kvtier.net import frames
 from kvtier.net.frames import MAX_HEADER, PREFIX_BYTES, Frame, decode, read_prefix
-from kvtier.net.tls import throwaway_cert
+from kvtier.net.tls import throwaway_cert as _throwaway_cert
 from tests.conftest import REPO, assert_one_line_error, payload, run_kvtier
 
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)  # 8 KiB
@@ -107,6 +108,13 @@ def node_process():
     yield start
     for n in started:
         n.kill()
+
+
+def throwaway_cert(directory: str) -> Tls:
+    """A self-signed certificate for 127.0.0.1 (skips the test where openssl is missing)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the TLS tests make a throwaway certificate with the openssl command")
+    return _throwaway_cert(directory)
 
 
 def seed(ns: kvtier.Namespace = NS) -> bytes:
