@@ -5,6 +5,8 @@ once. Peers and Redis may come up in any order: one that does not answer at star
 reported on one line and retried with backoff (kvtier/net/health.py), and its coming
 back is reported too. Ctrl-C or SIGTERM stops the node cleanly: it stops serving,
 leaves the directory, and closes the store (writing host blocks down to a disk tier).
+--salt-file makes the node serve one tenant's namespace; --tls-cert/--tls-key serve TLS and
+--tls-ca fetches from TLS peers (docs/cluster.md, Security).
 """
 from __future__ import annotations
 
