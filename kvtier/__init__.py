@@ -23,7 +23,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["StoreStats", "TierStats"], "kvtier.stats"),
     **dict.fromkeys(["Hit", "Store"], "kvtier.store"),
     "StoreConfig": "kvtier.config",
-    **dict.fromkeys(["Node", "PeerList", "RedisDirectory"], "kvtier.net"),
+    **dict.fromkeys(["Node", "NodeLimits", "PeerClient", "PeerError", "PeerList", "RedisDirectory", "Tls"],
+                    "kvtier.net"),
     "Remote": "kvtier.net.remote",
     **dict.fromkeys(["DeviceTier", "DiskTier", "HostTier", "Tier"], "kvtier.tiers"),
 }
@@ -49,7 +50,7 @@ if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eager
     from kvtier.handles import Transfer
     from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
     from kvtier.layout import KVLayout, preset_layout
-    from kvtier.net import Node, PeerList, RedisDirectory
+    from kvtier.net import Node, NodeLimits, PeerClient, PeerError, PeerList, RedisDirectory, Tls
     from kvtier.net.remote import Remote
     from kvtier.stats import StoreStats, TierStats
     from kvtier.store import Hit, Store

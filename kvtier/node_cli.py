@@ -5,6 +5,8 @@ once. Peers and Redis may come up in any order: one that does not answer at star
 reported on one line and retried with backoff (kvtier/net/health.py), and its coming
 back is reported too. Ctrl-C or SIGTERM stops the node cleanly: it stops serving,
 leaves the directory, and closes the store (writing host blocks down to a disk tier).
+--salt-file makes the node serve one tenant's namespace; --tls-cert/--tls-key serve TLS and
+--tls-ca fetches from TLS peers (docs/cluster.md, Security).
 """
 from __future__ import annotations
 
@@ -108,6 +110,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=None, metavar="FILE",
                    help="file holding the cluster's shared secret, at least 16 bytes "
                         "(default: the KVTIER_SECRET variable)")
+    p.add_argument("--salt-file", default=None, metavar="FILE",
+                   help="file holding the tenant salt (any bytes; surrounding whitespace is ignored): the node "
+                        "serves, and fetches, only that tenant's namespace (default: no salt, the default tenant)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="serve TLS with this PEM certificate (with --tls-key); peers then need --tls-ca "
+                        "(default: plain TCP)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert (default: none)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="fetch from peers over TLS, verifying their certificates against this PEM CA file "
+                        "(with --peers or --directory; default: plain TCP to peers)")
+    p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="open connections at most; more are closed at once (default 1024)")
     p.add_argument("--policy", default=None, metavar="NAME",
                    help=f"eviction policy, e.g. lru or arc+nopartial (default: policy, {_default('policy')})")
 
@@ -130,13 +144,49 @@ def read_secret(path: str | None) -> bytes:
     return secret
 
 
+def read_salt(path: str | None) -> bytes:
+    """The tenant salt from a file (b"" without one)."""
+    if not path:
+        return b""
+    try:
+        with open(path, "rb") as f:
+            salt = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read the salt file {path}: {e.strerror}") from None
+    if not salt:
+        raise ConfigError(f"the salt file {path} is empty: put the tenant's salt in it, or leave --salt-file out "
+                          "for the default tenant")
+    return salt
+
+
+def tls_options(args: argparse.Namespace) -> tuple[object, object]:
+    """(serving Tls or None, fetching Tls or None) from --tls-cert/--tls-key/--tls-ca, each
+    file checked now."""
+    from kvtier.net.tls import Tls
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together: give both to serve TLS")
+    if args.transport != "tcp" and (args.tls_cert or args.tls_ca):
+        raise ConfigError("TLS is for --transport tcp; UCX brings its own transports")
+    serve = fetch = None
+    if args.tls_cert:
+        serve = Tls(cert=args.tls_cert, key=args.tls_key)
+        serve.server_context()
+    if args.tls_ca:
+        if not (args.peers or args.directory):
+            raise ConfigError("--tls-ca is for fetching from peers over TLS: give --peers or --directory too")
+        fetch = Tls(ca=args.tls_ca)
+        fetch.client_context()
+    return serve, fetch
+
+
 def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from kvtier.keys import Namespace
     from kvtier.layout import preset_layout
-    from kvtier.net import Node
+    from kvtier.net import Node, NodeLimits
     from kvtier.policies import make_policy
     from kvtier.config import StoreConfig
     from kvtier.net.remote import Remote
@@ -144,12 +194,14 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything that can be checked is checked before any memory or disk is taken.
     secret = read_secret(args.secret_file)
+    salt = read_salt(args.salt_file)
+    serve_tls, fetch_tls = tls_options(args)
     config = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, host_capacity=args.capacity,
                                   disk_path=args.disk, disk_capacity=args.disk_capacity, policy=args.policy)
     if config.host_capacity is None:
         raise ConfigError("a node serves from a host tier: give host_capacity (--capacity) a size")
     layout = preset_layout(args.layout, config.block_tokens)
-    ns = Namespace(args.model or args.layout, args.revision, args.shard)
+    ns = Namespace(args.model or args.layout, args.revision, args.shard, salt=salt)
     make_policy(config.policy, 1)
     if args.directory and args.peers:
         raise ConfigError("give --peers or --directory, not both")
@@ -163,12 +215,17 @@ def run(args: argparse.Namespace) -> int:
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
-        remote = Remote(directory=directory, secret=secret, transport=args.transport)
+        remote = Remote(directory=directory, secret=secret, transport=args.transport, tls=fetch_tls)
         where.append(f"directory {directory.url}")
     elif args.peers:
-        remote = Remote(args.peers, secret, transport=args.transport)
+        remote = Remote(args.peers, secret, transport=args.transport, tls=fetch_tls)
         where.append(f"peers {','.join(args.peers)}")
 
+    limits = NodeLimits(**({"max_connections": args.max_connections} if args.max_connections else {}))
+    if salt:
+        where.append("tenant salt from " + args.salt_file)
+    if serve_tls:
+        where.append("TLS")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -179,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
 
     with config.build(layout, ns, remote=remote) as store:
         with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
-                  transport=args.transport) as node:
+                  transport=args.transport, tls=serve_tls, limits=limits) as node:
             for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly
                 signal.signal(sig, on_signal)
             print(f"kvtier node: serving {ns.model!r} (revision {ns.revision!r}, shard {ns.shard or 'none'}; "

@@ -1,6 +1,8 @@
 """GET throughput between two node processes on loopback, against a raw socket send of the
-same bytes between the same two processes, alternated in one run; with ucxx installed, also
-node GET over UCX against a raw ucxx send of the same bytes (same block-sized messages)."""
+same bytes between the same two processes, alternated in one run; with --tls, also node GET
+over TLS (a throwaway self-signed certificate) against the same plain raw socket, which is
+TLS's cost; with ucxx installed, also node GET over UCX against a raw ucxx send of the same
+bytes (same block-sized messages)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +17,8 @@ layout = kvtier.KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)
 store = kvtier.Store(layout, [kvtier.HostTier(blocks=n)], kvtier.Namespace("bench"))
 keys = store.keys(np.arange(16 * n))
 store.put(keys, torch.from_numpy(np.random.default_rng(0).integers(0, 256, (n, bb), dtype=np.uint8)))
-node = kvtier.Node(store, "127.0.0.1:0", {secret!r}).start()
+tls = kvtier.Tls(cert={cert!r}, key={key!r}) if {cert!r} else None
+node = kvtier.Node(store, "127.0.0.1:0", {secret!r}, tls=tls).start()
 raw = socket.create_server(("127.0.0.1", 0))
 buf = allocate_host(n * bb).array[: n * bb]
 buf[:] = 7
@@ -70,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("auto", "tcp", "ucx", "all"), default="auto",
                    help="auto (default: tcp, plus ucx where ucxx is installed), tcp, ucx, or all "
                         "(ucx: node GET over UCX vs raw ucxx; needs kvtier[ucx])")
+    p.add_argument("--tls", action="store_true",
+                   help="also time node GET over TLS (tcp+tls rows; a throwaway certificate, needs openssl)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -101,6 +106,14 @@ def run(args: argparse.Namespace) -> int:
     secret = b"bench-secret-0123456789abcdef"
     rows = []
     phases = [t for t in ("tcp", "ucx") if args.transport in (t, "all")]
+    tls = None
+    if getattr(args, "tls", False):
+        import tempfile
+
+        from kvtier.net.tls import Tls, throwaway_cert
+        certs = tempfile.TemporaryDirectory(prefix="kvtier-bench-tls-")
+        tls = throwaway_cert(certs.name)
+        phases.insert(phases.index("tcp") + 1 if "tcp" in phases else 0, "tcp+tls")
     hint = f"each process holds about 2 times --total ({fmt_size(total)}) in memory: give a smaller --total"
     with memory_hint(hint), progress("transport", len(sizes) * len(phases), enabled=not args.json) as bar:
         for bb in sizes:
@@ -113,14 +126,17 @@ def run(args: argparse.Namespace) -> int:
                 bar.describe(f"{phase}, {fmt_size(bb)} blocks")
                 # A server process of its own per transport: UCX's progress thread must not share
                 # the CPU with the TCP timings.
-                with _Server(SERVER.format(bb=bb, n=n, secret=secret, ucx=phase == "ucx")) as server:
+                cert, key = (tls.cert, tls.key) if phase == "tcp+tls" and tls else ("", "")
+                with _Server(SERVER.format(bb=bb, n=n, secret=secret, ucx=phase == "ucx", cert=cert,
+                                           key=key)) as server:
                     node_addr, raw_port, ucx_addr, ucx_raw_port = server.addresses()
                     if phase == "ucx":
                         rows.append(_ucx_row(ucx_addr, int(ucx_raw_port), secret, keyer.seed, keys, out, bb, n,
                                              args.repeat))
                         bar.advance()
                         continue
-                    client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30)
+                    client = PeerClient(node_addr, secret, keyer.seed, bb, timeout=30,
+                                        tls=Tls(ca=tls.ca) if phase == "tcp+tls" and tls else None)
                     raw = socket.create_connection(("127.0.0.1", int(raw_port)))
                     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     sink = memoryview(allocate_host(n * bb).array[: n * bb])
@@ -136,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                             got += raw.recv_into(sink[got:])
 
                     t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
-                    rows.append({"bench": "transport", "transport": "tcp", "op": "get", "block_bytes": bb,
+                    rows.append({"bench": "transport", "transport": phase, "op": "get", "block_bytes": bb,
                                  "blocks": n, "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
                                  "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
                     client.close()

@@ -3,24 +3,30 @@
 Every call has a deadline: `timeout` seconds plus the time its bytes take at a floor rate
 (MIN_RATE), so a peer that dies, stalls, drips bytes or sends garbage costs a PeerError
 within a bounded time, which the remote tier turns into a miss. Received blocks land
-straight in the caller's buffers and are verified against the MAC'd checksums. The bytes
+straight in the caller's buffers and are verified against the MAC'd checksums; a peer that
+fails part way through a GET still yields the blocks that arrived verified before. The bytes
 move over a transport (transport.py): TCP by default, UCX with transport="ucx".
 """
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from kvtier.checksum import block_checksum
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
-from kvtier.net.frames import Frame, FrameError, decode
+from kvtier.net.frames import Frame, FrameError, decode, read_prefix
+from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import Channel, TcpChannel, check_transport
+
+if TYPE_CHECKING:
+    from kvtier.store import Store
 
 MIN_RATE = 100e6   # bytes/s a peer must sustain; slower counts as a stall
 _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
@@ -29,28 +35,54 @@ _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
 class PeerError(KvtierError):
     """A peer could not answer in time or answered wrongly: treat its blocks as misses.
     `refused`: it answered, but refused the request or its reply was not acceptable (another
-    secret or namespace, a malformed frame), rather than not answering at all."""
+    secret or namespace, a malformed frame), rather than not answering at all. `loaded`: for a
+    GET, how many leading blocks had arrived verified before it failed (they are usable)."""
 
-    def __init__(self, address: str, reason: str, refused: bool = False) -> None:
+    def __init__(self, address: str, reason: str, refused: bool = False, loaded: int = 0) -> None:
         super().__init__(f"peer {address}: {reason}")
-        self.address, self.reason, self.refused = address, reason, refused
+        self.address, self.reason, self.refused, self.loaded = address, reason, refused, loaded
 
 
 class PeerClient:
-    """Talks to one node. Thread-safe (one request at a time per peer)."""
+    """Talks to one node: `has`, `get` and `put` of blocks, authenticated with the cluster's
+    secret, every block checksummed. Thread-safe (one request at a time per peer).
+
+    `ns` is the namespace seed of the store whose blocks these are (`store.keyer.seed`, or
+    use `PeerClient.for_store`); `tls=Tls(ca=FILE)` reaches a node that serves TLS."""
 
     def __init__(self, address: str, secret: bytes, ns: bytes, block_bytes: int, timeout: float = 0.5,
-                 transport: str = "tcp") -> None:
+                 transport: str = "tcp", tls: Tls | None = None) -> None:
+        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+            raise ConfigError("the cluster's shared secret must be at least 16 bytes")
+        if not isinstance(ns, (bytes, bytearray)) or len(ns) != 16:
+            raise ConfigError("ns must be the store's 16-byte namespace seed (store.keyer.seed)")
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ConfigError(f"block_bytes must be a positive int, got {block_bytes!r}")
         self.address = address
         self._addr = parse_address(address)
         self.transport = check_transport(transport)
-        self.secret, self.ns, self.block_bytes, self.timeout = bytes(secret), ns, block_bytes, timeout
+        self.tls = check_tls(tls)
+        if self.tls is not None and self.transport != "tcp":
+            raise ConfigError("TLS is for the tcp transport; UCX brings its own transports (leave tls unset)")
+        self._ssl = self.tls.client_context() if self.tls is not None else None
+        self.secret, self.ns, self.block_bytes, self.timeout = bytes(secret), bytes(ns), block_bytes, timeout
         self._chan: Channel | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_store(cls, store: Store, address: str, secret: bytes, **kw: object) -> PeerClient:
+        """A client for the node at `address` that serves `store`'s namespace and layout."""
+        return cls(address, secret, store.keyer.seed, store.layout.block_bytes, **kw)   # type: ignore[arg-type]
 
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _drop(self) -> None:
         if self._chan is not None:
@@ -63,7 +95,7 @@ class PeerClient:
                 from kvtier.net.ucx import UcxChannel
                 self._chan = UcxChannel(self._addr)
             else:
-                self._chan = TcpChannel(self._addr)
+                self._chan = TcpChannel(self._addr, self._ssl)
         return self._chan
 
     # -- requests --------------------------------------------------------------------
@@ -72,12 +104,27 @@ class PeerClient:
         return self._call(Frame("HAS", self.ns, list(keys)), None)
 
     def get(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
-        """Fetch the peer's prefix of `keys` into `rows` (one writable uint8 row per key);
-        returns how many leading rows arrived and passed verification."""
-        return self._call(Frame("GET", self.ns, list(keys)), rows)
+        """Fetch the peer's prefix of `keys` into `rows` (one writable uint8 row per key, or a
+        [n, block_bytes] uint8 array); returns how many leading rows arrived and passed
+        verification. A peer that fails after some blocks arrived verified still gives those
+        (the connection is dropped; the next call connects afresh); PeerError if none did."""
+        try:
+            return self.fetch(keys, rows)
+        except PeerError as e:
+            if e.loaded:
+                return e.loaded
+            raise
 
-    def put(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
-        """Store blocks on the peer; returns how many it newly wrote."""
+    def fetch(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
+        """get(), but a failure is always a PeerError, whose `loaded` counts the leading rows
+        that arrived verified before it."""
+        return self._call(Frame("GET", self.ns, list(keys)), _rows(rows, len(keys), self.block_bytes, True))
+
+    def put(self, keys: Sequence[bytes], blocks: object) -> int:
+        """Store blocks on the peer (`blocks`: [n, block_bytes] uint8 numpy or CPU torch, or a
+        list of rows); returns how many it newly wrote. Each block travels with its checksum;
+        the peer stores the leading blocks that match theirs."""
+        rows = _rows(blocks, len(keys), self.block_bytes, False)
         sums = [block_checksum(r) for r in rows]
         req = Frame("PUT", self.ns, list(keys), payload=len(keys) * self.block_bytes, sums=sums)
         return self._call(req, rows, send_rows=True)
@@ -86,53 +133,105 @@ class PeerClient:
         moved = len(req.keys) * self.block_bytes if req.op in ("GET", "PUT") else 0
         deadline = time.monotonic() + self.timeout + moved / MIN_RATE
         with self._lock:
+            landed: list[Future[bool] | None] = []
             try:
                 chan = self._channel()
-                body, mac = chan.request(req.encode(self.secret), rows if send_rows else None, deadline)
-                reply = self._reply(body, mac)
+                head = req.encode(self.secret)
+                prefix, body, mac = chan.request(head, rows if send_rows else None, deadline, self._check)
+                reply = self._reply(prefix, body, mac, req.nonce)
                 if req.op != "GET":
                     return reply.n
-                return self._receive_blocks(chan, reply, rows, deadline)
+                return self._receive_blocks(chan, reply, rows, deadline, landed)
             except (OSError, EOFError, FrameError) as e:
                 self._drop()    # the connection's state is unknown now: start afresh next time
-                raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError)) from None
+                raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError),
+                                loaded=_verified(landed)) from None
+
+    def _check(self, prefix: bytes) -> int:
+        return read_prefix(prefix, self.secret).length
 
     def ping(self) -> None:
         """One HAS of no keys: raises PeerError unless the peer answers, with this cluster's
         secret and for this namespace."""
         self.has([])
 
-    def _reply(self, body: bytes, mac: bytes) -> Frame:
-        reply = decode(body, mac, self.secret)
+    def _reply(self, prefix: bytes, body: bytes, mac: bytes, nonce: bytes) -> Frame:
+        reply = decode(prefix, body, mac, self.secret)
         if reply.op == "ERR":
             raise FrameError(f"refused: {reply.error}")
         if reply.op != "OK" or reply.ns != self.ns:
             raise FrameError(f"unexpected reply {reply.op} for another namespace" if reply.ns != self.ns
                              else f"unexpected reply {reply.op}")
+        if reply.re != nonce:
+            raise FrameError("a reply to another request (replayed?)")
         return reply
 
-    def _receive_blocks(self, chan: Channel, reply: Frame, rows, deadline: float) -> int:
+    def _receive_blocks(self, chan: Channel, reply: Frame, rows, deadline: float,
+                        landed: list[Future[bool] | None]) -> int:
         n, bb = reply.n, self.block_bytes
         if not 0 <= n <= len(rows) or reply.payload != n * bb or len(reply.sums) != n:
             raise FrameError(f"GET reply of {n} blocks with {reply.payload} bytes does not add up")
         # Speed: each block is verified on a helper thread while the next one arrives
         # (the receive releases the GIL; hashing holds it), straight in the caller's buffers.
-        checks: list[Future[int]] = [None] * n    # type: ignore[list-item]
+        # `landed` is the caller's, so a failure part way still counts the verified prefix.
+        landed.extend([None] * n)
+        sums = reply.sums
 
-        def landed(i: int) -> None:
-            checks[i] = _VERIFY.submit(block_checksum, rows[i])
+        def on_row(i: int) -> None:
+            landed[i] = _VERIFY.submit(_matches, rows[i], sums[i])
 
-        chan.recv_rows(rows[:n], deadline, landed)
-        good = 0
-        while good < n and checks[good].result() == reply.sums[good]:
-            good += 1
-        return good
+        chan.recv_rows(rows[:n], deadline, on_row)
+        return _verified(landed)
+
+
+def _matches(row: np.ndarray, want: int) -> bool:
+    return block_checksum(row) == want
+
+
+def _verified(landed: list[Future[bool] | None]) -> int:
+    """How many leading rows landed and matched their checksums."""
+    good = 0
+    for f in landed:
+        if f is None or not f.result():
+            break
+        good += 1
+    return good
+
+
+def _rows(blocks: object, n: int, bb: int, writable: bool) -> Sequence[np.ndarray]:
+    """`blocks` as n uint8 rows of bb bytes: a [n, bb] numpy array or CPU tensor, or a list of rows."""
+    if isinstance(blocks, (list, tuple)):
+        if len(blocks) < n:
+            raise ConfigError(f"{len(blocks)} rows for {n} keys: give one row per key")
+        return blocks
+    try:
+        import torch
+        if isinstance(blocks, torch.Tensor):
+            if blocks.device.type != "cpu":
+                raise ConfigError("blocks for a peer must be in host memory: give a CPU tensor")
+            blocks = blocks.numpy()
+    except ImportError:
+        pass
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2 \
+            or blocks.shape[0] < n or blocks.shape[1] != bb or not blocks.flags.c_contiguous:
+        shape = getattr(blocks, "shape", None)
+        raise ConfigError(f"blocks must be C-contiguous uint8 [{n}, {bb}] (numpy or CPU torch), "
+                          f"or a list of such rows; got {type(blocks).__name__} {tuple(shape) if shape else ''}")
+    if writable and not blocks.flags.writeable:
+        raise ConfigError("the output array is read-only: give a writable one")
+    return blocks
 
 
 def _reason(e: BaseException) -> str:
     """A short reason for a failed call: "connection refused", "timed out", the frame error."""
     if isinstance(e, FrameError):
         return str(e)
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return (f"TLS: the node's certificate does not verify ({e.verify_message}): give the CA that signed it "
+                "(Tls(ca=...), --tls-ca), and a certificate that names the address dialled")
+    if isinstance(e, ssl.SSLError):
+        return (f"TLS failed ({e.reason or e}): is the node serving TLS (--tls-cert), and this client "
+                "given tls=Tls(ca=...) (--tls-ca)?")
     if isinstance(e, socket.timeout):
         return "no answer within the deadline"
     if isinstance(e, EOFError):

@@ -1,17 +1,25 @@
-"""The wire format between nodes: authenticated msgpack headers, raw block payloads.
+"""The wire format between nodes (version 2): an authenticated prefix, an authenticated
+msgpack header, raw block payloads.
 
-    u32 header length | header (msgpack map) | 32-byte HMAC-SHA256(secret, header) | payload
+    prefix (36 B):  u32 header length | u64 time (ns) | u64 random | 16-byte tag
+    header:         msgpack map | 32-byte HMAC-SHA256(secret, prefix | header)
+    payload:        the blocks' bytes (their xxh3-64 checksums are in the header)
 
-The header names the operation, the namespace seed, the keys, the payload size and an
-xxh3-64 checksum per block; the HMAC covers all of it, so a payload that does not match
-its checksums is caught too without hashing the payload twice. A header older than
-`max_age` seconds (or from too far in the future) is stale and refused. Sizes are bounded
-before anything is allocated, so garbage on the wire costs an error reply, not memory.
+The tag is an HMAC of the prefix's first 20 bytes under a key derived from the secret, so
+a node checks it before it allocates anything for the header: a peer without the secret
+costs 36 bytes, never a claimed 4 MiB. Time and random together are the frame's nonce: a
+frame more than `max_age` seconds old (or ahead) is stale, and a node remembers the nonces
+of the window (replay.py) to refuse a frame sent twice. The header names the operation,
+the namespace seed, the keys, the payload size and a checksum per block; a reply also
+names the nonce of the request it answers (`re`), so a reply cannot be replayed to answer
+another request. Sizes are bounded before anything is allocated.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -21,16 +29,29 @@ import msgpack
 
 from kvtier.errors import KvtierError
 
-VERSION = 1
+VERSION = 2
 OPS = ("HAS", "GET", "PUT", "OK", "ERR")
+PREFIX_BYTES = 36
+TAG_BYTES = 16
+NONCE_BYTES = 16
 MAC_BYTES = 32
 MAX_HEADER = 4 << 20            # a 128k-token prompt at 16 tokens a block: ~200 KiB of keys
 MAX_KEYS = 1 << 16
-_LEN = struct.Struct("!I")
+MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale
+_HEAD = struct.Struct("!IQ8s")  # header length, time in ns, 8 random bytes
 
 
 class FrameError(KvtierError):
-    """A frame that is malformed, too large, unauthenticated or stale."""
+    """A frame that is malformed, too large, unauthenticated, stale or replayed."""
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A checked frame prefix: the header's length and the frame's nonce and time."""
+
+    length: int
+    nonce: bytes        # 16 bytes: time (ns) and random
+    ts: float           # seconds since the epoch
 
 
 @dataclass
@@ -44,28 +65,48 @@ class Frame:
     sums: list[int] = field(default_factory=list)   # xxh3-64 per block of the payload
     n: int = 0                        # HAS/GET reply: prefix length found
     error: str = ""
-    ts: float = 0.0
+    re: bytes = b""                   # a reply: the nonce of the request it answers
+    nonce: bytes = b""                # set by encode() and decode()
 
     def encode(self, secret: bytes) -> bytes:
-        """Length prefix, header and MAC (the payload is sent after it by the caller)."""
+        """Prefix, header and MAC (the payload is sent after it by the caller); stamps the
+        frame with a fresh nonce (self.nonce)."""
         body = msgpack.packb({"v": VERSION, "op": self.op, "ns": self.ns, "keys": self.keys,
                               "payload": self.payload, "sums": self.sums, "n": self.n,
-                              "error": self.error, "ts": time.time()}, use_bin_type=True)
-        return _LEN.pack(len(body)) + body + hmac.new(secret, body, hashlib.sha256).digest()
+                              "error": self.error, "re": self.re}, use_bin_type=True)
+        head = _HEAD.pack(len(body), time.time_ns(), os.urandom(8))
+        self.nonce = head[4:]
+        prefix = head + hmac.new(_prefix_key(secret), head, hashlib.sha256).digest()[:TAG_BYTES]
+        return prefix + body + hmac.new(secret, prefix + body, hashlib.sha256).digest()
 
 
-def header_length(prefix: bytes) -> int:
-    """The header length from the 4-byte prefix, bounded."""
-    (n,) = _LEN.unpack(prefix)
+@functools.lru_cache(maxsize=8)
+def _prefix_key(secret: bytes) -> bytes:
+    """The key of the prefix tag: derived from the secret, apart from the header's MAC key."""
+    return hmac.new(secret, b"kvtier frame prefix v2", hashlib.sha256).digest()
+
+
+def read_prefix(prefix: bytes, secret: bytes, max_age: float = MAX_AGE_S) -> Prefix:
+    """Check a 36-byte prefix's tag, header length and freshness; raise FrameError otherwise.
+    Costs no allocation beyond the prefix itself, whoever sent it."""
+    if len(prefix) != PREFIX_BYTES:
+        raise FrameError(f"frame prefix of {len(prefix)} bytes, expected {PREFIX_BYTES}")
+    want = hmac.new(_prefix_key(secret), prefix[:20], hashlib.sha256).digest()[:TAG_BYTES]
+    if not hmac.compare_digest(want, prefix[20:]):
+        raise FrameError("bad frame prefix: the peer does not share this cluster's secret "
+                         "(or speaks another protocol version, or TLS to a plain node)")
+    n, t_ns, _ = _HEAD.unpack(prefix[:20])
     if n == 0 or n > MAX_HEADER:
         raise FrameError(f"header of {n} bytes is out of bounds (1..{MAX_HEADER})")
-    return n
+    ts = t_ns / 1e9
+    if abs(time.time() - ts) > max_age:
+        raise FrameError(f"stale frame ({time.time() - ts:.0f} s old): clocks apart or a replay")
+    return Prefix(n, prefix[4:20], ts)
 
 
-def decode(body: bytes, mac: bytes, secret: bytes, max_age: float = 30.0,
-           max_payload: int = 1 << 34) -> Frame:
-    """Check the MAC, freshness and shape of a header; raise FrameError otherwise."""
-    if not hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).digest(), mac):
+def decode(prefix: bytes, body: bytes, mac: bytes, secret: bytes, max_payload: int = 1 << 34) -> Frame:
+    """Check the MAC and shape of a header whose prefix passed read_prefix; raise FrameError otherwise."""
+    if not hmac.compare_digest(hmac.new(secret, prefix + body, hashlib.sha256).digest(), mac):
         raise FrameError("bad MAC: the peer does not share this cluster's secret")
     try:
         d: Any = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER,
@@ -76,7 +117,7 @@ def decode(body: bytes, mac: bytes, secret: bytes, max_age: float = 30.0,
         raise FrameError(f"unsupported frame version {d.get('v') if isinstance(d, dict) else None!r}")
     try:
         f = Frame(op=d["op"], ns=d["ns"], keys=d["keys"], payload=d["payload"], sums=d["sums"],
-                  n=d["n"], error=d["error"], ts=d["ts"])
+                  n=d["n"], error=d["error"], re=d["re"], nonce=prefix[4:20])
     except KeyError as e:
         raise FrameError(f"header lacks field {e.args[0]!r}") from None
     if f.op not in OPS:
@@ -88,8 +129,6 @@ def decode(body: bytes, mac: bytes, secret: bytes, max_age: float = 30.0,
         raise FrameError(f"payload size {f.payload!r} out of bounds")
     if not isinstance(f.sums, list) or not all(isinstance(c, int) and 0 <= c < 1 << 64 for c in f.sums):
         raise FrameError("sums must be a list of 64-bit checksums")
-    if not isinstance(f.n, int) or not isinstance(f.error, str) or not isinstance(f.ts, (int, float)):
-        raise FrameError("malformed n, error or ts")
-    if abs(time.time() - f.ts) > max_age:
-        raise FrameError(f"stale frame ({time.time() - f.ts:.0f} s old): clocks apart or a replay")
+    if not isinstance(f.n, int) or not isinstance(f.error, str) or not isinstance(f.re, bytes):
+        raise FrameError("malformed n, error or re")
     return f

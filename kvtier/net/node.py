@@ -6,28 +6,37 @@
 
 Blocks leave straight from slot memory (the store holds them while they are sent) and
 arrive by recv_into a buffer that goes to the store in one put. Every frame is
-authenticated (kvtier/net/frames.py); a request for another namespace, a bad MAC, a stale
-or malformed frame gets an ERR reply and the connection is closed; other peers are
-served as before. The bytes move over a transport (transport.py): TCP by default,
-UCX (ucx.py) with transport="ucx"; the protocol below is the same for both.
+authenticated (kvtier/net/frames.py) and its nonce checked against replays (replay.py); a
+request for another namespace, a bad MAC, a stale, replayed or malformed frame gets an
+ERR reply and the connection is closed; other peers are served as before. Hostile or
+broken clients are bounded (limits.py: connections, bytes and time before a peer
+authenticates) and cannot stop the accept loop (accept.py). The bytes move over a
+transport (transport.py): TCP by default, TLS over it with `tls=Tls(cert, key)`, UCX
+(ucx.py) with transport="ucx"; the protocol below is the same for all.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import ssl
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.checksum import block_checksum
 from kvtier.errors import ConfigError
+from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode
-from kvtier.net.transport import ServerConn, TcpServerConn, check_transport
+from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode, read_prefix
+from kvtier.net.limits import Gate, NodeLimits
+from kvtier.net.replay import ReplayGuard
+from kvtier.net.tls import Tls, check_tls
+from kvtier.net.transport import ServerConn, TcpServerConn, TlsServerConn, check_transport
 
 if TYPE_CHECKING:
     from kvtier.store import Store
@@ -40,10 +49,18 @@ class Node:
 
     def __init__(self, store: Store, listen: str = "127.0.0.1:7700", secret: bytes = b"", *,
                  directory: Directory | None = None, advertise: str | None = None,
-                 request_timeout: float = 10.0, transport: str = "tcp") -> None:
+                 request_timeout: float = 10.0, transport: str = "tcp", tls: Tls | None = None,
+                 limits: NodeLimits | None = None) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ConfigError("a node needs the cluster's shared secret: at least 16 bytes")
         self.transport = check_transport(transport)
+        self.tls = check_tls(tls)
+        if self.tls is not None and self.transport != "tcp":
+            raise ConfigError("TLS is for the tcp transport; UCX brings its own transports (leave tls unset)")
+        self._ssl: ssl.SSLContext | None = self.tls.server_context() if self.tls is not None else None
+        if limits is not None and not isinstance(limits, NodeLimits):
+            raise ConfigError(f"limits must be a kvtier.net.NodeLimits(...), not {type(limits).__name__}")
+        self.limits = limits or NodeLimits()
         self.store = store
         self.secret = bytes(secret)
         self.seed = store.keyer.seed
@@ -54,8 +71,10 @@ class Node:
         self.publisher: Publisher | None = None
         self._host, self._port = parse_address(listen)
         self.address = ""
-        self.refused = 0          # frames refused (bad MAC, stale, malformed, other namespace)
+        self.refused = 0          # frames refused (bad MAC, stale, replayed, malformed, other namespace)
         self.served = 0           # requests answered
+        self.gate = Gate(self.limits)                 # connections and pre-authentication bytes
+        self.replays = ReplayGuard(capacity=self.limits.replay_entries)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: socket.socket | None = None
@@ -65,6 +84,7 @@ class Node:
 
     # -- lifetime --------------------------------------------------------------------
     def start(self) -> Node:
+        raise_open_files_limit()         # every peer is a file descriptor
         if self.transport == "ucx":
             from kvtier.net.ucx import UcxServer
             try:
@@ -88,18 +108,23 @@ class Node:
         return self
 
     def stop(self) -> None:
+        """Stop serving: in-flight requests are cut, every connection closed. Safe in any
+        state (never started, failed to start, already stopped)."""
         if self.publisher is not None:
             self.publisher.stop()
             self.publisher = None
         if self._ucx is not None:
             self._ucx.close()
             self._ucx = None
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:        # the loop is closed already: the thread has ended
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._server is not None:
-            self._server.close()
+            self._thread = None
 
     def __enter__(self) -> Node:
         return self.start()
@@ -108,10 +133,9 @@ class Node:
         self.stop()
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
         try:
-            srv = socket.create_server((self._host, self._port), reuse_port=False)
+            srv = socket.create_server((self._host, self._port), reuse_port=False,
+                                       backlog=min(4096, socket.SOMAXCONN))
         except OSError as e:
             self._error = e
             self._ready.set()
@@ -120,7 +144,10 @@ class Node:
         self._server = srv
         host, port = srv.getsockname()[:2]
         self.address = f"{host}:{port}"
-        loop.create_task(self._accept(srv))
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)     # this thread's loop: asyncio helpers find it even at shutdown
+        self._loop = loop
+        loop.create_task(accept_forever(srv, self._accepted, log, f"node {self.address}"))
         self._ready.set()
         try:
             loop.run_forever()
@@ -128,29 +155,89 @@ class Node:
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            srv.close()
+            asyncio.set_event_loop(None)
             loop.close()
 
-    async def _accept(self, srv: socket.socket) -> None:
+    def _accepted(self, sock: socket.socket) -> None:
+        """A new TCP connection: closed at once over the caps, else served on its own task."""
+        if not self.gate.admit():
+            sock.close()
+            if self.gate.closed_over_cap in (1, 10, 100, 1000) or self.gate.closed_over_cap % 10000 == 0:
+                log.warning("node %s: %d connections closed at accept: over NodeLimits (%d open, %d "
+                            "unauthenticated)", self.address, self.gate.closed_over_cap, self.gate.open,
+                            self.gate.unauthenticated)
+            return
+        assert self._loop is not None
+        self._loop.create_task(self._tcp(sock))
+
+    async def _tcp(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(srv)
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            loop.create_task(self.serve(TcpServerConn(conn, self.request_timeout)))
+        deadline = loop.time() + self.request_timeout     # the first frame's, counted from accept
+        if self._ssl is None:
+            await self._serve(TcpServerConn(sock, self.request_timeout), deadline)
+            return
+        try:
+            reader = asyncio.StreamReader(limit=1 << 16)
+            transport, _ = await asyncio.wait_for(loop.connect_accepted_socket(
+                lambda: asyncio.StreamReaderProtocol(reader), sock, ssl=self._ssl,
+                ssl_handshake_timeout=self.request_timeout), max(0.0, deadline - loop.time()))
+        except (OSError, EOFError, asyncio.TimeoutError, ssl.SSLError) as e:
+            self.gate.closed(authenticated=False)
+            self.refused += 1
+            log.warning("node %s: refused a connection: TLS handshake failed (%s)", self.address,
+                        _short(e))
+            sock.close()
+            return
+        writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)
+        await self._serve(TlsServerConn(reader, writer, self.request_timeout), deadline)
 
     # -- one connection ------------------------------------------------------------------
     async def serve(self, conn: ServerConn) -> None:
-        """Answer one peer's requests until it goes away (any transport)."""
+        """Answer one peer's requests until it goes away (any transport): counted against
+        the node's limits, closed at once over them."""
+        if not self.gate.admit():
+            conn.close()
+            return
+        await self._serve(conn, asyncio.get_running_loop().time() + self.request_timeout)
+
+    async def _serve(self, conn: ServerConn, first_deadline: float) -> None:
+        """Answer requests on an admitted connection. Until its first frame's MAC verifies it
+        is unauthenticated: that frame is due by `first_deadline` and its header is charged
+        to the node's pre-authentication budget."""
+        gate, authenticated = self.gate, False
+        reserved = 0
+
+        def check(prefix: bytes) -> int:
+            nonlocal reserved
+            p = read_prefix(prefix, self.secret)
+            self.replays.check(p.nonce, p.ts, time.time())
+            if not authenticated:
+                if not gate.reserve(p.length):
+                    raise FrameError("too many bytes buffered for unauthenticated peers: try again later")
+                reserved = p.length
+            return p.length
+
         try:
             while True:
                 try:
-                    body, mac = await conn.recv_head(first=True)
+                    prefix, body, mac = await conn.recv_head(None if authenticated else first_deadline, check)
                 except EOFError:
                     return
-                req = decode(body, mac, self.secret, max_payload=MAX_KEYS * self.block_bytes)
+                finally:
+                    gate.release(reserved)
+                    reserved = 0
+                req = decode(prefix, body, mac, self.secret, max_payload=MAX_KEYS * self.block_bytes)
+                del body
+                if not authenticated:
+                    authenticated = True
+                    gate.authenticated()
                 if req.ns != self.seed:
-                    raise FrameError("request for another namespace: this node serves only its own")
+                    raise FrameError("request for another namespace (another model, revision, shard, layout "
+                                     "or tenant salt): this node serves only its own")
                 await asyncio.wait_for(self._answer(conn, req), self.request_timeout)
                 self.served += 1
         except FrameError as e:
@@ -164,20 +251,21 @@ class Node:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass   # the peer went away or stalled: drop the connection
         finally:
+            gate.closed(authenticated)
             conn.close()
 
     async def _answer(self, conn: ServerConn, req: Frame) -> None:
-        store, bb = self.store, self.block_bytes
+        store, bb, re = self.store, self.block_bytes, req.nonce
         if req.op == "HAS":
             if req.payload:
                 raise FrameError("HAS carries no payload")
             n = store.lookup(req.keys).blocks
-            await conn.send(Frame("OK", self.seed, n=n).encode(self.secret))
+            await conn.send(Frame("OK", self.seed, n=n, re=re).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")
             with store.hold(req.keys) as (rows, sums):
-                head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums)
+                head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums, re=re)
                 await conn.send(head.encode(self.secret))
                 await conn.send_rows(rows)          # straight from slot memory
         elif req.op == "PUT":
@@ -190,9 +278,15 @@ class Node:
             while good < n and block_checksum(buf[good]) == req.sums[good]:
                 good += 1
             t = store.put(req.keys[:good], buf[:good]) if good else None
-            await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0).encode(self.secret))
+            await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0, re=re).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")
+
+
+def _short(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return str(getattr(e, "reason", None) or getattr(e, "strerror", None) or e) or type(e).__name__
 
 
 def _why(e: BaseException) -> str:

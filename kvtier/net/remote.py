@@ -25,6 +25,7 @@ from kvtier.errors import ConfigError
 from kvtier.net.client import PeerClient, PeerError
 from kvtier.net.directory import Directory, DirectoryError, PeerList
 from kvtier.net.health import Health
+from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import check_transport
 
 log = logging.getLogger("kvtier.remote")
@@ -35,7 +36,8 @@ class Remote:
     pass it as `Store(..., remote=...)`."""
 
     def __init__(self, peers: Sequence[str] | None = None, secret: bytes = b"", *, directory: Directory | None = None,
-                 timeout: float = 0.5, promote: bool = True, name: str = "remote", transport: str = "tcp") -> None:
+                 timeout: float = 0.5, promote: bool = True, name: str = "remote", transport: str = "tcp",
+                 tls: Tls | None = None) -> None:
         if (peers is None) == (directory is None):
             raise ConfigError("give a Remote either peers=['host:port', ...] or directory=RedisDirectory(url)")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
@@ -43,6 +45,11 @@ class Remote:
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout}")
         self.transport = check_transport(transport)    # "tcp" or "ucx": how peers are reached
+        self.tls = check_tls(tls)                       # Tls(ca=FILE): peers serve TLS
+        if self.tls is not None:
+            if self.transport != "tcp":
+                raise ConfigError("TLS is for the tcp transport; UCX brings its own transports (leave tls unset)")
+            self.tls.client_context()                   # a bad CA file is an error now, not a miss per call
         self.directory = directory if directory is not None else PeerList(peers)   # type: ignore[arg-type]
         self.secret = bytes(secret)
         self.timeout = timeout
@@ -67,7 +74,7 @@ class Remote:
             c = self._clients.get(address)
             if c is None:
                 c = self._clients[address] = PeerClient(address, self.secret, self._ns, self._block_bytes,
-                                                           self.timeout, transport=self.transport)
+                                                           self.timeout, transport=self.transport, tls=self.tls)
             return c
 
     def health(self, address: str) -> Health:
@@ -129,7 +136,7 @@ class Remote:
 
     def fetch(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
         """Fetch the longest prefix of `keys` the peers hold into `rows`; returns how many
-        leading blocks arrived verified."""
+        leading blocks arrived verified (a peer that fails part way still gives those)."""
         holders = self.locate(keys)
         got = i = 0
         while i < len(holders):
@@ -137,8 +144,9 @@ class Remote:
             while j < len(holders) and holders[j] == holders[i]:
                 j += 1
             try:
-                k = self._call(holders[i], lambda c: c.get(keys[i:j], rows[i:j]))
-            except PeerError:
+                k = self._call(holders[i], lambda c: c.fetch(keys[i:j], rows[i:j]))
+            except PeerError as e:
+                got += e.loaded      # the blocks that arrived verified before it failed
                 break
             got += k
             if k < j - i:
@@ -147,7 +155,8 @@ class Remote:
         return got
 
     def info(self) -> dict[str, Any]:
-        return {"directory": type(self.directory).__name__, "transport": self.transport, "timeout_s": self.timeout,
+        return {"directory": type(self.directory).__name__, "transport": self.transport, "tls": self.tls is not None,
+                "timeout_s": self.timeout,
                 "errors": self.errors,
                 "peers_contacted": sorted(self._clients)}
 

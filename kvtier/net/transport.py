@@ -1,22 +1,23 @@
 """Transports behind one interface: how frames and block payloads cross between nodes.
 
-A transport moves three things: an encoded frame head (length | header | MAC, see
+A transport moves three things: an encoded frame head (prefix | header | MAC, see
 frames.py), and block rows, sent straight from slot memory and received straight into
 the destination rows. The protocol (node.py, client.py) is written once against these
-two small interfaces; "tcp" (asyncio/blocking sockets, the embedded default) is here,
-"ucx" (ucxx: RDMA and GPUDirect where the hardware has them) is in ucx.py.
+two small interfaces; "tcp" (asyncio/blocking sockets, the embedded default; TLS over it
+with kvtier.net.Tls) is here, "ucx" (ucxx: RDMA and GPUDirect where the hardware has them) is in ucx.py.
 """
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.net.frames import MAC_BYTES, header_length
+from kvtier.net.frames import MAC_BYTES, PREFIX_BYTES
 
 TRANSPORTS = ("tcp", "ucx")
 
@@ -34,9 +35,12 @@ def check_transport(name: str) -> str:
 class ServerConn(Protocol):
     """One peer's connection as a node's event loop sees it."""
 
-    async def recv_head(self, first: bool) -> tuple[bytes, bytes]:
-        """The next request's (header, MAC); EOFError when the peer closed between requests.
-        `first`: waiting for a new request (no deadline) rather than the rest of one."""
+    async def recv_head(self, deadline: float | None, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
+        """The next request's (prefix, header, MAC). `check(prefix)` validates the 36-byte
+        prefix and returns the header's length (or raises FrameError) before the header is
+        allocated. `deadline` (the loop's time) bounds the whole head; None: wait for its
+        first byte without limit (between an authenticated peer's requests), then the request
+        timeout from that byte. EOFError when the peer closed between requests."""
 
     async def send(self, head: bytes) -> None:
         """An encoded frame head."""
@@ -50,12 +54,17 @@ class ServerConn(Protocol):
     def close(self) -> None: ...
 
 
+Check = Callable[[bytes], int]
+
+
 class Channel(Protocol):
     """The calling side's connection to one peer: blocking, every call bounded by `deadline`
     (a time.monotonic() value); any failure raises OSError, EOFError or FrameError."""
 
-    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float) -> tuple[bytes, bytes]:
-        """Send a frame head (and `rows` after it for a PUT); return the reply's (header, MAC)."""
+    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
+                check: Check) -> tuple[bytes, bytes, bytes]:
+        """Send a frame head (and `rows` after it for a PUT); return the reply's (prefix,
+        header, MAC), the prefix passed through `check` (which returns the header length)."""
 
     def recv_rows(self, rows: Sequence[np.ndarray], deadline: float,
                   on_row: Callable[[int], None]) -> None:
@@ -72,10 +81,33 @@ class TcpServerConn:
         self.sock, self.timeout = sock, timeout
         self.loop = asyncio.get_running_loop()
 
-    async def recv_head(self, first: bool) -> tuple[bytes, bytes]:
-        prefix = await self._recv(4, first)
-        body = await self._recv(header_length(prefix))
-        return body, await self._recv(MAC_BYTES)
+    async def recv_head(self, deadline: float | None, check: Check) -> tuple[bytes, bytes, bytes]:
+        prefix = bytearray(PREFIX_BYTES)
+        got = 0
+        if deadline is None:        # idle between requests: no limit until the first byte
+            got = await self.loop.sock_recv_into(self.sock, prefix)
+            if got == 0:
+                raise EOFError
+            deadline = self.loop.time() + self.timeout
+        # The whole head within one deadline: a peer dripping bytes is dropped when it passes.
+        return await asyncio.wait_for(self._head(prefix, got, check), max(0.0, deadline - self.loop.time()))
+
+    async def _head(self, prefix: bytearray, got: int, check: Check) -> tuple[bytes, bytes, bytes]:
+        await self._fill(memoryview(prefix)[got:])
+        head = bytes(prefix)
+        body = bytearray(check(head))       # allocated only once the prefix's tag verified
+        await self._fill(memoryview(body))
+        mac = bytearray(MAC_BYTES)
+        await self._fill(memoryview(mac))
+        return head, bytes(body), bytes(mac)
+
+    async def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = await self.loop.sock_recv_into(self.sock, view[got:])
+            if k == 0:
+                raise EOFError
+            got += k
 
     async def send(self, head: bytes) -> None:
         await self.loop.sock_sendall(self.sock, head)
@@ -85,50 +117,89 @@ class TcpServerConn:
             await self.loop.sock_sendall(self.sock, memoryview(r).cast("B"))
 
     async def recv_rows(self, buf: np.ndarray) -> None:
-        view = memoryview(buf).cast("B")
-        got = 0
-        while got < len(view):
-            k = await asyncio.wait_for(self.loop.sock_recv_into(self.sock, view[got:]), self.timeout)
-            if k == 0:
-                raise EOFError
-            got += k
-
-    async def _recv(self, n: int, first: bool = False) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = await (self.loop.sock_recv_into(self.sock, view[got:]) if first and got == 0 else
-                       asyncio.wait_for(self.loop.sock_recv_into(self.sock, view[got:]), self.timeout))
-            if k == 0:
-                raise EOFError
-            got += k
-        return bytes(buf)
+        await self._fill(memoryview(buf).cast("B"))     # bounded by the node's deadline per request
 
     def close(self) -> None:
         self.sock.close()
 
 
-class TcpChannel:
-    """The calling side over one blocking TCP socket, opened on first use."""
+class TlsServerConn:
+    """A node's side of a TLS connection (asyncio streams over the node's event loop). The
+    payload is encrypted, so it is copied on its way anyway: rows go out one at a time
+    (drained after each, so at most about one row is buffered) and come in row by row."""
 
-    def __init__(self, addr: tuple[str, int]) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:
+        self.reader, self.writer, self.timeout = reader, writer, timeout
+        self.loop = asyncio.get_running_loop()
+
+    async def recv_head(self, deadline: float | None, check: Check) -> tuple[bytes, bytes, bytes]:
+        first = b""
+        if deadline is None:
+            first = await self.reader.read(PREFIX_BYTES)
+            if not first:
+                raise EOFError
+            deadline = self.loop.time() + self.timeout
+        return await asyncio.wait_for(self._head(first, check), max(0.0, deadline - self.loop.time()))
+
+    async def _head(self, first: bytes, check: Check) -> tuple[bytes, bytes, bytes]:
+        head = first + await self.reader.readexactly(PREFIX_BYTES - len(first))
+        body = await self.reader.readexactly(check(head))
+        return head, body, await self.reader.readexactly(MAC_BYTES)
+
+    async def send(self, head: bytes) -> None:
+        self.writer.write(head)
+        await self.writer.drain()
+
+    async def send_rows(self, rows: Sequence[np.ndarray]) -> None:
+        for r in rows:
+            self.writer.write(memoryview(r).cast("B"))     # encrypted (copied) as it is written
+            await self.writer.drain()
+
+    async def recv_rows(self, buf: np.ndarray) -> None:
+        for i in range(len(buf)):
+            buf[i] = np.frombuffer(await self.reader.readexactly(buf.shape[1]), dtype=np.uint8)
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+class TcpChannel:
+    """The calling side over one blocking TCP socket (TLS with `ssl_ctx`), opened on first use."""
+
+    def __init__(self, addr: tuple[str, int], ssl_ctx: ssl.SSLContext | None = None) -> None:
         self.addr = addr
+        self.ssl_ctx = ssl_ctx
         self.sock: socket.socket | None = None
 
-    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float) -> tuple[bytes, bytes]:
+    def _connect(self, deadline: float) -> socket.socket:
+        sock = socket.create_connection(self.addr, timeout=_left(deadline))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.ssl_ctx is not None:
+            try:
+                sock.settimeout(_left(deadline))
+                sock = self.ssl_ctx.wrap_socket(sock, server_hostname=self.addr[0])   # handshake, verified
+            except BaseException:
+                sock.close()
+                raise
+        return sock
+
+    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
+                check: Check) -> tuple[bytes, bytes, bytes]:
         if self.sock is None:
-            sock = socket.create_connection(self.addr, timeout=_left(deadline))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = sock
+            self.sock = self._connect(deadline)
         sock = self.sock
         sock.settimeout(_left(deadline))
         sock.sendall(head)
         for r in (rows if rows is not None else ()):
             sock.settimeout(_left(deadline))
             sock.sendall(memoryview(r).cast("B"))
-        body = _recv_exact(sock, header_length(_recv_exact(sock, 4, deadline)), deadline)
-        return body, _recv_exact(sock, MAC_BYTES, deadline)
+        try:
+            prefix = _recv_exact(sock, PREFIX_BYTES, deadline)
+        except EOFError:
+            raise EOFError("the peer closed the connection without answering (a node that wants TLS, "
+                           "or another protocol version?)") from None
+        body = _recv_exact(sock, check(prefix), deadline)
+        return prefix, body, _recv_exact(sock, MAC_BYTES, deadline)
 
     def recv_rows(self, rows: Sequence[np.ndarray], deadline: float, on_row: Callable[[int], None]) -> None:
         assert self.sock is not None

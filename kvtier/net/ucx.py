@@ -1,7 +1,7 @@
 """UCX transport through ucxx (optional: `pip install kvtier[ucx]`): RDMA and GPUDirect RDMA
 where the hardware has them, TCP or shared memory otherwise (UCX picks; UCX_TLS narrows it).
 
-The same frames as over TCP: a frame head (length | header | MAC) travels as one UCX
+The same frames as over TCP: a frame head (prefix | header | MAC) travels as one UCX
 active message (so the receiver learns its size without a length round trip), and each
 block row as one tagged message, sent straight from slot memory and received straight
 into the destination row. Tagged messages on one endpoint arrive in order, so rows match
@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.net.frames import MAC_BYTES, MAX_HEADER, FrameError, header_length
+from kvtier.net.frames import MAC_BYTES, MAX_HEADER, PREFIX_BYTES, FrameError
 
 T = TypeVar("T")
 
@@ -79,15 +79,15 @@ async def _io(aw: Awaitable[T]) -> T:
         raise OSError(f"UCX: {type(e).__name__}: {e}") from None
 
 
-def _split_head(msg: Any) -> tuple[bytes, bytes]:
-    """(header, MAC) from one active message holding length | header | MAC."""
+def _split_head(msg: Any, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
+    """(prefix, header, MAC) from one active message holding prefix | header | MAC."""
     data = bytes(msg)
-    if len(data) < 4 or len(data) > 4 + MAX_HEADER + MAC_BYTES:
+    if len(data) < PREFIX_BYTES or len(data) > PREFIX_BYTES + MAX_HEADER + MAC_BYTES:
         raise FrameError(f"frame head of {len(data)} bytes is out of bounds")
-    n = header_length(data[:4])
-    if len(data) != 4 + n + MAC_BYTES:
-        raise FrameError(f"frame head of {len(data)} bytes does not match its length prefix {n}")
-    return data[4:4 + n], data[4 + n:]
+    n = check(data[:PREFIX_BYTES])
+    if len(data) != PREFIX_BYTES + n + MAC_BYTES:
+        raise FrameError(f"frame head of {len(data)} bytes does not match its prefix's length {n}")
+    return data[:PREFIX_BYTES], data[PREFIX_BYTES:PREFIX_BYTES + n], data[PREFIX_BYTES + n:]
 
 
 # -- node side --------------------------------------------------------------------------
@@ -97,15 +97,17 @@ class UcxServerConn:
     def __init__(self, ep: Any, timeout: float) -> None:
         self.ep, self.timeout = ep, timeout
 
-    async def recv_head(self, first: bool) -> tuple[bytes, bytes]:
+    async def recv_head(self, deadline: float | None, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
+        # A head is one message: its deadline (if any) bounds all of it.
+        loop = asyncio.get_running_loop()
         try:
-            msg = await _io(self.ep.am_recv()) if first else \
-                await asyncio.wait_for(_io(self.ep.am_recv()), self.timeout)
+            msg = await _io(self.ep.am_recv()) if deadline is None else \
+                await asyncio.wait_for(_io(self.ep.am_recv()), max(0.0, deadline - loop.time()))
         except OSError:
-            if first:
+            if deadline is None:
                 raise EOFError from None     # the peer closed between requests
             raise
-        return _split_head(msg)
+        return _split_head(msg, check)
 
     async def send(self, head: bytes) -> None:
         await _io(self.ep.am_send(head))
@@ -153,10 +155,12 @@ class UcxChannel:
         self.addr = addr
         self.ep: Any = None
 
-    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float) -> tuple[bytes, bytes]:
-        return run(self._request(head, rows, deadline), deadline)
+    def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
+                check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
+        return run(self._request(head, rows, deadline, check), deadline)
 
-    async def _request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float) -> tuple[bytes, bytes]:
+    async def _request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
+                       check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         if self.ep is None:
             ucxx = require_ucxx()
             self.ep = await _io(ucxx.create_endpoint(
@@ -165,7 +169,7 @@ class UcxChannel:
         await _io(ep.am_send(head))
         if rows is not None:
             await asyncio.gather(*(_io(ep.send(r)) for r in rows))
-        return _split_head(await _io(ep.am_recv()))
+        return _split_head(await _io(ep.am_recv()), check)
 
     def recv_rows(self, rows: Sequence[np.ndarray], deadline: float, on_row: Callable[[int], None]) -> None:
         run(self._recv_rows(rows, on_row), deadline)

@@ -1,0 +1,71 @@
+"""What a node gives peers before and after they authenticate: its bounds against hostile
+or broken clients.
+
+A connection is unauthenticated until its first frame's MAC verifies. Until then it may
+hold only a few bytes (the 36-byte frame prefix; a header only once the prefix's tag has
+verified, charged to `pre_auth_bytes` shared by all such connections) and must send that
+first frame within the node's request timeout, counted from accept. Connections over
+`max_connections` in all, or over `max_unauthenticated` not yet authenticated, are closed
+at once, so strangers can never crowd out the cluster's own peers' connections.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """Bounds of a node (`Node(..., limits=NodeLimits(...))`); the defaults suit a cluster of
+    up to several hundred peers."""
+
+    max_connections: int = 1024          # open connections in all; more are closed at once
+    max_unauthenticated: int = 128       # of them, not yet authenticated
+    pre_auth_bytes: int = 16 << 20       # header bytes buffered for unauthenticated connections, in all
+    replay_entries: int = 1 << 18        # nonces remembered for replay protection (~40 MiB at most)
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_unauthenticated", "pre_auth_bytes", "replay_entries"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"NodeLimits.{name} must be a positive int, got {v!r}")
+
+
+class Gate:
+    """The node's running counts against its limits (used on the node's event loop only)."""
+
+    def __init__(self, limits: NodeLimits) -> None:
+        self.limits = limits
+        self.open = 0                 # connections open
+        self.unauthenticated = 0      # of them, not yet authenticated
+        self.pre_auth_bytes = 0       # header bytes held for unauthenticated connections
+        self.closed_over_cap = 0      # connections closed at accept: over a cap
+
+    def admit(self) -> bool:
+        """Count a new (unauthenticated) connection in, or False: close it at once."""
+        lim = self.limits
+        if self.open >= lim.max_connections or self.unauthenticated >= lim.max_unauthenticated:
+            self.closed_over_cap += 1
+            return False
+        self.open += 1
+        self.unauthenticated += 1
+        return True
+
+    def reserve(self, n: int) -> bool:
+        """Buffer n header bytes for an unauthenticated connection, or False: over the budget."""
+        if self.pre_auth_bytes + n > self.limits.pre_auth_bytes:
+            return False
+        self.pre_auth_bytes += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.pre_auth_bytes -= n
+
+    def authenticated(self) -> None:
+        self.unauthenticated -= 1
+
+    def closed(self, authenticated: bool) -> None:
+        self.open -= 1
+        if not authenticated:
+            self.unauthenticated -= 1
