@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "kvtier.inspect",
     "node": "kvtier.node_cli",
     "generate": "kvtier.engine.generate_cli",
+    "serve": "kvtier.serve.cli",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_FAILURE = 1
