@@ -266,7 +266,8 @@ class _Answer:
                         s.metrics.outcome(ev.reason)
                         self.text.push([], final=True)
                         build = P.chat_body if self.chat else P.completion_body
-                        return JSON(build(self.rid, s.created, r.model, self.text.text, ev.reason, self._usage(ev)))
+                        ids = list(self.text.ids) if r.return_token_ids else None
+                        return JSON(build(self.rid, s.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
                     elif isinstance(ev, Failed):
                         self.over = True
                         s.metrics.outcome("error")

@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--secret-file", default=None, metavar="FILE",
                          help="the cluster's shared secret, at least 16 bytes (default: $KVTIER_SECRET)")
     cluster.add_argument("--kv-listen", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
-                         help="serve this server's blocks to peers here (default with --peers/--directory: "
-                              "127.0.0.1:0)")
+                         help="serve this server's blocks to peers here; alone, it only serves (default with "
+                              "--peers/--directory: 127.0.0.1:0)")
     cluster.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
                          help="with --directory: the address peers use to reach --kv-listen")
 
@@ -121,9 +121,9 @@ def _listen(host: str, port: int) -> Any:
 
 def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
     """Checked cluster settings, or None without --peers/--directory."""
-    if not args.peers and not args.directory:
-        if args.kv_listen or args.advertise:
-            raise ConfigError("--kv-listen and --advertise are for cluster mode: add --peers or --directory")
+    if not args.peers and not args.directory and not args.kv_listen:
+        if args.advertise:
+            raise ConfigError("--advertise is for cluster mode: add --directory")
         return None
     from kvtier.node_cli import read_secret
     if args.peers and args.directory:
@@ -147,7 +147,7 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
                 from kvtier.net import RedisDirectory
                 directory = RedisDirectory(cluster["directory"])
                 remote = Remote(directory=directory, secret=cluster["secret"])
-            else:
+            elif cluster["peers"]:
                 remote = Remote(cluster["peers"], cluster["secret"])
         llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
                   max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote)

@@ -53,6 +53,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False    # vLLM's extension: choices[0].token_ids (non-streamed answers)
     prompt: str | list[int] = ""     # /v1/completions: text or token ids
     messages: list[dict[str, str]] = field(default_factory=list)   # /v1/chat/completions
 
@@ -149,7 +150,7 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=seed, stop_token_ids=tuple(stops), ignore_eos=_bool(body, "ignore_eos"),
-        stream=stream, include_usage=include_usage)
+        stream=stream, include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"))
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -225,16 +226,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_by_tier: dict[str, 
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str | None,
-                    use: dict | None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                    use: dict | None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
             "usage": use}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
+def chat_body(rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": use}
 
 
