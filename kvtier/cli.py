@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "transport": "kvtier.bench.transport",
     "engine": "kvtier.bench.engine",
     "adapter": "kvtier.bench.adapter",
+    "serve": "kvtier.bench.serve",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
