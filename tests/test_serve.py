@@ -308,3 +308,24 @@ def test_sigterm_drains_then_exits_zero(cluster):
 def test_cli_bad_input_is_one_line(args, needle):
     r = run_kvtier("serve", *args, timeout=120)
     assert_one_line_error(r, 2, needle)
+
+
+def test_incremental_text_holds_back_partial_utf8():
+    from kvtier.engine.tokenizer import ByteTokenizer
+    from kvtier.serve.detok import IncrementalText
+
+    tok, text = ByteTokenizer(512), "héllo 中文 ok"
+    ids = [*text.encode(), ByteTokenizer.EOS]
+    inc = IncrementalText(tok)
+    pieces = [inc.push([i]) for i in ids] + [inc.push([], final=True)]
+    assert "".join(pieces) == inc.text == tok.decode(ids) == text
+    assert "\ufffd" not in "".join(pieces) and "中" in pieces
+
+
+def test_bench_serve_replays_sessions_completely():
+    r = run_kvtier("bench", "serve", "--modes", "affinity", "--sessions", "2", "--max-requests", "4",
+                   "--clients", "2", "--max-tokens", "4", "--kv-cache", "4MiB", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert (row["requests"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == (4, 4, 0, 0, 0)
+    assert row["mode"] == "affinity" and 0 <= row["hit_ratio"] <= 1 and row["ttft_p50_ms"] > 0

@@ -37,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--clients", type=positive_int, default=4, metavar="N", help="concurrent streaming clients")
     p.add_argument("--sessions", type=positive_int, default=24, metavar="N", help="sessions in the generated trace")
-    p.add_argument("--max-requests", type=positive_int, default=80, metavar="N", help="requests per mode at most")
+    p.add_argument("--max-requests", type=positive_int, default=80, metavar="N", help="requests per mode: the first sessions' turns, up to this many")
     p.add_argument("--duration", type=positive_float, default=120.0, metavar="SECONDS",
-                   help="stop starting requests after this long, per mode")
+                   help="stop starting requests after this long, per mode (those not started count as lost)")
     p.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="tokens generated per request")
     p.add_argument("--stride", type=positive_int, default=16, metavar="N",
                    help="keep every N-th token of the trace's prompts (fits the tiny model and a CPU)")
@@ -86,7 +86,13 @@ def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
         ids = [int(t) % 256 for t in r.tokens[::args.stride]]
         turns = by_session.setdefault(r.session, [])
         turns.append(Turn(r.session, len(turns), ids))
-    return list(by_session.values())
+    chosen, total = [], 0        # the first sessions, up to --max-requests turns: every mode replays the same set
+    for turns in by_session.values():
+        if total >= args.max_requests:
+            break
+        chosen.append(turns[:args.max_requests - total])
+        total += len(chosen[-1])
+    return chosen
 
 
 class ServerProcess:
@@ -166,27 +172,25 @@ async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: b
 
 async def _replay(url: str, model: str, sessions: list[list[Turn]], args: argparse.Namespace,
                   affinity: bool) -> tuple[list[Result], float, int]:
+    """Every client plays whole sessions, turn after turn; (results, seconds, requests planned)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     queue = list(sessions)
     results: list[Result] = []
-    started = 0
     t0 = time.perf_counter()
 
     async def worker() -> None:
-        nonlocal started
         while queue:
             for turn in queue.pop(0):
-                if started >= args.max_requests or time.perf_counter() - t0 > args.duration:
+                if time.perf_counter() - t0 > args.duration:
                     return
-                started += 1
                 results.append(await _one(client, model, turn, args.max_tokens, affinity))
 
     await asyncio.gather(*(worker() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await client.close()
-    return results, wall, started
+    return results, wall, sum(len(s) for s in sessions)
 
 
 def _pct(values: list[float], q: float) -> float | None:
