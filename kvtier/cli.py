@@ -27,12 +27,14 @@ BENCHES: dict[str, str] = {
     "transport": "kvtier.bench.transport",
     "engine": "kvtier.bench.engine",
     "adapter": "kvtier.bench.adapter",
+    "serve": "kvtier.bench.serve",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
     "inspect": "kvtier.inspect",
     "node": "kvtier.node_cli",
     "generate": "kvtier.engine.generate_cli",
+    "serve": "kvtier.serve.cli",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_FAILURE = 1

@@ -112,7 +112,7 @@ def kv_block_bytes(config, dtype: str | None, block_tokens: int) -> int:
                         compute_dtype(dtype, c)).block_bytes
 
 
-def _check_capacities(cache, block_bytes: int) -> None:
+def check_capacities(cache, block_bytes: int) -> None:
     """Each cache tier holds at least one block of this model."""
     from kvtier.errors import ConfigError
     from kvtier.units import format_bytes, parse_bytes
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                                  disk_path=args.disk, disk_capacity=args.disk_cache)
     if args.host_cache is not None:
         cache = cache.replace(host_capacity=args.host_cache or None)      # 0 / none: no host tier
-    _check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
+    check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
                                             args.dtype, cache.block_tokens))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json

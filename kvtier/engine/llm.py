@@ -17,7 +17,7 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -31,6 +31,9 @@ from kvtier.engine.scheduler import Scheduled, Scheduler
 from kvtier.engine.tokenizer import load_tokenizer
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.store import Store
+
+if TYPE_CHECKING:
+    from kvtier.net.remote import Remote
 
 
 @dataclass
@@ -55,18 +58,22 @@ class LLM:
     CPU) or a Hugging Face checkpoint directory (config.json + safetensors). The store is
     built from `cache` (a kvtier.StoreConfig: device tier size, host tier, disk tier, policy, pin TTL), or
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
+    `remote` (a kvtier.Remote) lets the store it builds fetch blocks other nodes hold.
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
-                 max_batched_tokens: int = 512, max_seqs: int = 64) -> None:
+                 max_batched_tokens: int = 512, max_seqs: int = 64, remote: Remote | None = None) -> None:
         if cache is not None and not isinstance(cache, StoreConfig):
             raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
         self.config = self.model.config
         cache = cache or StoreConfig()
         layout = self.model.kv_layout(cache.block_tokens)
-        self.store = store if store is not None else cache.build(layout, self.info.namespace(), device=self.model.device)
+        if store is not None and remote is not None:
+            raise ConfigError("give remote= to the store you pass (StoreConfig.build(..., remote=...)), not to LLM")
+        self.store = store if store is not None else cache.build(layout, self.info.namespace(),
+                                                                 device=self.model.device, remote=remote)
         self._own_store = store is None
         if self.store.layout != layout:
             raise ConfigError(f"the store's layout ({self.store.layout.describe()}) is not this model's "
@@ -129,6 +136,11 @@ class LLM:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort(req)
+
+    def request(self, request_id: str) -> Request | None:
+        """A queued or running request (its `output` so far, `status`), None once it finished
+        or was aborted: what a server streams from between steps."""
+        return self._requests.get(request_id)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -1,0 +1,271 @@
+"""`kvtier bench serve`: a load test of `kvtier serve` with a generated agentic trace.
+
+The server runs in its own process on loopback, with small device and host caches so the
+trace does not fit (memory pressure). Concurrent streaming clients (the official openai
+client, async) replay the trace's sessions: each client takes the next session and plays
+its turns in order, as an agent does; the run is bounded in requests and in time. Each
+mode runs on a fresh server (a cold cache): without x-session-affinity, then with it (the
+session's prefix pinned between turns). Reported per mode: throughput, TTFT and
+inter-token latency percentiles as the client sees them, the prompt-cache hit ratio (from
+usage.prompt_tokens_details) and where cached tokens came from, and whether every request
+got exactly one complete answer.
+
+The trace's prompts are thinned to every --stride-th token (a prompt that extends another
+still extends it) and mapped into the byte-level vocabulary, so that they fit the tiny
+model's context and a CPU's speed while keeping the agentic sharing pattern.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HELP = "load test of `kvtier serve`: concurrent streaming agent sessions, with and without x-session-affinity"
+MODES = ("none", "affinity")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
+    from kvtier.bench.common import choice_list
+
+    p.add_argument("--clients", type=positive_int, default=4, metavar="N", help="concurrent streaming clients")
+    p.add_argument("--sessions", type=positive_int, default=24, metavar="N", help="sessions in the generated trace")
+    p.add_argument("--max-requests", type=positive_int, default=80, metavar="N", help="requests per mode: the first sessions' turns, up to this many")
+    p.add_argument("--duration", type=positive_float, default=120.0, metavar="SECONDS",
+                   help="stop starting requests after this long, per mode (those not started count as lost)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="tokens generated per request")
+    p.add_argument("--stride", type=positive_int, default=16, metavar="N",
+                   help="keep every N-th token of the trace's prompts (fits the tiny model and a CPU)")
+    p.add_argument("--max-prompt", type=positive_int, default=2048, metavar="TOKENS",
+                   help="sessions end before a prompt longer than this (after thinning)")
+    p.add_argument("--kv-cache", type=size, default=6 << 20, metavar="SIZE", help="the server's device tier")
+    p.add_argument("--host-cache", type=size, default=8 << 20, metavar="SIZE", help="the server's host tier")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
+    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), metavar="LIST",
+                   help="none (no affinity header), affinity (one per session), comma-separated")
+    p.add_argument("--model", default="kimi-tiny", metavar="PRESET_OR_DIR", help="the served model")
+    p.add_argument("--json", action="store_true", help="print one JSON object per line")
+
+
+@dataclass
+class Turn:
+    session: str
+    index: int
+    prompt: list[int]
+
+
+@dataclass
+class Result:
+    session: str
+    index: int
+    ok: bool = False
+    error: str = ""
+    response_id: str = ""
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
+    """The trace as sessions of turns, thinned and mapped to byte-level token ids."""
+    from kvtier.traces.synthetic import AgenticConfig, generate
+
+    cfg = AgenticConfig(seed=args.seed, sessions=args.sessions, max_context=args.max_prompt * args.stride)
+    by_session: dict[str, list[Turn]] = {}
+    for r in generate(cfg):
+        ids = [int(t) % 256 for t in r.tokens[::args.stride]]
+        turns = by_session.setdefault(r.session, [])
+        turns.append(Turn(r.session, len(turns), ids))
+    chosen, total = [], 0        # the first sessions, up to --max-requests turns: every mode replays the same set
+    for turns in by_session.values():
+        if total >= args.max_requests:
+            break
+        chosen.append(turns[:args.max_requests - total])
+        total += len(chosen[-1])
+    return chosen
+
+
+class ServerProcess:
+    """`kvtier serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model",
+               args.model, "--kv-cache", str(args.kv_cache), "--host-cache", str(args.host_cache)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.url = ""
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                if line.startswith("kvtier serve: ready:"):
+                    self.url = line.split(" on ", 1)[1].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(300) or not self.url:
+            self.proc.kill()
+            from kvtier.errors import KvtierError
+            raise KvtierError("kvtier serve did not start: " + " | ".join(self.lines[-5:]))
+
+    def stop(self) -> int:
+        """SIGTERM (drain), and the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: bool) -> Result:
+    res = Result(turn.session, turn.index)
+    headers = {"x-session-affinity": turn.session} if affinity else {}
+    t0 = last = time.perf_counter()
+    done = False
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=turn.prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers)
+        async for chunk in stream:
+            now = time.perf_counter()
+            res.response_id = res.response_id or chunk.id
+            if chunk.id != res.response_id:
+                res.error = "chunks of two responses in one stream"
+            for ch in chunk.choices:
+                if ch.text:
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    else:
+                        res.gaps.append(now - last)
+                    last = now
+                if ch.finish_reason:
+                    done = True
+            if chunk.usage is not None:
+                u = chunk.usage
+                res.prompt_tokens, res.completion_tokens = u.prompt_tokens, u.completion_tokens
+                d = u.prompt_tokens_details
+                res.cached_tokens = d.cached_tokens if d is not None else 0
+                res.by_tier = dict((d.model_extra or {}).get("kvtier_cached_by_tier", {})) if d is not None else {}
+    except Exception as e:      # noqa: BLE001 - counted as a lost request
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.ok = done and res.completion_tokens == max_tokens and not res.error
+    if not res.ok and not res.error:
+        res.error = f"incomplete: finish={done}, {res.completion_tokens} of {max_tokens} tokens"
+    return res
+
+
+async def _replay(url: str, model: str, sessions: list[list[Turn]], args: argparse.Namespace,
+                  affinity: bool) -> tuple[list[Result], float, int]:
+    """Every client plays whole sessions, turn after turn; (results, seconds, requests planned)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    queue = list(sessions)
+    results: list[Result] = []
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        while queue:
+            for turn in queue.pop(0):
+                if time.perf_counter() - t0 > args.duration:
+                    return
+                results.append(await _one(client, model, turn, args.max_tokens, affinity))
+
+    await asyncio.gather(*(worker() for _ in range(args.clients)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return results, wall, sum(len(s) for s in sessions)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] * 1000
+
+
+def summarize(mode: str, results: list[Result], wall: float, started: int, exit_code: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    keys = [(r.session, r.index) for r in results]
+    ids = [r.response_id for r in results if r.response_id]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    tiers: dict[str, int] = {}
+    for r in ok:
+        for t, n in r.by_tier.items():
+            tiers[t] = tiers.get(t, 0) + n
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    row: dict[str, Any] = {
+        "bench": "serve", "mode": mode, "requests": started, "completed": len(ok),
+        "lost": started - len(ok), "duplicates": (len(keys) - len(set(keys))) + (len(ids) - len(set(ids))),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "wall_s": round(wall, 2), "req_per_s": round(len(ok) / wall, 3), "out_tok_per_s": round(out_tokens / wall, 1),
+        "prompt_tokens": prompt, "cached_tokens": cached, "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "server_exit": exit_code,
+    }
+    for t in ("device", "host", "disk", "remote"):
+        row[f"cached_{t}"] = tiers.get(t, 0)
+    for name, values in (("ttft", ttft), ("itl", gaps)):
+        for q in (50, 90, 99):
+            v = _pct(values, q)
+            row[f"{name}_p{q}_ms"] = None if v is None else round(v, 1)
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.common import Column, emit, fmt_float
+    from kvtier.errors import ConfigError
+    from kvtier.progress import progress
+
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise ConfigError("kvtier bench serve needs the openai client: pip install openai") from None
+    sessions = sessions_of(args)
+    if not sessions:
+        raise ConfigError("the generated trace has no request that fits --max-prompt: raise it or lower --stride")
+    rows = []
+    for mode in args.modes:
+        with progress(f"{mode}: starting kvtier serve, replaying {args.sessions} sessions", enabled=not args.json):
+            server = ServerProcess(args)
+            try:
+                results, wall, started = asyncio.run(_replay(server.url, _served(args.model), sessions, args,
+                                                             mode == "affinity"))
+            finally:
+                code = server.stop()
+        rows.append(summarize(mode, results, wall, started, code))
+    f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
+    emit(rows, args.json, f"kvtier serve, {args.clients} streaming clients, {args.max_tokens} tokens each "
+                          f"(kv {args.kv_cache >> 20} MiB, host {args.host_cache >> 20} MiB)",
+         [Column("mode", "affinity"), Column("completed", "done"), Column("lost", "lost"),
+          Column("duplicates", "dup"), Column("out_tok_per_s", "tok/s", f1),
+          Column("ttft_p50_ms", "TTFT p50"), Column("ttft_p90_ms", "p90"), Column("ttft_p99_ms", "p99"),
+          Column("itl_p50_ms", "ITL p50"), Column("itl_p90_ms", "p90"), Column("itl_p99_ms", "p99"),
+          Column("hit_ratio", "hit", f3)], left=1)
+    bad = [r for r in rows if r["lost"] or r["duplicates"] or r["server_exit"] != 0]
+    return 1 if bad else 0
+
+
+def _served(model: str) -> str:
+    from pathlib import Path
+
+    from kvtier.engine.config import preset_names
+    return model if model in preset_names() else Path(model).resolve().name

@@ -1,0 +1,361 @@
+"""The routes: OpenAI's API (completions, chat, models), vLLM's extras (health, tokenize,
+detokenize, metrics), over one EngineLoop.
+
+A generation request is validated and tokenized here, on the event loop, so every bad
+request is answered 4xx before it reaches the engine; then it is submitted with a
+`deliver` callback that moves the engine thread's events into this request's asyncio
+queue. Streams and JSON answers are built from the same incremental detokenizer, so a
+streamed answer joins to exactly the non-streamed one.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.serve import protocol as P
+from kvtier.serve.chat import ChatFormatter
+from kvtier.serve.detok import IncrementalText
+from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
+from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
+from kvtier.serve.protocol import ApiError
+from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EchoAffinity, EventStream, error_response, read_json,
+                              sse_event, wait_disconnect)
+
+MAX_SESSION_ID = 256
+
+
+@dataclass
+class Service:
+    """What the routes share: the engine, its metrics, and where the server is in its life."""
+
+    engine: EngineLoop
+    metrics: ServeMetrics
+    model_name: str
+    max_body_bytes: int = 4 << 20
+    draining: bool = False
+    inflight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    _chat: ChatFormatter | None = None
+    _idle: asyncio.Event | None = None
+
+    # -- life ------------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        if self.draining:
+            return "draining"
+        if not self.engine.ready.is_set():
+            return "starting"
+        return "failed" if self.engine.error is not None else "ready"
+
+    def check_serving(self) -> None:
+        phase = self.phase
+        if phase != "ready":
+            why = {"starting": "the model is still loading", "draining": "the server is shutting down",
+                   "failed": "the model failed to load"}[phase]
+            raise ApiError(503, f"not serving: {why}; retry on another server or later", code="service_unavailable")
+
+    def begin(self) -> None:
+        self.inflight += 1
+        self._idle_event().clear()
+
+    def end(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle_event().set()
+
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if self.inflight == 0:
+                self._idle.set()
+        return self._idle
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (503), let those in flight finish for up to `timeout`
+        seconds, then end the rest with an error (streams get an error chunk and [DONE])."""
+        self.draining = True
+        idle = self._idle_event()
+        try:
+            await asyncio.wait_for(idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.engine.fail_all(f"the server is shutting down: this request did not finish within the "
+                                 f"shutdown timeout ({timeout:g} s)")
+            try:
+                await asyncio.wait_for(idle.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- the model -------------------------------------------------------------------------
+    @property
+    def llm(self) -> Any:
+        return self.engine.llm
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.config.max_position_embeddings)
+
+    def chat(self) -> ChatFormatter:
+        if self._chat is None:
+            self._chat = ChatFormatter(self.llm.tokenizer, self.llm.info.tokenizer_path)
+        return self._chat
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def text_ids(self, text: str, add_special: bool = True) -> list[int]:
+        tok = self.llm.tokenizer
+        bos = tok.bos_token_id
+        return ([bos] if add_special and bos is not None else []) + tok.encode(text)
+
+    def prompt_ids(self, req: P.GenerationRequest) -> list[int]:
+        if req.messages:
+            try:
+                return self.chat().token_ids(req.messages)
+            except Exception as e:     # a template's raise_exception or a Jinja error
+                raise P.bad(f"the chat template refused these messages: {e}", "messages") from None
+        if isinstance(req.prompt, str):
+            return self.text_ids(req.prompt)
+        vocab = self.llm.config.vocab_size
+        if any(t >= vocab for t in req.prompt):
+            raise P.bad(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
+        return list(req.prompt)
+
+    def sampling(self, req: P.GenerationRequest, n_prompt: int) -> SamplingParams:
+        limit = self.max_model_len
+        max_tokens = req.max_tokens if req.max_tokens is not None else limit - n_prompt
+        if max_tokens < 1 or n_prompt + max_tokens > limit:
+            raise P.bad(f"this model's maximum context length is {limit} tokens; the request asks for "
+                        f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt, {max(max_tokens, 1)} to "
+                        f"generate): shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+        bt = self.llm.adapter.block_tokens
+        pages, capacity = -(-(n_prompt + max_tokens) // bt), self.llm.adapter.device_tier.capacity_blocks
+        if pages > capacity:
+            raise P.bad(f"the request needs {pages} KV pages ({n_prompt} + {max_tokens} tokens) but this server's "
+                        f"KV cache has {capacity}: shorten the prompt or lower max_tokens", "max_tokens",
+                        "context_length_exceeded")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+        except ConfigError as e:
+            raise P.bad(str(e)) from None
+
+
+def session_of(request: Request) -> str | None:
+    value = request.headers.get(AFFINITY)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_SESSION_ID or not value.isprintable():
+        raise ApiError(400, f"{AFFINITY} must be a printable id of 1 to {MAX_SESSION_ID} characters",
+                       param=AFFINITY, code="invalid_value")
+    return value
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+async def generate(svc: Service, request: Request, chat: bool) -> Response | EventStream:
+    svc.check_serving()
+    session = session_of(request)
+    body = await read_json(request, svc.max_body_bytes)
+    req = P.parse_chat(body) if chat else P.parse_completion(body)
+    svc.check_model(req.model)
+    ids = svc.prompt_ids(req)
+    params = svc.sampling(req, len(ids))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[list[Event]] = asyncio.Queue()
+
+    def deliver(batch: list[Event]) -> None:       # on the engine thread
+        loop.call_soon_threadsafe(events.put_nowait, batch)
+
+    svc.begin()
+    svc.engine.submit(Submission(rid, ids, params, session, deliver))
+    answer = _Answer(svc, rid, req, chat, len(ids))
+    if req.stream:
+        return EventStream(answer.stream(events), on_close=answer.close)
+    try:
+        return await answer.collect(events, request)
+    finally:
+        answer.close()
+
+
+class _Answer:
+    """One request's answer, streamed or whole, from its engine events."""
+
+    def __init__(self, svc: Service, rid: str, req: P.GenerationRequest, chat: bool, n_prompt: int) -> None:
+        self.svc, self.rid, self.req, self.chat, self.n_prompt = svc, rid, req, chat, n_prompt
+        self.text = IncrementalText(svc.llm.tokenizer)
+        self.over = False
+        self._closed = False
+
+    def close(self) -> None:
+        """The response is done or its client went away: abort the request if still running."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.over:
+            self.svc.engine.abort(self.rid)
+            self.svc.metrics.outcome("abort")
+        self.svc.end()
+
+    def _usage(self, done: Finished) -> dict:
+        return P.usage(done.prompt_tokens, done.completion_tokens, done.cached_by_tier)
+
+    def _chunk(self, piece: str, finish: str | None) -> dict:
+        s, r = self.svc, self.req
+        if self.chat:
+            delta = {"content": piece} if piece or finish is None else {}
+            return P.chat_chunk(self.rid, s.created, r.model, delta, finish, r.include_usage)
+        return P.completion_chunk(self.rid, s.created, r.model, piece, finish, r.include_usage)
+
+    async def stream(self, events: asyncio.Queue[list[Event]]) -> AsyncIterator[bytes]:
+        s, r = self.svc, self.req
+        if self.chat:
+            yield sse_event(P.chat_chunk(self.rid, s.created, r.model, {"role": "assistant", "content": ""}, None,
+                                         r.include_usage))
+        while True:
+            for ev in await events.get():
+                if isinstance(ev, Tokens):
+                    piece = self.text.push(ev.ids)
+                    if piece:
+                        yield sse_event(self._chunk(piece, None))
+                elif isinstance(ev, Finished):
+                    self.over = True
+                    s.metrics.outcome(ev.reason)
+                    yield sse_event(self._chunk(self.text.push([], final=True), ev.reason))
+                    if r.include_usage:
+                        yield sse_event(P.usage_chunk(self.rid, s.created, r.model, self.chat, self._usage(ev)))
+                    yield SSE_DONE
+                    return
+                elif isinstance(ev, Failed):
+                    self.over = True
+                    s.metrics.outcome("error")
+                    yield sse_event(ApiError(ev.status, ev.message, code=ev.code).body())
+                    yield SSE_DONE
+                    return
+
+    async def collect(self, events: asyncio.Queue[list[Event]], request: Request) -> Response:
+        s, r = self.svc, self.req
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    return Response(status_code=499)          # nobody reads it: the client went away
+                for ev in getter.result():
+                    if isinstance(ev, Tokens):
+                        self.text.push(ev.ids)
+                    elif isinstance(ev, Finished):
+                        self.over = True
+                        s.metrics.outcome(ev.reason)
+                        self.text.push([], final=True)
+                        build = P.chat_body if self.chat else P.completion_body
+                        ids = list(self.text.ids) if r.return_token_ids else None
+                        return JSON(build(self.rid, s.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
+                    elif isinstance(ev, Failed):
+                        self.over = True
+                        s.metrics.outcome("error")
+                        return error_response(ApiError(ev.status, ev.message, code=ev.code))
+        finally:
+            gone.cancel()
+
+
+# -- the other routes ------------------------------------------------------------------------
+
+
+def build_app(svc: Service) -> Any:
+    """The ASGI application: Starlette routes wrapped in the affinity-echo middleware."""
+
+    async def completions(request: Request) -> Any:
+        return await generate(svc, request, chat=False)
+
+    async def chat_completions(request: Request) -> Any:
+        return await generate(svc, request, chat=True)
+
+    async def models(_request: Request) -> Response:
+        card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "kvtier",
+                "root": svc.model_name, "parent": None}
+        if svc.phase == "ready":
+            card["max_model_len"] = svc.max_model_len
+        return JSON({"object": "list", "data": [card]})
+
+    async def health(_request: Request) -> Response:
+        phase = svc.phase
+        return JSON({"status": phase}, status_code=200 if phase == "ready" else 503)
+
+    async def tokenize(request: Request) -> Response:
+        svc.check_serving()
+        body = await read_json(request, svc.max_body_bytes)
+        if not isinstance(body, dict):
+            raise P.bad("the request body must be a JSON object")
+        svc.check_model(body.get("model"))
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise P.bad("add_special_tokens must be true or false", "add_special_tokens")
+        if "messages" in body:
+            ids = svc.chat().token_ids(P.parse_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            ids = svc.text_ids(body["prompt"], add_special)
+        else:
+            raise P.bad("give prompt (text) or messages", "prompt")
+        return JSON({"count": len(ids), "max_model_len": svc.max_model_len, "tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        svc.check_serving()
+        body = await read_json(request, svc.max_body_bytes)
+        if not isinstance(body, dict):
+            raise P.bad("the request body must be a JSON object")
+        svc.check_model(body.get("model"))
+        tokens, vocab = body.get("tokens"), svc.llm.config.vocab_size
+        if not isinstance(tokens, list) or not all(P._is_int(t) and 0 <= t < vocab for t in tokens):
+            raise P.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return JSON({"prompt": svc.llm.tokenizer.decode(tokens)})
+
+    async def metrics(_request: Request) -> Response:
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def on_api_error(_request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
+        return error_response(e)
+
+    async def on_http_error(_request: Request, e: Exception) -> Response:
+        assert isinstance(e, HTTPException)
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = {404: "no such route: see docs/serve.md for the API",
+                   405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
+        resp = error_response(ApiError(e.status_code, message, code=codes.get(e.status_code)))
+        if e.headers:
+            resp.headers.update(e.headers)
+        return resp
+
+    async def on_crash(_request: Request, e: Exception) -> Response:
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_crash})
+    return EchoAffinity(app)

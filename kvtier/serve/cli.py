@@ -1,0 +1,269 @@
+"""`kvtier serve`: the reference engine behind an OpenAI-compatible HTTP API.
+
+Every option is checked, and the port bound, before the model loads, so a typo or a busy
+port is one `kvtier: error:` line at once. The HTTP server answers from the moment it
+listens (/health says 503 "starting" until the model is loaded). SIGTERM or Ctrl-C drains:
+new requests get 503, those in flight finish (up to --shutdown-timeout seconds, then they
+end with an error), the store is flushed and closed, and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+HELP = "serve the reference engine over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)"
+
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0 picks a free port)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0 picks a free port)")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
+    from kvtier.engine.generate_cli import dtype_arg, size_or_none
+    from kvtier.node_cli import _address, _checked, _peers, _redis_url
+
+    p.add_argument("--model", default="kimi-tiny", metavar="PRESET_OR_DIR",
+                   help="a preset (kimi-tiny: random weights, runs on a CPU) or a Hugging Face checkpoint folder")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: the preset name, or the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may run on before they end with an error")
+    p.add_argument("--max-batched-tokens", type=positive_int, default=512, metavar="N",
+                   help="tokens one engine step computes at most (chunked prefill)")
+    p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N", help="requests in one batch at most")
+    p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
+                   help="largest request body accepted (413 above it)")
+    p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
+                   help="seed of a preset's random weights")
+    p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
+    p.add_argument("--dtype", type=dtype_arg, default=None, help="compute dtype (default: the model's)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it")
+    p.add_argument("--kv-cache", type=size, default=None, metavar="SIZE",
+                   help="device tier: the engine's KV pages (default: device_capacity)")
+    p.add_argument("--host-cache", type=size_or_none, default=None, metavar="SIZE",
+                   help="host-memory tier; 0 or none for none (default: host_capacity)")
+    p.add_argument("--disk", default=None, metavar="DIR", help="a folder for a disk tier (default: disk_path, none)")
+    p.add_argument("--disk-cache", type=size, default=None, metavar="SIZE",
+                   help="size of the disk tier (default: disk_capacity)")
+    p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens per block and page (default: block_tokens)")
+    p.add_argument("--pin-ttl", type=positive_float, default=None, metavar="SECONDS",
+                   help="how long an x-session-affinity session's prefix stays pinned after its turn "
+                        "(default: pin_ttl)")
+    cluster = p.add_argument_group("cluster mode: share blocks with other servers and nodes")
+    cluster.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
+                         help="kvtier nodes (or servers' --kv-listen addresses) to fetch blocks from")
+    cluster.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
+                         help="Redis directory (redis://HOST:PORT[/DB]): publish and find blocks")
+    cluster.add_argument("--secret-file", default=None, metavar="FILE",
+                         help="the cluster's shared secret, at least 16 bytes (default: $KVTIER_SECRET)")
+    cluster.add_argument("--kv-listen", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
+                         help="serve this server's blocks to peers here; alone, it only serves (default with "
+                              "--peers/--directory: 127.0.0.1:0)")
+    cluster.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
+                         help="with --directory: the address peers use to reach --kv-listen")
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    from pathlib import Path
+    if args.served_model_name is not None:
+        if not args.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
+        return args.served_model_name
+    from kvtier.engine.config import preset_names
+    return args.model if args.model in preset_names() else Path(args.model).resolve().name
+
+
+def _need_serve_extra() -> None:
+    missing = []
+    for module in ("starlette", "uvicorn", "orjson", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ConfigError(f"kvtier serve needs {', '.join(missing)}: pip install 'kvtier[serve]'")
+
+
+def _listen(host: str, port: int) -> Any:
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} is not an address this machine can listen on: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
+                          "(0 picks a free one)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Checked cluster settings, or None without --peers/--directory."""
+    if not args.peers and not args.directory and not args.kv_listen:
+        if args.advertise:
+            raise ConfigError("--advertise is for cluster mode: add --directory")
+        return None
+    from kvtier.node_cli import read_secret
+    if args.peers and args.directory:
+        raise ConfigError("give --peers or --directory, not both")
+    if args.advertise and not args.directory:
+        raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
+    return {"secret": read_secret(args.secret_file), "peers": args.peers, "directory": args.directory,
+            "listen": args.kv_listen or "127.0.0.1:0", "advertise": args.advertise}
+
+
+def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | None,
+              nodes: list[Any]) -> Any:
+    """What the engine thread runs first: the model, its store, and in cluster mode a node
+    serving that store to peers (appended to `nodes`, to stop before the store closes)."""
+    def make() -> Any:
+        from kvtier.engine import LLM
+        remote = directory = None
+        if cluster is not None:
+            from kvtier.net.remote import Remote
+            if cluster["directory"]:
+                from kvtier.net import RedisDirectory
+                directory = RedisDirectory(cluster["directory"])
+                remote = Remote(directory=directory, secret=cluster["secret"])
+            elif cluster["peers"]:
+                remote = Remote(cluster["peers"], cluster["secret"])
+        llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
+                  max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote)
+        if cluster is not None:
+            from kvtier.net import Node
+            try:
+                node = Node(llm.store, cluster["listen"], cluster["secret"], directory=directory,
+                            advertise=cluster["advertise"]).start()
+            except BaseException:
+                llm.close()
+                raise
+            nodes.append(node)
+            print(f"kvtier serve: serving blocks to peers on {node.address}", flush=True)
+        return llm
+    return make
+
+
+class _QuietSignals:
+    """A uvicorn.Server that leaves SIGTERM and SIGINT to kvtier (drain first, then exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier import StoreConfig
+    from kvtier.engine.generate_cli import check_capacities, kv_block_bytes, model_config
+
+    _need_serve_extra()
+    name = _served_name(args)
+    cache = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, device_capacity=args.kv_cache,
+                                 disk_path=args.disk, disk_capacity=args.disk_cache, pin_ttl=args.pin_ttl)
+    if args.host_cache is not None:
+        cache = cache.replace(host_capacity=args.host_cache or None)
+    check_capacities(cache, kv_block_bytes(model_config(args.model), args.dtype, cache.block_tokens))
+    cluster = _cluster(args)
+    sock = _listen(args.host, args.port)
+    try:
+        return _serve(args, name, cache, cluster, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None, sock: Any) -> int:
+    import asyncio
+    import signal
+
+    import uvicorn
+
+    from kvtier.serve.app import Service, build_app
+    from kvtier.serve.engine_loop import EngineLoop
+    from kvtier.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics(name)
+    nodes: list[Any] = []
+    engine = EngineLoop(_make_llm(args, cache, cluster, nodes), metrics,
+                        before_close=lambda: [n.stop() for n in nodes])
+    metrics.attach(engine)
+    svc = Service(engine, metrics, name, max_body_bytes=args.max_body_size)
+    config = uvicorn.Config(build_app(svc), lifespan="off", log_level="warning", access_log=False,
+                            http="httptools" if _has("httptools") else "h11", timeout_graceful_shutdown=5)
+    server = type("KvtierUvicorn", (_QuietSignals, uvicorn.Server), {})(config)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+
+        async def shutdown() -> None:
+            print(f"kvtier serve: draining ({svc.inflight} requests in flight, up to {args.shutdown_timeout:g} s)",
+                  flush=True)
+            await svc.drain(args.shutdown_timeout)
+            server.should_exit = True
+
+        def on_signal() -> None:
+            if stopping.is_set():
+                print("kvtier serve: already stopping", flush=True)
+                return
+            stopping.set()
+            asyncio.ensure_future(shutdown())
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+
+        async def announce() -> None:
+            await loop.run_in_executor(None, engine.ready.wait)
+            if engine.error is not None:
+                server.should_exit = True
+            elif not stopping.is_set():
+                print(f"kvtier serve: ready: {name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
+
+        print(f"kvtier serve: listening on {url}, loading {args.model}", flush=True)
+        engine.start()
+        watcher = asyncio.ensure_future(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    try:
+        if _has("uvloop"):
+            import uvloop
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+    finally:
+        engine.stop()
+    if engine.error is not None:
+        raise engine.error
+    print("kvtier serve: stopped (store flushed and closed)", flush=True)
+    return 0
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+

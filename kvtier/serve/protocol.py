@@ -1,0 +1,268 @@
+"""Request bodies in, response bodies out: OpenAI's /v1/completions and /v1/chat/completions
+with vLLM's conventions (usage.prompt_tokens_details.cached_tokens, OpenAI error bodies).
+
+Every field the engine can honour is checked here, at the boundary, and a bad one is an
+`ApiError` (HTTP 400) naming the field; fields the engine cannot honour (n > 1, logprobs,
+penalties, stop strings) are refused rather than silently ignored. Unknown fields are
+ignored, as OpenAI-compatible servers do, so clients that send extras keep working.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+TIERS = ("device", "host", "disk", "remote")   # where cached prompt tokens can come from
+MAX_SEED = 2**64 - 1
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints ask of the engine, validated."""
+
+    model: str
+    max_tokens: int | None            # None: up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False    # vLLM's extension: choices[0].token_ids (non-streamed answers)
+    prompt: str | list[int] = ""     # /v1/completions: text or token ids
+    messages: list[dict[str, str]] = field(default_factory=list)   # /v1/chat/completions
+
+
+# -- field checks ------------------------------------------------------------------------
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise bad(f"{name} must be a number in {interval}, got {v!r}", name)
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        raise bad(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}", name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse what the engine cannot do, instead of answering something else."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n", "unsupported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad(f"best_of must be 1, got {best_of!r}", "best_of", "unsupported")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise bad(f"{name} is not supported by this server", name, "unsupported")
+    if body.get("echo") not in (None, False):
+        raise bad("echo is not supported by this server", "echo", "unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v not in (None, 0, 0.0) or isinstance(v, bool):
+            raise bad(f"{name} is not supported by this server (leave it 0)", name, "unsupported")
+    if body.get("stop") not in (None, [], ""):
+        raise bad("stop strings are not supported by this server; use stop_token_ids", "stop", "unsupported")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tools are not supported by this server", "tools", "unsupported")
+
+
+def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required: the name GET /v1/models lists", "model")
+    _unsupported(body)
+    max_tokens = None
+    for name in max_tokens_names:
+        v = _int(body, name, 1)
+        if v is not None:
+            max_tokens = v
+            break
+    seed = _int(body, "seed", 0, MAX_SEED)
+    stops = body.get("stop_token_ids")
+    if stops is None:
+        stops = []
+    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {stops!r}", "stop_token_ids")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        include_usage = _bool(opts, "include_usage")
+    return GenerationRequest(
+        model=model, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=seed, stop_token_ids=tuple(stops), ignore_eos=_bool(body, "ignore_eos"),
+        stream=stream, include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"))
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """A /v1/completions body: one prompt, as text or token ids (or a list holding one)."""
+    req = _common(body, ("max_tokens",))
+    if "max_tokens" not in body or body.get("max_tokens") is None:
+        req.max_tokens = 16                      # OpenAI's and vLLM's default for completions
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                       # ["text"] or [[1, 2, 3]]: one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt is empty: give at least one character or token", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad("prompt token ids must be integers >= 0", "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad(f"this server takes one prompt per request, got {len(prompt)}: send one request each",
+                  "prompt", "unsupported")
+    else:
+        raise bad("prompt must be text or a list of token ids", "prompt")
+    req.prompt = prompt
+    return req
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    """A /v1/chat/completions body: messages with a role and text content."""
+    req = _common(body, ("max_completion_tokens", "max_tokens"))
+    req.messages = parse_messages(body.get("messages"))
+    return req
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """[{"role", "content"}] with text content (a string, or a list of {"type": "text"} parts)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {\"role\": ..., \"content\": ...}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with role and content", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}", f"{where}.role")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}} (text only)",
+                              f"{where}.content", "unsupported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"{where}.content must be text", f"{where}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# -- response bodies ------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_by_tier: dict[str, int]) -> dict[str, Any]:
+    """usage with prompt_tokens_details.cached_tokens and kvtier's split of them by tier (tokens)."""
+    by_tier = {t: int(cached_by_tier.get(t, 0)) for t in TIERS}
+    for t, n in cached_by_tier.items():       # a remote tier with another name counts as remote
+        if t not in by_tier:
+            by_tier["remote"] += int(n)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(by_tier.values()), "kvtier_cached_by_tier": by_tier}}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish: str | None,
+                    use: dict | None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": use}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": use}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
+                     with_usage: bool) -> dict[str, Any]:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if with_usage:
+        body["usage"] = None
+    return body
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish: str | None,
+               with_usage: bool) -> dict[str, Any]:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if with_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(rid: str, created: int, model: str, chat: bool, use: dict) -> dict[str, Any]:
+    """The last chunk under stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": use}

@@ -1,0 +1,132 @@
+"""The ASGI pieces under the routes: JSON and SSE responses, bounded bodies, disconnects,
+and the session-affinity header echoed on every response to a request that carried it.
+
+Written against ASGI directly (not Starlette's StreamingResponse) so that a client going
+away is noticed the same way on every server version: a task waits for `http.disconnect`
+while the stream runs and cancels it; then `on_close` aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvtier.serve.protocol import ApiError
+
+AFFINITY = "x-session-affinity"
+_AFFINITY_B = AFFINITY.encode()
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+class JSON(Response):
+    """A JSON body serialized with orjson."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
+def error_response(e: ApiError) -> JSON:
+    return JSON(e.body(), status_code=e.status)
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON: 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is {length} bytes; this server takes at most {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (call after the body was read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStream:
+    """An SSE response from an async iterator of ready-made event bytes; stops the iterator
+    (so its `finally` runs) when the client disconnects."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None) -> None:
+        self.events = events
+        self.on_close = on_close       # runs once the stream ended, however it ended
+        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+
+        async def pump() -> None:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        streaming = asyncio.ensure_future(pump())
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, gone):
+                task.cancel()
+            await asyncio.gather(streaming, gone, return_exceptions=True)
+            try:
+                aclose = getattr(self.events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
+        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()       # type: ignore[misc]
+
+
+class EchoAffinity:
+    """ASGI middleware: a request's x-session-affinity header comes back on its response,
+    whatever answers it (a route, a 404, a 405, an error)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        value = next((v for k, v in scope.get("headers", []) if k == _AFFINITY_B), None)
+        if value is None:
+            return await self.app(scope, receive, send)
+
+        async def send_echo(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != _AFFINITY_B]
+                message = {**message, "headers": [*headers, (_AFFINITY_B, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_echo)

@@ -1,0 +1,331 @@
+"""`kvtier serve` end to end: servers in subprocesses on loopback, the official openai client,
+raw HTTP for the bad cases, /metrics parsed, a client disconnect, SIGTERM draining, and two
+servers sharing blocks (cluster mode). Two servers are started for the whole file (A, and B
+that fetches from A's blocks); every process a test starts is stopped by it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from conftest import assert_one_line_error, run_kvtier  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "kimi-tiny"
+PROMPT = "The agent's shared system prompt: you can call tools, read files and answer. Turn 1."
+STARTUP_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `kvtier serve` subprocess; `url` once it printed that it is ready."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model", MODEL,
+             "--kv-cache", "4MiB", "--host-cache", "8MiB", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        self.lines: list[str] = []
+        self.url = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("kvtier serve: ready:"):
+                self.url = line.split(" on ", 1)[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self) -> Server:
+        assert self._ready.wait(STARTUP_S), self.lines
+        assert self.url, self.lines
+        return self
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[str, dict[tuple, float]]:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out: dict[str, dict[tuple, float]] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                out.setdefault(s.name, {})[key] = s.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Server A serves its blocks to peers; server B fetches from A (and drains in 4 s)."""
+    secret = tmp_path_factory.mktemp("serve") / "secret"
+    secret.write_text("0123456789abcdef-test-secret")
+    kv_port = _free_port()
+    a = Server("--kv-listen", f"127.0.0.1:{kv_port}", "--secret-file", str(secret), "--max-body-size", "64KiB")
+    b = Server("--peers", f"127.0.0.1:{kv_port}", "--secret-file", str(secret), "--shutdown-timeout", "4", "--kv-cache", "8MiB")
+    try:
+        yield a.wait_ready(), b.wait_ready()
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    return cluster[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What LLM.generate gives, greedy, for PROMPT (the same weights as the servers')."""
+    from kvtier import StoreConfig
+    from kvtier.engine import LLM, SamplingParams
+    with LLM(MODEL, cache=StoreConfig(device_capacity="4MiB", host_capacity=None)) as llm:
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    return out
+
+
+# -- the API, through the official client --------------------------------------------------
+
+
+def test_completion_equals_llm_generate_streamed_and_not(server, reference):
+    c = server.client()
+    whole = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert whole.choices[0].model_extra["token_ids"] == reference.token_ids
+    assert whole.choices[0].text == reference.text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert whole.usage.completion_tokens == 24
+    pieces, usage, finish = [], None, None
+    for chunk in c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 24
+    # the second and third requests found the prompt's full blocks cached
+    details = usage.prompt_tokens_details
+    assert details.cached_tokens == (len(reference.prompt_token_ids) - 1) // 16 * 16 > 0
+    assert details.model_extra["kvtier_cached_by_tier"]["device"] == details.cached_tokens
+
+
+def test_chat_streamed_equals_not_streamed(server):
+    c = server.client()
+    messages = [{"role": "system", "content": "You are an agent with tools."},
+                {"role": "user", "content": "List the files, then read the first one."}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    roles, pieces = [], []
+    for chunk in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            roles.append(ch.delta.role)
+            pieces.append(ch.delta.content or "")
+    assert roles[0] == "assistant"
+    assert "".join(pieces) == whole.choices[0].message.content
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_session_affinity_pins_and_is_echoed(server):
+    c = server.client()
+    before = sum(server.metrics()["kvtier:store_pinned_bytes"].values())
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="session seven: " + PROMPT, max_tokens=2,
+                                                 extra_headers={"x-session-affinity": "agent-7"})
+    assert raw.headers["x-session-affinity"] == "agent-7"
+    assert raw.parse().usage.prompt_tokens > 16
+    with c.completions.with_streaming_response.create(model=MODEL, prompt="session eight: " + PROMPT, max_tokens=2,
+                                                      stream=True,
+                                                      extra_headers={"x-session-affinity": "agent-8"}) as resp:
+        assert resp.headers["x-session-affinity"] == "agent-8"
+        assert b"data: [DONE]" in resp.read()
+    m = server.metrics()
+    assert sum(m["kvtier:store_pinned_bytes"].values()) > before
+    assert m["kvtier:store_pinned_sessions"][()] >= 2
+    bad = httpx.post(server.url + "/v1/completions", content=b"{", headers={"x-session-affinity": "agent-9"})
+    assert bad.status_code == 400 and bad.headers["x-session-affinity"] == "agent-9"
+
+
+# -- bad requests, raw HTTP ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,path,body,status,code", [
+    ("POST", "/v1/completions", b"{not json", 400, "invalid_json"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 9000, "max_tokens": 4}, 400, "context_length_exceeded"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "context_length_exceeded"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "invalid_value"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "invalid_value"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "invalid_value"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "unsupported"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "invalid_value"),
+    ("POST", "/v1/completions", [1, 2], 400, "invalid_value"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "invalid_value"),
+    ("POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
+    ("GET", "/v1/completions", None, 405, "method_not_allowed"),
+    ("GET", "/v2/nothing", None, 404, "not_found"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 70_000}, 413, "request_too_large"),
+])
+def test_bad_requests_get_openai_error_bodies(server, method, path, body, status, code):
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    r = httpx.request(method, server.url + path, content=content, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_tokenize_detokenize_health(server):
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "héllo"}).json()
+    assert r["tokens"] == [256, *"héllo".encode()] and r["count"] == 7
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo"}
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_parse_and_name_like_vllm(server):
+    m = server.metrics()
+    for name in ("kvtier:time_to_first_token_seconds_count", "kvtier:inter_token_latency_seconds_count",
+                 "kvtier:e2e_request_latency_seconds_count", "kvtier:num_requests_running",
+                 "kvtier:num_requests_waiting", "kvtier:prefix_cache_queries_total", "kvtier:kv_cache_usage_perc",
+                 "kvtier:store_used_bytes", "kvtier:store_evictions_total", "kvtier:store_pinned_bytes",
+                 "kvtier:store_verification_failures_total"):
+        assert name in m, name
+    assert set(m["kvtier:prefix_cache_hits_total"]) == {(("tier", t),) for t in ("device", "host", "disk", "remote")}
+    assert m["kvtier:time_to_first_token_seconds_count"][()] >= 1
+    assert m["kvtier:prefix_cache_hits_total"][(("tier", "device"),)] > 0
+
+
+def test_client_disconnect_frees_pages(server):
+    def busy(m) -> tuple[float, float]:
+        return m["kvtier:num_requests_running"][()], m["kvtier:kv_pages_in_use"][()]
+
+    body = {"model": MODEL, "prompt": "a long answer, please", "max_tokens": 1500, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        running, pages = busy(server.metrics())
+        assert running == 1 and pages > 0
+    deadline = time.monotonic() + 30
+    while busy(server.metrics()) != (0, 0):
+        assert time.monotonic() < deadline, "the aborted request still holds pages"
+        time.sleep(0.2)
+    assert server.metrics()["kvtier:request_success_total"][(("finished_reason", "abort"),)] >= 1
+
+
+# -- cluster mode and shutdown (server B) ----------------------------------------------------
+
+
+def test_cluster_fetches_a_prefix_another_server_computed(cluster):
+    a, b = cluster
+    prompt = "Cluster turn: " + PROMPT
+    first = a.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    other = b.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    by_tier = other.usage.prompt_tokens_details.model_extra["kvtier_cached_by_tier"]
+    assert by_tier["remote"] > 0 and by_tier["remote"] == other.usage.prompt_tokens_details.cached_tokens
+    assert other.choices[0].text == first.choices[0].text
+
+
+def test_sigterm_drains_then_exits_zero(cluster):
+    _, b = cluster
+    results: dict[str, list[str]] = {"short": [], "long": []}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = {"model": MODEL, "prompt": f"{name} stream", "max_tokens": max_tokens, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[name].append(line[6:])
+
+    threads = [threading.Thread(target=stream, args=("short", 40)), threading.Thread(target=stream, args=("long", 1500))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not (results["short"] and results["long"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    b.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    health = httpx.get(b.url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    refused = httpx.post(b.url + "/v1/completions", json={"model": MODEL, "prompt": "late"}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
+    for t in threads:
+        t.join(60)
+    assert b.proc.wait(60) == 0, b.lines
+    short, long = results["short"], results["long"]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["code"] == "shutting_down"
+    assert any("stopped" in line for line in b.lines)
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "99999"], "--port"),
+    (["--model", "no-such-preset"], "no-such-preset"),
+    (["--kv-cache", "1KiB"], "--kv-cache"),
+])
+def test_cli_bad_input_is_one_line(args, needle):
+    r = run_kvtier("serve", *args, timeout=120)
+    assert_one_line_error(r, 2, needle)
+
+
+def test_incremental_text_holds_back_partial_utf8():
+    from kvtier.engine.tokenizer import ByteTokenizer
+    from kvtier.serve.detok import IncrementalText
+
+    tok, text = ByteTokenizer(512), "héllo 中文 ok"
+    ids = [*text.encode(), ByteTokenizer.EOS]
+    inc = IncrementalText(tok)
+    pieces = [inc.push([i]) for i in ids] + [inc.push([], final=True)]
+    assert "".join(pieces) == inc.text == tok.decode(ids) == text
+    assert "\ufffd" not in "".join(pieces) and "中" in pieces
+
+
+def test_bench_serve_replays_sessions_completely():
+    r = run_kvtier("bench", "serve", "--modes", "affinity", "--sessions", "2", "--max-requests", "4",
+                   "--clients", "2", "--max-tokens", "4", "--kv-cache", "4MiB", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert (row["requests"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == (4, 4, 0, 0, 0)
+    assert row["mode"] == "affinity" and 0 <= row["hit_ratio"] <= 1 and row["ttft_p50_ms"] > 0
