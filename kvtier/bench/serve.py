@@ -1,14 +1,16 @@
 """`kvtier bench serve`: a load test of `kvtier serve` with a generated agentic trace.
 
 The server runs in its own process on loopback, with small device and host caches so the
-trace does not fit (memory pressure). Concurrent streaming clients (the official openai
-client, async) replay the trace's sessions: each client takes the next session and plays
-its turns in order, as an agent does; the run is bounded in requests and in time. Each
-mode runs on a fresh server (a cold cache): without x-session-affinity, then with it (the
-session's prefix pinned between turns). Reported per mode: throughput, TTFT and
-inter-token latency percentiles as the client sees them, the prompt-cache hit ratio (from
-usage.prompt_tokens_details) and where cached tokens came from, and whether every request
-got exactly one complete answer.
+trace does not fit (memory pressure). Sessions run as agents do: --active sessions are in
+flight at once, each plays its turns in order and waits --think seconds between two turns
+(the agent's tool call), and at most --clients requests stream at a time (the official
+openai client, async); the run is bounded in requests and in time. While one session
+waits, the others' turns fill the cache, which is what a pin is for. Each mode runs on a
+fresh server (a cold cache): without x-session-affinity, then with it (the session's
+prefix pinned for --pin-ttl seconds after each turn). Reported per mode: throughput, TTFT
+and inter-token latency percentiles as the client sees them, the prompt-cache hit ratio
+(from usage.prompt_tokens_details) and where cached tokens came from, and whether every
+request got exactly one complete answer.
 
 The trace's prompts are thinned to every --stride-th token (a prompt that extends another
 still extends it) and mapped into the byte-level vocabulary, so that they fit the tiny
@@ -32,10 +34,17 @@ MODES = ("none", "affinity")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
+    from kvtier.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
     from kvtier.bench.common import choice_list
 
-    p.add_argument("--clients", type=positive_int, default=4, metavar="N", help="concurrent streaming clients")
+    p.add_argument("--clients", type=positive_int, default=4, metavar="N",
+                   help="requests streaming at once at most (default: 4)")
+    p.add_argument("--active", type=positive_int, default=12, metavar="N",
+                   help="sessions in flight at once, each waiting --think between its turns (default: 12)")
+    p.add_argument("--think", type=non_negative_float, default=1.0, metavar="SECONDS",
+                   help="pause between two turns of a session: the agent's tool call (default: 1.0)")
+    p.add_argument("--pin-ttl", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="the server's pin TTL for x-session-affinity sessions (default: 30)")
     p.add_argument("--sessions", type=positive_int, default=24, metavar="N", help="sessions in the generated trace")
     p.add_argument("--max-requests", type=positive_int, default=80, metavar="N", help="requests per mode: the first sessions' turns, up to this many")
     p.add_argument("--duration", type=positive_float, default=120.0, metavar="SECONDS",
@@ -101,7 +110,8 @@ class ServerProcess:
     def __init__(self, args: argparse.Namespace) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model",
-               args.model, "--kv-cache", str(args.kv_cache), "--host-cache", str(args.host_cache)]
+               args.model, "--kv-cache", str(args.kv_cache), "--host-cache", str(args.host_cache),
+               "--pin-ttl", str(args.pin_ttl)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.url = ""
@@ -172,22 +182,27 @@ async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: b
 
 async def _replay(url: str, model: str, sessions: list[list[Turn]], args: argparse.Namespace,
                   affinity: bool) -> tuple[list[Result], float, int]:
-    """Every client plays whole sessions, turn after turn; (results, seconds, requests planned)."""
+    """--active sessions at a time, each turn after turn with --think between them, at most
+    --clients requests at once; (results, seconds, requests planned)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     queue = list(sessions)
     results: list[Result] = []
+    streams = asyncio.Semaphore(args.clients)
     t0 = time.perf_counter()
 
-    async def worker() -> None:
+    async def agent() -> None:
         while queue:
-            for turn in queue.pop(0):
+            for k, turn in enumerate(queue.pop(0)):
+                if k:
+                    await asyncio.sleep(args.think)
                 if time.perf_counter() - t0 > args.duration:
                     return
-                results.append(await _one(client, model, turn, args.max_tokens, affinity))
+                async with streams:
+                    results.append(await _one(client, model, turn, args.max_tokens, affinity))
 
-    await asyncio.gather(*(worker() for _ in range(args.clients)))
+    await asyncio.gather(*(agent() for _ in range(args.active)))
     wall = time.perf_counter() - t0
     await client.close()
     return results, wall, sum(len(s) for s in sessions)
@@ -253,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
                 code = server.stop()
         rows.append(summarize(mode, results, wall, started, code))
     f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
-    emit(rows, args.json, f"kvtier serve, {args.clients} streaming clients, {args.max_tokens} tokens each "
+    emit(rows, args.json, f"kvtier serve, {args.active} agents (think {args.think:g} s), {args.clients} streams "
+                          f"at most, {args.max_tokens} tokens each "
                           f"(kv {args.kv_cache >> 20} MiB, host {args.host_cache >> 20} MiB)",
          [Column("mode", "affinity"), Column("completed", "done"), Column("lost", "lost"),
           Column("duplicates", "dup"), Column("out_tok_per_s", "tok/s", f1),
