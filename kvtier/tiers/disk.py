@@ -267,7 +267,7 @@ class DiskTier(Tier):
         # checksums (with the GIL released: kvtier.checksum) and packs the records, so only
         # the index's commit follows the last write. Hashing each run right before or after
         # its write (bytes in cache) measured no faster here: the disk sets the pace.
-        pending = self._parallel(self._write_run, slots, rows, order, wait=False)
+        pending = self._parallel(self._write_run, slots, rows, order)
         now = time.time()
         sums = [block_checksum(rows[i]) for i in order]
         pack = msgpack.Packer().pack
@@ -307,8 +307,19 @@ class DiskTier(Tier):
         """Copy and verify; returns the positions j whose block failed verification."""
         order = list(range(len(slots))) if idx is None else list(idx)
         bad: list[int] = []
-        for part in self._parallel(self._read_run, slots, rows, order):
+        errors = []
+        # Speed: this thread verifies each run as it lands while the I/O threads go on to
+        # their next reads; hashing on the I/O thread left the disk's queue a read short.
+        for f in self._parallel(self._read_run, slots, rows, order):
+            try:                               # every read is finished before any error is raised:
+                part, check = f.result()       # they land in the caller's rows
+            except Exception as e:
+                errors.append(e)
+                continue
             bad.extend(part)
+            bad.extend(j for j, data, want in check if block_checksum(data) != want)
+        if errors:
+            raise TransferError(f"disk tier {self.path}: read failed: {errors[0]}") from errors[0]
         now = time.time()
         with self._meta_lock:
             for j, s in enumerate(slots):
@@ -324,17 +335,16 @@ class DiskTier(Tier):
                         self.path, key, slots[j])
         return sorted(set(bad))
 
-    def _parallel(self, fn, slots: Sequence[SlotId], rows: Sequence[np.ndarray], order: list[int],
-                  wait: bool = True) -> list[Any]:
-        """Split the copy into runs of consecutive slots and run them on the I/O threads;
-        returns their results, or (wait=False) their futures."""
+    def _parallel(self, fn, slots: Sequence[SlotId], rows: Sequence[np.ndarray], order: list[int]) -> list[Future]:
+        """Split the copy into runs of consecutive slots and start them on the I/O threads, in
+        slot order; their futures, in that order."""
         runs: list[tuple[list[int], int]] = []   # (positions j, first slot), slots ascending
         by_slot = sorted(range(len(slots)), key=slots.__getitem__)
         for s, js in _runs_by_slot([slots[j] for j in by_slot], by_slot):
             for c in range(0, len(js), self._chunk_slots):
                 runs.append((js[c:c + self._chunk_slots], s + c))
         futures = [self._submit(fn, js, s0, rows, order) for js, s0 in runs]
-        return [f.result() for f in futures] if wait else futures
+        return futures
 
     def _submit(self, fn, *args: Any) -> Future:
         """Run one copy on an I/O thread, or on this thread when the pool takes no more work.
@@ -376,31 +386,38 @@ class DiskTier(Tier):
         finally:
             self._free_staging.append(i)
 
-    def _read_run(self, js: list[int], s0: int, rows, order) -> list[int]:
+    def _read_run(self, js: list[int], s0: int, rows, order) -> tuple[list[int], list[tuple[int, np.ndarray, int]]]:
+        """Read one run of consecutive slots: (positions j that failed, blocks left to verify
+        as (j, their bytes, recorded checksum)). Blocks read straight into the caller's rows
+        are verified by the caller; blocks read through a staging buffer are verified here,
+        before they are copied out."""
         sb, bb = self.slot_bytes, self.block_bytes
         n = len(js)
         dsts = [rows[order[j]] for j in js]
-        bad = []
-        i, buf = self._staging_buffer()
-        try:
-            direct_ok = self.direct and sb == bb and all(_aligned(d) and d.flags.c_contiguous for d in dsts)
-            targets = [memoryview(d).cast("B") for d in dsts] if direct_ok else [memoryview(buf)[: n * sb]]
-            got = _preadv_all(self._fd, targets, s0 * sb)
-            view = None if direct_ok else np.frombuffer(buf, dtype=np.uint8, count=n * sb).reshape(n, sb)
+        bad: list[int] = []
+        if self.direct and sb == bb and all(_aligned(d) and d.flags.c_contiguous for d in dsts):
+            got = _preadv_all(self._fd, [memoryview(d).cast("B") for d in dsts], s0 * sb)
+            check = []
             for r, j in enumerate(js):
                 rec = self._records.get(s0 + r)
                 if got < (r + 1) * sb or rec is None:
                     bad.append(j)
-                    continue
-                data = dsts[r] if direct_ok else view[r, :bb]
-                if block_checksum(data) != rec[1]:
+                else:
+                    check.append((j, dsts[r], rec[1]))
+            return bad, check
+        i, buf = self._staging_buffer()
+        try:
+            got = _preadv_all(self._fd, [memoryview(buf)[: n * sb]], s0 * sb)
+            view = np.frombuffer(buf, dtype=np.uint8, count=n * sb).reshape(n, sb)
+            for r, j in enumerate(js):
+                rec = self._records.get(s0 + r)
+                if got < (r + 1) * sb or rec is None or block_checksum(view[r, :bb]) != rec[1]:
                     bad.append(j)
-                    continue
-                if not direct_ok:
-                    dsts[r][...] = data
+                else:
+                    dsts[r][...] = view[r, :bb]
         finally:
             self._free_staging.append(i)
-        return bad
+        return bad, []
 
     def block(self, slot: SlotId) -> np.ndarray:
         out = np.empty(self.block_bytes, dtype=np.uint8)
