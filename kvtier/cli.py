@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "node": "kvtier.node_cli",
     "generate": "kvtier.engine.generate_cli",
     "serve": "kvtier.serve.cli",
+    "router": "kvtier.router.cli",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_FAILURE = 1
