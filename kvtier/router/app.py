@@ -289,7 +289,8 @@ class Router:
     def health(self) -> tuple[dict, int]:
         ready = any(w.ready for w in self.pools.decode)
         return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy,
-                 "direct_below": self.cfg.direct_below, "stats": vars(self.stats),
+                 "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
+                 "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
                  "workers": [w.view() for w in self.pools.all]}, 200 if ready else 503)
 
 
