@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "engine": "kvtier.bench.engine",
     "adapter": "kvtier.bench.adapter",
     "serve": "kvtier.bench.serve",
+    "disagg": "kvtier.bench.disagg",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
