@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "engine": "kvtier.bench.engine",
     "adapter": "kvtier.bench.adapter",
     "serve": "kvtier.bench.serve",
+    "disagg": "kvtier.bench.disagg",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
@@ -35,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "node": "kvtier.node_cli",
     "generate": "kvtier.engine.generate_cli",
     "serve": "kvtier.serve.cli",
+    "router": "kvtier.router.cli",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_FAILURE = 1

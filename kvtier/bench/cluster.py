@@ -20,7 +20,9 @@ How to read the table:
   routers        random, round-robin: ignore the cache; session: a request's session (or a hash
                  of its first blocks) picks the node; kv-aware: the longest cached prefix;
                  pooled: any node reads any node's blocks (one shared cache, to compare with);
-                 token-aware: the longest cached prefix among nodes that stay balanced"""
+                 token-aware: the longest cached prefix among nodes that stay balanced;
+                 dynamo: min(uncached prefill blocks + load blocks); sglang: the longest prefix
+                 unless the load gap is > 64 tokens and > 1.5x, then the least loaded"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,7 @@ class Service:
     draining: bool = False
     inflight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    disagg: Any = None                # kvtier.serve.disagg.Disagg: the worker's P/D role, or None
     _chat: ChatFormatter | None = None
     _idle: asyncio.Event | None = None
 
@@ -175,6 +176,9 @@ async def generate(svc: Service, request: Request, chat: bool) -> Response | Eve
     svc.check_model(req.model)
     ids = svc.prompt_ids(req)
     params = svc.sampling(req, len(ids))
+    if svc.disagg is not None:
+        from kvtier.serve.disagg import accept_handoff
+        accept_handoff(svc, body, ids)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[list[Event]] = asyncio.Queue()
@@ -327,6 +331,14 @@ def build_app(svc: Service) -> Any:
             raise P.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
         return JSON({"prompt": svc.llm.tokenizer.decode(tokens)})
 
+    async def prefill(request: Request) -> Response:
+        from kvtier.serve.disagg import prefill as run_prefill
+        return await run_prefill(svc, request)
+
+    async def load(_request: Request) -> Response:
+        from kvtier.serve.disagg import Disagg
+        return JSON((svc.disagg or Disagg()).load(svc))
+
     async def metrics(_request: Request) -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -355,6 +367,8 @@ def build_app(svc: Service) -> Any:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/kvtier/prefill", prefill, methods=["POST"]),
+        Route("/kvtier/load", load, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-ttl", type=positive_float, default=None, metavar="SECONDS",
                    help="how long an x-session-affinity session's prefix stays pinned after its turn "
                         "(default: pin_ttl)")
+    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                   help="prefill/decode disaggregation behind `kvtier router` (docs/disaggregation.md): prefill "
+                        "computes prompts' KV and hands it over, decode pulls it and generates; both does all")
     cluster = p.add_argument_group("cluster mode: share blocks with other servers and nodes")
     cluster.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
                          help="kvtier nodes (or servers' --kv-listen addresses) to fetch blocks from")
@@ -71,9 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="Redis directory (redis://HOST:PORT[/DB]): publish and find blocks")
     cluster.add_argument("--secret-file", default=None, metavar="FILE",
                          help="the cluster's shared secret, at least 16 bytes (default: $KVTIER_SECRET)")
-    cluster.add_argument("--kv-listen", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
-                         help="serve this server's blocks to peers here; alone, it only serves (default with "
-                              "--peers/--directory: 127.0.0.1:0)")
+    cluster.add_argument("--node-listen", "--kv-listen", dest="kv_listen", default=None, metavar="HOST:PORT",
+                         type=_checked(_address, "address"),
+                         help="serve this server's blocks to peers (its kvtier node) here; alone, it only serves "
+                              "(default with --role prefill/decode: --host and --port + 1000, a free port with "
+                              "--port 0; with --peers/--directory: 127.0.0.1:0)")
     cluster.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
                          help="with --directory: the address peers use to reach --kv-listen")
 
@@ -120,8 +125,9 @@ def _listen(host: str, port: int) -> Any:
 
 
 def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Checked cluster settings, or None without --peers/--directory."""
-    if not args.peers and not args.directory and not args.kv_listen:
+    """Checked cluster settings, or None for a lone `both` server without --peers/--directory."""
+    disagg = args.role != "both"
+    if not disagg and not args.peers and not args.directory and not args.kv_listen:
         if args.advertise:
             raise ConfigError("--advertise is for cluster mode: add --directory")
         return None
@@ -130,25 +136,38 @@ def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ConfigError("give --peers or --directory, not both")
     if args.advertise and not args.directory:
         raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
-    return {"secret": read_secret(args.secret_file), "peers": args.peers, "directory": args.directory,
-            "listen": args.kv_listen or "127.0.0.1:0", "advertise": args.advertise}
+    if disagg:
+        from kvtier.serve.roles import node_listen_default, role_secret
+        secret = role_secret(args.secret_file)
+        listen = args.kv_listen or node_listen_default(args.host, args.port)
+    else:
+        secret, listen = read_secret(args.secret_file), args.kv_listen or "127.0.0.1:0"
+    return {"secret": secret, "peers": args.peers, "directory": args.directory,
+            "listen": listen, "advertise": args.advertise, "role": args.role}
 
 
 def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | None,
-              nodes: list[Any]) -> Any:
+              nodes: list[Any], disagg: Any = None) -> Any:
     """What the engine thread runs first: the model, its store, and in cluster mode a node
-    serving that store to peers (appended to `nodes`, to stop before the store closes)."""
+    serving that store to peers (appended to `nodes`, to stop before the store closes).
+    A decode worker's store fetches through a HandoffDirectory: the prefill answers' hints
+    first, then --peers/--directory."""
     def make() -> Any:
         from kvtier.engine import LLM
         remote = directory = None
         if cluster is not None:
-            from kvtier.net.remote import Remote
+            from kvtier.net.directory import PeerList
+            from kvtier.serve.disagg import TimedRemote
             if cluster["directory"]:
                 from kvtier.net import RedisDirectory
                 directory = RedisDirectory(cluster["directory"])
-                remote = Remote(directory=directory, secret=cluster["secret"])
-            elif cluster["peers"]:
-                remote = Remote(cluster["peers"], cluster["secret"])
+            base = directory if directory is not None else PeerList(cluster["peers"]) if cluster["peers"] else None
+            if cluster["role"] == "decode":
+                from kvtier.net.handoff import HandoffDirectory
+                disagg.handoff = HandoffDirectory(base)
+                remote = disagg.remote = TimedRemote(directory=disagg.handoff, secret=cluster["secret"])
+            elif base is not None:
+                remote = TimedRemote(directory=base, secret=cluster["secret"])
         llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
                   max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote)
         if cluster is not None:
@@ -160,6 +179,8 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
                 llm.close()
                 raise
             nodes.append(node)
+            if disagg is not None:
+                disagg.node = cluster["advertise"] or node.address
             print(f"kvtier serve: serving blocks to peers on {node.address}", flush=True)
         return llm
     return make
@@ -186,6 +207,13 @@ def run(args: argparse.Namespace) -> int:
     check_capacities(cache, kv_block_bytes(model_config(args.model), args.dtype, cache.block_tokens))
     cluster = _cluster(args)
     sock = _listen(args.host, args.port)
+    if cluster is not None and args.role != "both":
+        from kvtier.serve.roles import check_node_listen
+        try:
+            cluster["listen"] = check_node_listen(cluster["listen"], sock.getsockname()[1])
+        except BaseException:
+            sock.close()
+            raise
     try:
         return _serve(args, name, cache, cluster, sock)
     finally:
@@ -202,12 +230,15 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
     from kvtier.serve.engine_loop import EngineLoop
     from kvtier.serve.metrics import ServeMetrics
 
+    from kvtier.serve.disagg import Disagg
+
     metrics = ServeMetrics(name)
     nodes: list[Any] = []
-    engine = EngineLoop(_make_llm(args, cache, cluster, nodes), metrics,
+    disagg = Disagg(args.role) if cluster is not None else None
+    engine = EngineLoop(_make_llm(args, cache, cluster, nodes, disagg), metrics,
                         before_close=lambda: [n.stop() for n in nodes])
     metrics.attach(engine)
-    svc = Service(engine, metrics, name, max_body_bytes=args.max_body_size)
+    svc = Service(engine, metrics, name, max_body_bytes=args.max_body_size, disagg=disagg)
     config = uvicorn.Config(build_app(svc), lifespan="off", log_level="warning", access_log=False,
                             http="httptools" if _has("httptools") else "h11", timeout_graceful_shutdown=5)
     server = type("KvtierUvicorn", (_QuietSignals, uvicorn.Server), {})(config)

@@ -12,7 +12,14 @@ Routers:
 - token-aware (ours): the longest cached prefix among nodes whose computed tokens,
   after taking this request, stay within `slack` of the lightest node's plus the
   request; otherwise the node that finishes lightest. It trades a little hit ratio for
-  balance where prefix routing would pile shared-root traffic on one node.
+  balance where prefix routing would pile shared-root traffic on one node;
+- dynamo, sglang: the published rules `kvtier router` also implements
+  (kvtier/router/rules.py, the same functions): Dynamo's cost = w * uncached prefill blocks
+  + load blocks (w = 1), and SGLang's cache-aware rule (the longest prefix unless the load
+  gap exceeds 64 tokens and 1.5x, then the least loaded).
+
+Load here is tokens computed so far per node (the simulator has no clock), so "outstanding
+prefill" in the live rules is its cumulative total here: a balance proxy, not a queue.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from kvtier.sim.capacity import effective_blocks
 from kvtier.sim.replay import serve
 from kvtier.traces.model import Request, Trace
 
-ROUTERS = ("random", "round-robin", "session", "kv-aware", "pooled", "token-aware")
+ROUTERS = ("random", "round-robin", "session", "kv-aware", "pooled", "token-aware", "dynamo", "sglang")
 SESSION_PREFIX_BLOCKS = 4   # leading blocks that stand for a session when the trace has none
 
 
@@ -91,6 +98,8 @@ def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy
             pref = [ix.lookup(keys)[0] for ix in idx]
             if router == "kv-aware":
                 node = max(range(nodes), key=lambda j: (pref[j], -load[j]))
+            elif router in ("dynamo", "sglang"):
+                node = _published(router, req, pref, load, bt)
             else:
                 node = _token_aware(req, pref, load, bt, slack)
         if router == "pooled":
@@ -112,6 +121,15 @@ def _token_aware(req: Request, pref: list[int], load: list[int], bt: int, slack:
     mean = (sum(load) + req.input_length) / len(load)
     ok = [j for j in range(len(load)) if after[j] <= max(lightest, (1.0 + slack) * mean)]
     return max(ok, key=lambda j: (pref[j], -after[j]))
+
+
+def _published(rule: str, req: Request, pref: list[int], load: list[int], bt: int) -> int:
+    """The live router's rule (kvtier/router/rules.py) over the simulated nodes."""
+    from kvtier.router.rules import Ask, Candidate, choose
+
+    cands = [Candidate(str(j), prefix_tokens=req.hit_tokens(p, bt), prefill_tokens=l)
+             for j, (p, l) in enumerate(zip(pref, load))]
+    return int(choose(cands, Ask(req.input_length, bt), rule).name)
 
 
 def _pooled_prefix(idx: list[BlockIndex], keys) -> int:

@@ -1,0 +1,147 @@
+"""`kvtier bench disagg`: 1 router + 1 prefill + 1 decode worker vs 2 colocated (`both`)
+workers behind the same router, on loopback, replaying the same input-heavy agentic trace
+(kvtier/bench/serve.py's sessions: streaming clients, each playing whole sessions).
+
+Reported per setup: TTFT and inter-token latency p50/p90/p99 as the client sees them,
+throughput, the hit ratio, and the KV bytes the decode worker pulled from the prefill
+worker with the time those pulls took (GB/s). Bounded in requests and in time; every
+process it starts is stopped (SIGTERM, then killed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+HELP = "prefill/decode disaggregation vs colocated workers behind `kvtier router`, on loopback"
+SETUPS = ("pd", "colocated")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.bench.common import choice_list
+    from kvtier.bench.serve import add_arguments as serve_arguments
+
+    serve_arguments(p)
+    p.set_defaults(max_requests=32, sessions=12, clients=4, duration=240.0)
+    p.add_argument("--setups", type=choice_list(SETUPS), default=list(SETUPS), metavar="LIST",
+                   help="pd (router + prefill + decode), colocated (router + 2 both workers), comma-separated")
+
+
+def _spawn(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    got = threading.Event()
+    url = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith(ready) and not url:
+                url.append(line.split(" on ", 1)[1].split()[0])
+                got.set()
+        got.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not got.wait(300) or not url:
+        proc.kill()
+        from kvtier.errors import KvtierError
+        raise KvtierError(f"{cmd[0]} did not start: " + " | ".join(lines[-5:]))
+    return proc, url[0]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _cluster(setup: str, args: argparse.Namespace) -> tuple[list[subprocess.Popen], str, list[str]]:
+    serve = ["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache", str(args.kv_cache),
+             "--host-cache", str(args.host_cache)]
+    roles = ("prefill", "decode") if setup == "pd" else ("both", "both")
+    procs, urls = [], []
+    try:
+        for role in roles:
+            p, u = _spawn(serve + ["--role", role], "kvtier serve: ready:")
+            procs.append(p)
+            urls.append(u)
+        pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
+        p, router = _spawn(["router", "--port", "0", "--poll-interval", "0.2", *pools], "kvtier router: ready")
+        procs.append(p)
+        _wait_ready(router)
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs, router, urls
+
+
+def _wait_ready(router: str) -> None:
+    import httpx
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        h = httpx.get(router + "/health", timeout=10).json()
+        if h["status"] == "ready" and h.get("calibrated") and all(w["status"] == "ready" for w in h["workers"]):
+            return
+        time.sleep(0.2)
+    from kvtier.errors import KvtierError
+    raise KvtierError(f"the router's workers did not become ready: {h}")
+
+
+def _pulled(urls: list[str]) -> dict[str, Any]:
+    import httpx
+    blocks = nbytes = 0
+    seconds = 0.0
+    for u in urls:
+        d = httpx.get(u + "/kvtier/load", timeout=10).json()
+        blocks += d.get("pulled_blocks", 0)
+        nbytes += d.get("pulled_bytes", 0)
+        seconds += d.get("pull_seconds", 0.0)
+    return {"pulled_blocks": blocks, "pulled_bytes": nbytes, "pull_s": round(seconds, 4),
+            "pull_gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else None}
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kvtier.bench.common import Column, emit, fmt_float
+    from kvtier.bench.serve import _replay, _served, sessions_of, summarize
+    from kvtier.progress import progress
+
+    sessions = sessions_of(args)
+    rows = []
+    for setup in args.setups:
+        with progress(f"{setup}: starting workers and the router, replaying", enabled=not args.json):
+            procs, router, urls = _cluster(setup, args)
+            try:
+                results, wall, started = asyncio.run(_replay(router, _served(args.model), sessions, args, False))
+                moved = _pulled(urls)
+                stats = httpx.get(router + "/health", timeout=10).json()["stats"]
+            finally:
+                _stop(procs)
+        row = summarize(setup, results, wall, started, max(p.returncode or 0 for p in procs))
+        row.update(bench="disagg", setup=row.pop("mode"), **moved, disaggregated=stats["disaggregated"],
+                   direct=stats["direct"])
+        rows.append(row)
+    f1, f3 = fmt_float(1), fmt_float(3)
+    emit(rows, args.json, f"router + workers on loopback, {args.clients} streaming clients, {args.max_tokens} tokens each",
+         [Column("setup", "setup"), Column("completed", "done"), Column("lost", "lost"), Column("duplicates", "dup"),
+          Column("out_tok_per_s", "tok/s", f1), Column("ttft_p50_ms", "TTFT p50"), Column("ttft_p90_ms", "p90"),
+          Column("ttft_p99_ms", "p99"), Column("itl_p50_ms", "ITL p50"), Column("itl_p90_ms", "p90"),
+          Column("itl_p99_ms", "p99"), Column("hit_ratio", "hit", f3), Column("pulled_bytes", "pulled B"),
+          Column("pull_gb_per_s", "GB/s", f3)], left=1)
+    return 1 if any(r["lost"] or r["duplicates"] for r in rows) else 0

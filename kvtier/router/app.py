@@ -1,0 +1,399 @@
+"""The router's routes: an OpenAI-compatible front over prefill and decode workers.
+
+A generation request (POST /v1/completions, /v1/chat/completions):
+
+1. the body is read (bounded: 413 past --max-body-size) and its prompt keyed (prefixes.py);
+2. if prefill workers are ready and the prompt's uncached part at the best decode worker
+   is at least --direct-below tokens, a prefill worker is chosen by the rule (rules.py)
+   and asked to compute it: POST /kvtier/prefill answers the block keys and its node. A
+   prefill worker that fails (connection lost, 5xx) is taken out of rotation and the next
+   one is tried; with none left the decode worker computes the prompt itself. A 4xx (a bad
+   request) is the client's answer, as one server would give it;
+3. a decode worker is chosen by the rule and sent the client's body plus
+   `kvtier_handoff: {node, keys}`; it pulls the prefix from that node and streams. A decode
+   worker that cannot be reached, or answers 503 before generating, is replaced by the
+   next; nothing is retried once a response started, so no request is answered twice;
+4. the answer passes through unchanged (ids, chunks, [DONE], usage): the client sees one
+   ordinary response.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
+from kvtier.router.rules import Ask, Candidate, choose
+from kvtier.router.workers import Pools, Worker
+from kvtier.serve.protocol import ApiError
+from kvtier.serve.sse import AFFINITY, JSON, EchoAffinity, EventStream, error_response, sse_event
+
+log = logging.getLogger("kvtier.router")
+FORWARD = ("content-type", "authorization", AFFINITY)
+MAX_SESSIONS = 100_000
+CALIBRATION_TEXT = ("You are a coding agent. Read the repository, call the tools you need, and answer the "
+                    "user's question with a short plan, the files to change and the tests to run. ") * 4
+DEFAULT_MAX_TOKENS = {False: 16, True: 256}   # completions (OpenAI's default), chat (a guess for load only)
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "kvtier"
+    direct_below: int = 256            # uncached prompt tokens below which a request skips prefill workers
+    max_body_bytes: int = 4 << 20
+    request_timeout: float = 600.0
+    poll_interval: float = 0.5
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    disaggregated: int = 0             # prefilled on a prefill worker, decoded on another
+    direct: int = 0                    # sent straight to a decode worker
+    prefill_retries: int = 0           # a prefill worker failed and another (or the decode worker) took over
+    decode_retries: int = 0
+    unserved: int = 0                  # answered 5xx: no worker could serve
+
+
+@dataclass
+class Router:
+    pools: Pools
+    cfg: RouterConfig = field(default_factory=RouterConfig)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    stats: Stats = field(default_factory=Stats)
+    tokens_per_byte: float = 0.3       # from a worker's tokenizer, then learned from prompt_tokens
+    calibrated: bool = False
+    client: httpx.AsyncClient | None = None
+    _sessions: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
+    _poller: asyncio.Task | None = None
+
+    # -- life --------------------------------------------------------------------------------
+    async def start(self, max_connections: int = 256) -> None:
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
+        self._poller = asyncio.ensure_future(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            assert self.client is not None
+            await self.pools.poll_once(self.client)
+            if not self.calibrated:
+                await self._calibrate()
+            await asyncio.sleep(self.cfg.poll_interval)
+
+    async def _calibrate(self) -> None:
+        """Tokens per byte of text, from a ready worker's tokenizer (once; then learned)."""
+        assert self.client is not None
+        for w in [w for w in self.pools.all if w.ready]:
+            try:
+                r = await self.client.post(w.url + "/tokenize", json={"prompt": CALIBRATION_TEXT,
+                                                                      "add_special_tokens": False})
+                self.tokens_per_byte = r.json()["count"] / len(CALIBRATION_TEXT.encode())
+                self.calibrated = True
+                return
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, ZeroDivisionError):
+                continue
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- choosing ----------------------------------------------------------------------------
+    @property
+    def block_tokens(self) -> int:
+        ready = [w for w in self.pools.all if w.ready]
+        return ready[0].block_tokens if ready else 16
+
+    def pick(self, workers: list[Worker], prompt: Prompt, session: str | None, pool: str,
+             handed_over: bool = False) -> tuple[Worker, int]:
+        """The worker the rule picks from `workers`, and the prompt tokens it would compute."""
+        tokens = prompt.tokens_of(prompt.size, self.tokens_per_byte)
+        cands = []
+        for w in workers:
+            cached = tokens if handed_over else prompt.tokens_of(self.prefixes.match(w.url, prompt), self.tokens_per_byte)
+            cands.append(Candidate(w.url, cached, w.prefill_tokens, w.decode_blocks))
+        mine = self._sessions.get(session, {}).get(pool) if session else None
+        c = choose(cands, Ask(tokens, self.block_tokens, mine), self.cfg.policy)
+        return next(w for w in workers if w.url == c.name), max(0, tokens - c.prefix_tokens)
+
+    def remember(self, session: str | None, pool: str, w: Worker) -> None:
+        if session:
+            self._sessions.setdefault(session, {})[pool] = w.url
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def learn(self, prompt: Prompt, prompt_tokens: Any) -> None:
+        """Tokens per byte of text prompts, from what the workers counted (a moving average)."""
+        if prompt.tokens is None and isinstance(prompt_tokens, int) and prompt.size >= 64:
+            self.tokens_per_byte = 0.8 * self.tokens_per_byte + 0.2 * (prompt_tokens / prompt.size)
+
+    # -- a generation request ----------------------------------------------------------------
+    async def generate(self, request: Request, chat: bool) -> Any:
+        self.stats.requests += 1
+        raw = await _read_body(request, self.cfg.max_body_bytes)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_value")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD}
+        headers["content-type"] = "application/json"
+        session = request.headers.get(AFFINITY)
+        prompt = prompt_of(body, chat)
+        decoders = [w for w in self.pools.decode if w.ready]
+        if not decoders:
+            self.stats.unserved += 1
+            raise ApiError(503, "no decode worker is ready; retry later (GET /health lists the workers)",
+                           code="service_unavailable")
+        handoff = None
+        prefillers = [w for w in self.pools.prefill if w.ready]
+        if prefillers:
+            _, uncached = self.pick(decoders, prompt, session, "decode")
+            if uncached >= self.cfg.direct_below:
+                handoff, answer = await self._prefill(body, prompt, session, headers, chat)
+                if answer is not None:
+                    return answer
+        if handoff is not None:
+            self.stats.disaggregated += 1
+        else:
+            self.stats.direct += 1
+        return await self._decode(request.url.path, body, prompt, session, headers, chat, handoff)
+
+    async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
+                       chat: bool) -> tuple[dict | None, Response | None]:
+        """Prefill on a prefill worker: (the hand-over, None), (None, a 4xx to answer), or
+        (None, None) when no prefill worker could do it (the decode worker computes)."""
+        assert self.client is not None
+        tried: set[str] = set()
+        payload = orjson.dumps({"api": "chat" if chat else "completions", "request": body})
+        while True:
+            workers = [w for w in self.pools.prefill if w.ready and w.url not in tried]
+            if not workers:
+                return None, None
+            w, uncached = self.pick(workers, prompt, session, "prefill")
+            tried.add(w.url)
+            w.prefill_tokens += uncached
+            w.sent += 1
+            try:
+                r = await self.client.post(w.url + "/kvtier/prefill", content=payload, headers=headers)
+            except httpx.HTTPError as e:
+                w.failed(f"prefill failed: {type(e).__name__}: {e}")
+                self.stats.prefill_retries += 1
+                log.warning("prefill worker %s failed (%s); trying another", w.url, type(e).__name__)
+                continue
+            finally:
+                w.prefill_tokens -= uncached
+            if r.status_code >= 500 or r.status_code == 404:
+                w.failed(f"prefill answered {r.status_code}")
+                self.stats.prefill_retries += 1
+                continue
+            if r.status_code != 200:
+                return None, Response(r.content, r.status_code, media_type="application/json")
+            try:
+                data = r.json()
+                hand = {"node": _reachable(data["node"], w), "keys": list(data["keys"])}
+            except (ValueError, KeyError, TypeError):
+                w.failed("prefill answered a body that is not a hand-over")
+                self.stats.prefill_retries += 1
+                continue
+            self.learn(prompt, data.get("prompt_tokens"))
+            self.prefixes.insert(w.url, prompt)
+            self.remember(session, "prefill", w)
+            return hand, None
+
+    async def _decode(self, path: str, body: dict, prompt: Prompt, session: str | None, headers: dict,
+                      chat: bool, handoff: dict | None) -> Any:
+        assert self.client is not None
+        send = dict(body, kvtier_handoff=handoff) if handoff is not None else body
+        content = orjson.dumps(send)
+        tried: set[str] = set()
+        tokens = prompt.tokens_of(prompt.size, self.tokens_per_byte)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS[chat]
+        while True:
+            workers = [w for w in self.pools.decode if w.ready and w.url not in tried]
+            if not workers:
+                self.stats.unserved += 1
+                raise ApiError(503, "no decode worker could serve this request; retry later", code="service_unavailable")
+            w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
+            tried.add(w.url)
+            load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
+            try:
+                resp = await self.client.send(self.client.build_request("POST", w.url + path, content=content,
+                                                                        headers=headers), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                load.release()
+                w.failed(f"{type(e).__name__}: {e}")
+                self.stats.decode_retries += 1
+                continue
+            except httpx.HTTPError as e:
+                load.release()
+                w.failed(f"{type(e).__name__}: {e}")
+                self.stats.unserved += 1
+                raise ApiError(502, f"the decode worker failed before answering: {type(e).__name__}",
+                               code="bad_gateway") from None
+            if resp.status_code == 503:               # not generating (draining, KV full): another may
+                await resp.aclose()
+                load.release()
+                self.stats.decode_retries += 1
+                continue
+            self.prefixes.insert(w.url, prompt)
+            self.remember(session, "decode", w)
+            w.sent += 1
+            ctype = resp.headers.get("content-type", "")
+            if resp.status_code == 200 and ctype.startswith("text/event-stream"):
+                return EventStream(_relay(resp, load, skip=1 if chat else 0), on_close=load.release)
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as e:
+                raise ApiError(502, f"the decode worker failed while answering: {type(e).__name__}",
+                               code="bad_gateway") from None
+            finally:
+                await resp.aclose()
+                load.release()
+            if resp.status_code == 200:
+                try:
+                    self.learn(prompt, orjson.loads(data)["usage"]["prompt_tokens"])
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    pass
+            return Response(data, resp.status_code, media_type=ctype or "application/json")
+
+    # -- the other routes ------------------------------------------------------------------
+    async def forward(self, request: Request) -> Response:
+        """GET /v1/models, POST /tokenize, /detokenize: any ready decode worker answers."""
+        assert self.client is not None
+        raw = await _read_body(request, self.cfg.max_body_bytes) if request.method == "POST" else None
+        for w in [w for w in self.pools.decode if w.ready]:
+            try:
+                r = await self.client.request(request.method, w.url + request.url.path, content=raw,
+                                              headers={"content-type": "application/json"})
+            except httpx.HTTPError as e:
+                w.failed(f"{type(e).__name__}: {e}")
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        raise ApiError(503, "no decode worker is ready; retry later", code="service_unavailable")
+
+    def health(self) -> tuple[dict, int]:
+        ready = any(w.ready for w in self.pools.decode)
+        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy,
+                 "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
+                 "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
+                 "workers": [w.view() for w in self.pools.all]}, 200 if ready else 503)
+
+
+@dataclass
+class _Load:
+    """A request's share of a decode worker's load, released once."""
+
+    w: Worker
+    prefill: int
+    blocks: int
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.w.prefill_tokens += self.prefill
+        self.w.decode_blocks += self.blocks
+        self.w.decode_seqs += 1
+
+    def prefilled(self) -> None:
+        self.w.prefill_tokens -= self.prefill
+        self.prefill = 0
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.prefilled()
+            self.w.decode_blocks -= self.blocks
+            self.w.decode_seqs -= 1
+
+
+async def _relay(resp: httpx.Response, load: _Load, skip: int) -> AsyncIterator[bytes]:
+    """The decode worker's SSE bytes as they come; an error chunk and [DONE] if it dies mid-stream."""
+    seen = 0
+    try:
+        async for chunk in resp.aiter_raw():
+            seen += 1
+            if seen > skip:
+                load.prefilled()        # the first token is out: its prompt is computed
+            yield chunk
+    except httpx.HTTPError as e:
+        yield sse_event(ApiError(502, f"the decode worker went away mid-answer: {type(e).__name__}",
+                                 code="bad_gateway").body())
+        yield b"data: [DONE]\n\n"
+    finally:
+        await resp.aclose()
+
+
+def _reachable(node: str, w: Worker) -> str:
+    """A node that listens on a wildcard address is reached at its worker's host."""
+    host, _, port = node.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        return f"{w.host}:{port}"
+    return node
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is {length} bytes; this router takes at most {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(router: Router) -> Any:
+    async def completions(request: Request) -> Any:
+        return await router.generate(request, chat=False)
+
+    async def chat(request: Request) -> Any:
+        return await router.generate(request, chat=True)
+
+    async def health(_request: Request) -> Response:
+        body, status = router.health()
+        return JSON(body, status_code=status)
+
+    async def forward(request: Request) -> Response:
+        return await router.forward(request)
+
+    async def on_api_error(_request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
+        return error_response(e)
+
+    async def on_http_error(_request: Request, e: Exception) -> Response:
+        assert isinstance(e, HTTPException)
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return error_response(ApiError(e.status_code, str(e.detail), code=codes.get(e.status_code)))
+
+    async def on_crash(_request: Request, e: Exception) -> Response:
+        log.error("router error: %s: %s", type(e).__name__, e)
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", forward, methods=["GET"]),
+        Route("/tokenize", forward, methods=["POST"]),
+        Route("/detokenize", forward, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_crash})
+    return EchoAffinity(app)

@@ -1,0 +1,111 @@
+"""`kvtier router`: one OpenAI-compatible address in front of prefill and decode workers.
+
+    kvtier router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
+
+It may start before its workers: GET /health lists them and says 503 until a decode worker
+is ready. Colocated `kvtier serve` workers (--role both) are listed with --decode and no
+--prefill. The router holds little: bodies are bounded (--max-body-size) and so are
+connections (--max-connections, uvicorn's limit_concurrency: past it, 503).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+HELP = "OpenAI-compatible router over prefill/decode workers (`kvtier serve --role ...`), token- and cache-aware"
+
+
+def url_arg(text: str) -> str:
+    """argparse type: http://host:port (no path)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(text.strip())
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path not in ("", "/") or u.query:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL like http://127.0.0.1:8001")
+    return text.strip().rstrip("/")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
+    from kvtier.router.rules import POLICIES
+    from kvtier.serve.cli import port_arg
+
+    p.add_argument("--prefill", action="extend", nargs="+", type=url_arg, default=[], metavar="URL",
+                   help="prefill workers (kvtier serve --role prefill); repeatable, several URLs each")
+    p.add_argument("--decode", action="extend", nargs="+", type=url_arg, default=[], metavar="URL",
+                   help="decode workers (--role decode), or colocated ones (--role both); repeatable")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one")
+    p.add_argument("--policy", choices=POLICIES, default="kvtier",
+                   help="routing rule (docs/disaggregation.md): kvtier (longest cached prefix among balanced "
+                        "workers), dynamo (min uncached prefill blocks + decode blocks), sglang (cache-aware)")
+    p.add_argument("--direct-below", type=non_negative_int, default=256, metavar="TOKENS",
+                   help="prompts with fewer uncached tokens than this go straight to a decode worker")
+    p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
+                   help="largest request body accepted (413 above it)")
+    p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="concurrent client connections at most (503 past it)")
+    p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                   help="how long a worker may take to answer")
+    p.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
+                   help="how often each worker's /kvtier/load is polled")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.serve.cli import _has, _listen, _need_serve_extra
+
+    _need_serve_extra()
+    if not args.decode:
+        raise ConfigError("give at least one --decode URL (a decode or a colocated worker)")
+    seen = args.prefill + args.decode
+    dup = sorted({u for u in seen if seen.count(u) > 1})
+    if dup:
+        raise ConfigError(f"{dup[0]} is listed twice; a worker is either --prefill or --decode, once")
+    sock = _listen(args.host, args.port)
+    try:
+        return _serve(args, sock, _has)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from kvtier.router.app import Router, RouterConfig, build_app
+    from kvtier.router.workers import Pools, Worker
+
+    pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode])
+    router = Router(pools, RouterConfig(policy=args.policy, direct_below=args.direct_below,
+                                        max_body_bytes=args.max_body_size, request_timeout=args.request_timeout,
+                                        poll_interval=args.poll_interval))
+    config = uvicorn.Config(build_app(router), lifespan="off", log_level="warning", access_log=False,
+                            http="httptools" if has("httptools") else "h11", limit_concurrency=args.max_connections,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+
+    async def main() -> None:
+        await router.start(max_connections=args.max_connections)
+        print(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
+              f"policy {args.policy}; GET {url}/health lists them)", flush=True)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await router.stop()
+
+    if has("uvloop"):
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    print("kvtier router: stopped", flush=True)
+    return 0

@@ -1,0 +1,103 @@
+"""The router's workers: their state (from polling GET /kvtier/load, and from what the
+router itself sent them), and the bookkeeping of a request's load while it runs.
+
+A worker is `ready` when its /kvtier/load answers with status ready; `down` after a failed
+call or poll, until a poll succeeds again; `starting` while it loads its model; `unknown`
+before the first poll (the router may start before its workers). The loads the rules use
+are the router's own counts (exact for the traffic this router sends): outstanding prefill
+tokens (added when a prompt is sent, removed when its prefill answer or first token comes
+back) and decode blocks (a request's prompt + max_tokens in blocks, while it streams).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+log = logging.getLogger("kvtier.router")
+POLL_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Worker:
+    url: str
+    pool: str                          # "prefill" or "decode" (a `both` worker is listed with --decode)
+    status: str = "unknown"            # unknown, starting, ready, down
+    role: str | None = None            # what it reports: both, prefill, decode
+    node: str | None = None            # its kvtier node, host:port
+    block_tokens: int = 16
+    prefill_tokens: int = 0            # router-side counts (see the module docstring)
+    decode_blocks: int = 0
+    decode_seqs: int = 0
+    sent: int = 0                      # requests (or prefills) sent
+    failures: int = 0
+    error: str = ""
+    polled_at: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    def failed(self, why: str) -> None:
+        """A call to it failed: out of rotation until a poll finds it ready again."""
+        self.status, self.error = "down", why
+        self.failures += 1
+
+    def view(self) -> dict[str, Any]:
+        return {"url": self.url, "pool": self.pool, "status": self.status, "role": self.role, "node": self.node,
+                "prefill_tokens": self.prefill_tokens, "decode_seqs": self.decode_seqs,
+                "decode_blocks": self.decode_blocks, "sent": self.sent, "failures": self.failures,
+                **({"error": self.error} if self.error and not self.ready else {})}
+
+
+@dataclass
+class Pools:
+    prefill: list[Worker] = field(default_factory=list)
+    decode: list[Worker] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Worker]:
+        return self.prefill + self.decode
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(_poll(client, w) for w in self.all))
+
+    async def poll_forever(self, client: httpx.AsyncClient, interval: float) -> None:
+        while True:
+            await self.poll_once(client)
+            await asyncio.sleep(interval)
+
+
+async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
+    was = w.status
+    try:
+        r = await client.get(w.url + "/kvtier/load", timeout=POLL_TIMEOUT_S)
+        data = r.json()
+        status = data.get("status", "down") if isinstance(data, dict) else "down"
+        if r.status_code == 404:               # a server without the P/D routes: an older kvtier serve
+            status, data = "down", {}
+            w.error = "no /kvtier/load: not a kvtier serve worker of this version"
+    except (httpx.HTTPError, ValueError) as e:
+        status, data = "down", {}
+        w.error = f"{type(e).__name__}: {e}" or type(e).__name__
+    w.status = status if status in ("ready", "starting") else "down"
+    w.polled_at = time.monotonic()
+    if data:
+        w.role, w.node = data.get("role"), data.get("node")
+        w.block_tokens = int(data.get("block_tokens") or w.block_tokens)
+        if w.pool == "prefill" and w.role not in (None, "prefill", "both"):
+            w.status, w.error = "down", f"it runs --role {w.role}, not prefill"
+        elif w.pool == "prefill" and not w.node:
+            w.status, w.error = "down", "it has no kvtier node to hand KV over from (start it with --role prefill)"
+    if w.status != was:
+        (log.warning if w.status == "down" else log.info)("worker %s (%s): %s -> %s%s", w.url, w.pool, was, w.status,
+                    f" ({w.error})" if w.status == "down" and w.error else "")

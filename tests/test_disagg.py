@@ -1,0 +1,315 @@
+"""Prefill/decode disaggregation end to end, on loopback: a router started before its
+workers, a prefill and a decode worker (`kvtier serve --role ...`) linked by their kvtier
+nodes, against one `both` server as the reference; faults (a prefill worker that dies
+mid-request, none left, a decode worker that cannot fetch the KV); bad input. Every process
+a test starts is stopped by it (module fixtures stop theirs at the end)."""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from conftest import assert_one_line_error, run_kvtier  # noqa: E402
+from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BT = 16
+PROMPT = ("The agent's shared system prompt: you can call tools, read files and answer. " * 4) + "Turn 1."
+
+
+class Router:
+    """One `kvtier router` subprocess."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--host", "127.0.0.1", "--port", "0",
+                                      "--poll-interval", "0.2", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("kvtier router: ready on "), line
+        self.url = line.split(" on ", 1)[1].split()[0]
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()   # drain its log
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=10)
+
+    def wait_ready(self, timeout: float = STARTUP_S) -> Router:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health().json()
+            if h["status"] == "ready" and h["calibrated"] and all(w["status"] == "ready" for w in h["workers"] if "fake" not in w["url"]):
+                return self
+            time.sleep(0.2)
+        raise AssertionError(self.health().text)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """(router, prefill, decode, reference): the router starts first, then its workers."""
+    secret = tmp_path_factory.mktemp("pd") / "secret"
+    secret.write_text("0123456789abcdef-pd-test-secret")
+    pp, dp = _free_port(), _free_port()
+    started: list = []
+    try:
+        router = Router("--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}")
+        started.append(router)
+        early = router.health()
+        started += [_on_port(pp, "--role", "prefill", "--secret-file", str(secret)),
+                    _on_port(dp, "--role", "decode", "--secret-file", str(secret)), Server()]
+        p, d, ref = (s.wait_ready() for s in started[1:])
+        router.wait_ready()
+        yield router, p, d, ref, early
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _on_port(port: int, *args: str) -> Server:
+    s = Server.__new__(Server)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    s.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                               "--model", MODEL, "--kv-cache", "4MiB", "--host-cache", "8MiB", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    s.lines, s.url, s._ready = [], "", threading.Event()
+    threading.Thread(target=s._read, daemon=True).start()
+    return s
+
+
+def _sse(url: str, body: dict) -> tuple[str, list[str], dict | None]:
+    """A raw streamed completion: (text, the data lines, usage)."""
+    text, lines, usage = "", [], None
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if line[6:] != "[DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    usage = chunk.get("usage") or usage
+    return text, lines, usage
+
+
+def _body(prompt: str, n: int = 12) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+def _complete(client: openai.OpenAI, prompt: str, n: int = 12):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                     extra_body={"ignore_eos": True})
+
+
+def _full_blocks(prompt_tokens: int) -> int:
+    return (prompt_tokens - 1) // BT * BT
+
+
+# -- the hand-over ---------------------------------------------------------------------------
+
+
+def test_router_reports_workers_before_they_are_up(pd):
+    *_, early = pd
+    assert early.status_code == 503
+    body = early.json()
+    assert body["status"] == "starting" and {w["pool"] for w in body["workers"]} == {"prefill", "decode"}
+
+
+def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
+    router, _, d, ref, _ = pd
+    want = _complete(ref.client(), PROMPT)
+    got = _complete(router.client(), PROMPT)
+    assert got.choices[0].text == want.choices[0].text
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    details = got.usage.prompt_tokens_details
+    assert details.cached_tokens == _full_blocks(got.usage.prompt_tokens) > 0      # already on the first request
+    assert details.model_extra["kvtier_cached_by_tier"]["remote"] == details.cached_tokens
+    # streamed: one response, one [DONE], the same text, usage from remote
+    prompt2 = "[Turn 2 (streamed)] " + PROMPT
+    want2 = _complete(ref.client(), prompt2).choices[0].text
+    text, lines, usage = _sse(router.url, _body(prompt2))
+    assert text == want2 and lines.count("[DONE]") == 1 and lines[-1] == "[DONE]"
+    assert len({json.loads(x)["id"] for x in lines[:-1]}) == 1
+    assert usage["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == _full_blocks(usage["prompt_tokens"])
+    load = httpx.get(d.url + "/kvtier/load", timeout=10).json()
+    assert load["role"] == "decode" and load["pulled_blocks"] > 0 and load["pulled_bytes"] > 0
+    health = router.health().json()
+    assert health["stats"]["disaggregated"] >= 2 and health["stats"]["unserved"] == 0
+
+
+def test_pd_chat_matches_one_server(pd):
+    router, _, _, ref, _ = pd
+    msgs = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Which tool first?"}]
+    want = ref.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    got = router.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens_details.model_extra["kvtier_cached_by_tier"]["remote"] > 0
+    chunks = list(router.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                          stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
+
+
+def test_short_prompts_go_straight_to_decode_and_bad_requests_pass_through(pd):
+    router, *_ = pd
+    before = router.health().json()["stats"]["direct"]
+    out = _complete(router.client(), "Hi", 4)
+    assert out.usage.completion_tokens == 4
+    assert router.health().json()["stats"]["direct"] == before + 1
+    r = httpx.post(router.url + "/v1/completions", json={**_body(PROMPT), "temperature": 7}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+class FakePrefill:
+    """A worker that looks ready but dies mid-request: it reads a prefill request and drops
+    the connection without answering (as a crashed process does)."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:          # /kvtier/load
+                body = json.dumps({"role": "prefill", "status": "ready", "node": "127.0.0.1:1",
+                                   "block_tokens": BT}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.close_connection = True
+                self.connection.shutdown(2)
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake():
+    f = FakePrefill()
+    yield f
+    f.stop()
+
+
+def test_prefill_worker_dying_mid_request_is_retried_on_another(pd, fake):
+    _, p, d, ref, _ = pd
+    r = Router("--prefill", fake.url, p.url, "--decode", d.url)       # the dead one first: ties go to it
+    try:
+        r.wait_ready()
+        prompt = "[Turn 3 (retried)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        text, lines, usage = _sse(r.url, _body(prompt))
+        assert text == want and lines.count("[DONE]") == 1
+        assert usage["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == _full_blocks(usage["prompt_tokens"])
+        h = r.health().json()
+        assert h["stats"]["prefill_retries"] == 1 and h["stats"]["disaggregated"] == 1
+        assert [w["failures"] for w in h["workers"] if w["url"] == fake.url] == [1]
+    finally:
+        r.stop()
+
+
+def test_with_no_prefill_worker_left_the_decode_worker_computes(pd, fake):
+    _, _, d, ref, _ = pd
+    r = Router("--prefill", fake.url, "--decode", d.url)
+    try:
+        r.wait_ready()
+        prompt = "[Turn 4 (no prefill left)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        got = _complete(r.client(), prompt)
+        assert got.choices[0].text == want
+        assert got.usage.prompt_tokens_details.model_extra["kvtier_cached_by_tier"]["remote"] == 0
+        h = r.health().json()["stats"]
+        assert h["prefill_retries"] == 1 and h["direct"] == 1 and h["unserved"] == 0
+    finally:
+        r.stop()
+
+
+def test_decode_worker_that_cannot_fetch_recomputes(pd):
+    _, p, d, ref, _ = pd
+    prompt = "[Turn 5 (prefill gone)] " + PROMPT
+    hand = httpx.post(p.url + "/kvtier/prefill", json={"api": "completions", "request": _body(prompt)},
+                      timeout=120).json()
+    assert hand["keys"] and hand["node"]
+    dead = f"127.0.0.1:{_free_port()}"                 # the prefill worker's node is gone
+    got = httpx.post(d.url + "/v1/completions", json={**_body(prompt), "kvtier_handoff": {"node": dead, "keys": hand["keys"]}},
+                     timeout=120).json()
+    want = _complete(ref.client(), prompt).choices[0].text
+    assert got["choices"][0]["text"] == want
+    assert got["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
+    # keys of other weights are ignored, not trusted
+    other = httpx.post(d.url + "/v1/completions", json={**_body(prompt + "!"), "kvtier_handoff": {
+        "node": hand["node"], "keys": ["00" * 16] * len(hand["keys"])}}, timeout=120).json()
+    assert other["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
+
+
+def test_no_worker_ready_is_one_5xx_json_error():
+    r = Router("--decode", f"http://127.0.0.1:{_free_port()}", "--max-body-size", "1KiB")
+    try:
+        resp = httpx.post(r.url + "/v1/completions", json=_body("hello"), timeout=30)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
+        big = httpx.post(r.url + "/v1/completions", json=_body("x" * 4096), timeout=30)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert r.health().status_code == 503
+    finally:
+        r.stop()
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["router"], "--decode"),
+    (["router", "--decode", "localhost:8000"], "localhost:8000"),
+    (["router", "--decode", "http://127.0.0.1:8001", "--prefill", "http://127.0.0.1:8001"], "twice"),
+    (["router", "--decode", "http://127.0.0.1:8001", "--policy", "magic"], "--policy"),
+    (["serve", "--role", "middle"], "--role"),
+    (["serve", "--role", "prefill", "--node-listen", "nonsense"], "nonsense"),
+])
+def test_cli_bad_input_is_one_line(args, needle):
+    r = run_kvtier(*args, timeout=120)
+    assert_one_line_error(r, 2, needle)
+
+
+def test_busy_node_port_is_one_line():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        busy = s.getsockname()[1]
+        r = run_kvtier("serve", "--role", "prefill", "--port", "0", "--node-listen", f"127.0.0.1:{busy}", timeout=120)
+    assert_one_line_error(r, 2, "node")

@@ -1,0 +1,98 @@
+"""The router's routing rules (kvtier/router/rules.py) on scripted scenarios, its prefix
+index, and the same rules in the cluster simulator."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.router.prefixes import CHUNK, PrefixIndex, prompt_of
+from kvtier.router.rules import AFFINITY_SLACK, Ask, Candidate, choose, cost
+
+BT = 16
+
+
+def cands(*rows: tuple[int, int, int]) -> list[Candidate]:
+    """(prefix_tokens, prefill_tokens, decode_blocks) per worker, named w0, w1, ..."""
+    return [Candidate(f"w{i}", *r) for i, r in enumerate(rows)]
+
+
+def test_dynamo_cost_is_uncached_prefill_blocks_plus_decode_blocks():
+    ask = Ask(1600, BT)
+    # w0: 1,000 cached but 40 decode blocks; w1: nothing cached, idle
+    ws = cands((1000, 0, 40), (0, 0, 0))
+    assert cost(ws[0], ask, "dynamo") == (38 + 40) * BT               # 600 uncached tokens: 38 blocks
+    assert cost(ws[1], ask, "dynamo") == 1600
+    assert choose(ws, ask, "dynamo").name == "w0"          # 78 blocks < 100
+    ws[0].decode_blocks = 70                                # now 108 > 100
+    assert choose(ws, ask, "dynamo").name == "w1"
+    ws[1].prefill_tokens = 800                              # queued prefill counts as prefill blocks
+    assert choose(ws, ask, "dynamo").name == "w0"
+
+
+def test_sglang_prefers_the_longest_prefix_until_the_load_gap_is_large():
+    ask = Ask(1000, BT)
+    ws = cands((900, 100, 0), (0, 60, 0))                  # gap 40 tokens: cache wins
+    assert choose(ws, ask, "sglang").name == "w0"
+    ws[0].prefill_tokens = 200                              # gap 140 > 64 and 200 > 1.5 x 60: least loaded
+    assert choose(ws, ask, "sglang").name == "w1"
+    ws[1].prefill_tokens = 150                              # gap 50 < 64: cache again
+    assert choose(ws, ask, "sglang").name == "w0"
+    low = cands((300, 0, 0), (0, 0, 0))                     # best prefix covers < half: least loaded (w0 ties first)
+    assert choose(low, ask, "sglang").name == "w0"
+    low[0].prefill_tokens = 10
+    assert choose(low, ask, "sglang").name == "w1"
+
+
+def test_kvtier_takes_the_longest_prefix_among_balanced_workers():
+    ask = Ask(1000, BT)
+    ws = cands((800, 0, 0), (0, 0, 0), (0, 0, 0))
+    assert choose(ws, ask, "kvtier").name == "w0"
+    ws[0].prefill_tokens = 3000          # after: 3200 vs 1000; mean 1333: w0 is out of balance
+    assert choose(ws, ask, "kvtier").name == "w1"
+    ws[1].decode_blocks = 10             # decode load counts in tokens (160): w2 is lighter
+    assert choose(ws, ask, "kvtier").name == "w2"
+
+
+def test_session_affinity_holds_within_its_load_bound():
+    ask = Ask(1000, BT, session_worker="w1")
+    ws = cands((0, 0, 0), (0, 500, 0))
+    for policy in ("kvtier", "dynamo", "sglang"):
+        assert choose(ws, ask, policy).name == "w1"
+    ws[1].prefill_tokens = 1000 * 2 + AFFINITY_SLACK       # past 1.5 x best + slack: the rule decides
+    for policy in ("kvtier", "dynamo", "sglang"):
+        assert choose(ws, ask, policy).name == "w0"
+
+
+def test_rules_refuse_nonsense():
+    with pytest.raises(ValueError):
+        choose([], Ask(10))
+    with pytest.raises(ValueError):
+        choose(cands((0, 0, 0)), Ask(10), "magic")
+
+
+def test_prefix_index_matches_leading_chunks_per_worker():
+    idx = PrefixIndex(capacity=1000)
+    base = "system prompt " * 40
+    a = prompt_of({"prompt": base + "question A"}, chat=False)
+    b = prompt_of({"prompt": base + "another question"}, chat=False)
+    idx.insert("w0", a)
+    shared = len(base.encode()) // CHUNK * CHUNK
+    assert idx.match("w0", b) == shared and idx.match("w1", b) == 0
+    ids = prompt_of({"prompt": list(range(100))}, chat=False)
+    assert ids.tokens == 100 and ids.tokens_of(ids.size, 0.1) == 100
+    chat = prompt_of({"messages": [{"role": "user", "content": base}]}, chat=True)
+    idx.insert("w1", chat)
+    assert idx.match("w1", chat) == len(chat.hashes) * CHUNK
+    small = PrefixIndex(capacity=2)
+    small.insert("w0", a)
+    assert small.match("w0", a) == 0                        # bounded: the oldest chunks are forgotten
+
+
+def test_published_rules_in_the_simulator():
+    from kvtier.sim.cluster import simulate
+    from kvtier.traces.synthetic import AgenticConfig, synthetic_trace
+
+    tr = synthetic_trace(AgenticConfig(seed=1, sessions=30))
+    rows = {r: simulate(tr, r, 4, 200) for r in ("kv-aware", "dynamo", "sglang", "token-aware")}
+    for r in ("dynamo", "sglang", "token-aware"):
+        assert rows[r].load_imbalance < rows["kv-aware"].load_imbalance
+        assert 0 < rows[r].prefix_hit_ratio <= 1
