@@ -36,7 +36,8 @@ from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
 from kvtier.router.workers import Pools, Worker
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import AFFINITY, JSON, EchoAffinity, EventStream, error_response, sse_event
+from kvtier.serve.sse import (AFFINITY, JSON, EchoAffinity, EventStream, error_response, on_api_error, read_body,
+                              read_json, sse_event)
 
 log = logging.getLogger("kvtier.router")
 FORWARD = ("content-type", "authorization", AFFINITY)
@@ -143,11 +144,7 @@ class Router:
     # -- a generation request ----------------------------------------------------------------
     async def generate(self, request: Request, chat: bool) -> Any:
         self.stats.requests += 1
-        raw = await _read_body(request, self.cfg.max_body_bytes)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = await read_json(request, self.cfg.max_body_bytes, "router")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_value")
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD}
@@ -275,7 +272,7 @@ class Router:
     async def forward(self, request: Request) -> Response:
         """GET /v1/models, POST /tokenize, /detokenize: any ready decode worker answers."""
         assert self.client is not None
-        raw = await _read_body(request, self.cfg.max_body_bytes) if request.method == "POST" else None
+        raw = await read_body(request, self.cfg.max_body_bytes, "router") if request.method == "POST" else None
         for w in [w for w in self.pools.decode if w.ready]:
             try:
                 r = await self.client.request(request.method, w.url + request.url.path, content=raw,
@@ -345,20 +342,6 @@ def _reachable(node: str, w: Worker) -> str:
     return node
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body is {length} bytes; this router takes at most {limit}",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def build_app(router: Router) -> Any:
     async def completions(request: Request) -> Any:
         return await router.generate(request, chat=False)
@@ -372,10 +355,6 @@ def build_app(router: Router) -> Any:
 
     async def forward(request: Request) -> Response:
         return await router.forward(request)
-
-    async def on_api_error(_request: Request, e: Exception) -> Response:
-        assert isinstance(e, ApiError)
-        return error_response(e)
 
     async def on_http_error(_request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)

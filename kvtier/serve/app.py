@@ -29,8 +29,8 @@ from kvtier.serve.detok import IncrementalText
 from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EchoAffinity, EventStream, error_response, read_json,
-                              sse_event, wait_disconnect)
+from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EchoAffinity, EventStream, error_response, on_api_error,
+                              read_json, sse_event, wait_disconnect)
 
 MAX_SESSION_ID = 256
 
@@ -303,12 +303,17 @@ def build_app(svc: Service) -> Any:
         phase = svc.phase
         return JSON({"status": phase}, status_code=200 if phase == "ready" else 503)
 
-    async def tokenize(request: Request) -> Response:
+    async def model_request(request: Request) -> dict[str, Any]:
+        """The JSON object body of a request to the served model (503 unless serving, 400, 404)."""
         svc.check_serving()
         body = await read_json(request, svc.max_body_bytes)
         if not isinstance(body, dict):
             raise P.bad("the request body must be a JSON object")
         svc.check_model(body.get("model"))
+        return body
+
+    async def tokenize(request: Request) -> Response:
+        body = await model_request(request)
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise P.bad("add_special_tokens must be true or false", "add_special_tokens")
@@ -321,11 +326,7 @@ def build_app(svc: Service) -> Any:
         return JSON({"count": len(ids), "max_model_len": svc.max_model_len, "tokens": ids})
 
     async def detokenize(request: Request) -> Response:
-        svc.check_serving()
-        body = await read_json(request, svc.max_body_bytes)
-        if not isinstance(body, dict):
-            raise P.bad("the request body must be a JSON object")
-        svc.check_model(body.get("model"))
+        body = await model_request(request)
         tokens, vocab = body.get("tokens"), svc.llm.config.vocab_size
         if not isinstance(tokens, list) or not all(P._is_int(t) and 0 <= t < vocab for t in tokens):
             raise P.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
@@ -341,10 +342,6 @@ def build_app(svc: Service) -> Any:
 
     async def metrics(_request: Request) -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
-
-    async def on_api_error(_request: Request, e: Exception) -> Response:
-        assert isinstance(e, ApiError)
-        return error_response(e)
 
     async def on_http_error(_request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Union
+from typing import Any, Callable, Iterator, Protocol, Union
 
 from kvtier.engine.request import Status
 from kvtier.engine.sampling import SamplingParams
@@ -172,7 +172,8 @@ class EngineLoop:
             finally:
                 self.closed.set()
 
-    def _take_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
+        """The commands sent so far, until the queue is empty; each "add" taken leaves the queued count."""
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
@@ -181,6 +182,11 @@ class EngineLoop:
             if kind == "add":
                 with self._count_lock:
                     self._queued -= 1
+            yield kind, arg
+
+    def _take_commands(self) -> None:
+        for kind, arg in self._queued_commands():
+            if kind == "add":
                 self._add(arg)
             elif kind == "abort":
                 live = self._live.pop(arg, None)
@@ -258,12 +264,6 @@ class EngineLoop:
             live.sub.deliver([Failed(status, message, code)])
 
     def _drain_rejecting(self, message: str) -> None:
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._queued_commands():
             if kind == "add":
-                with self._count_lock:
-                    self._queued -= 1
                 arg.deliver([Failed(503, message, "shutting_down")])

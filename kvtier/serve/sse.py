@@ -40,6 +40,12 @@ def error_response(e: ApiError) -> JSON:
     return JSON(e.body(), status_code=e.status)
 
 
+async def on_api_error(_request: Request, e: Exception) -> Response:
+    """Starlette exception handler for ApiError: its JSON error response."""
+    assert isinstance(e, ApiError)
+    return error_response(e)
+
+
 def sse_event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
@@ -47,11 +53,11 @@ def sse_event(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON: 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
+async def read_body(request: Request, limit: int, who: str = "server") -> bytes:
+    """The raw body: 413 past `limit` bytes (checked before and while reading); `who` names the taker."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body is {length} bytes; this server takes at most {limit}",
+        raise ApiError(413, f"the request body is {length} bytes; this {who} takes at most {limit}",
                        code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -59,8 +65,14 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int, who: str = "server") -> Any:
+    """The body as JSON: 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
+    raw = await read_body(request, limit, who)
     try:
-        return orjson.loads(b"".join(chunks))
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
