@@ -198,3 +198,14 @@ def test_speculative_config_and_cli(capsys):
     import json
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) <= 8 and out["spec"]["mean_acceptance_length"] >= 1
+
+
+def test_bench_engine_speculative(capsys):
+    import json
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert main(["bench", "engine", "--speculative", spec, "--decode-tokens", "4", "--batch", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["speculative"] for r in rows] == ["off", "on"] and all(r["tokens"] == 3 for r in rows)
+    assert rows[1]["mean_acceptance_length"] >= 1
+    assert main(["bench", "engine", "--speculative", "{"]) == 2
+    assert capsys.readouterr().err.startswith("kvtier: error:")
