@@ -97,17 +97,21 @@ def test_drafts_are_accepted_when_the_output_repeats_the_prompt(cycle):
     assert same_blocks(spec, plain) <= KV_ATOL
 
 
-class WrongLast:
-    """Proposes the true continuation with its last token wrong: every verify step accepts
-    k - 1 drafts and writes KV for a rejected one (the worst case for the store)."""
+class Oracle:
+    """Proposes the true continuation with one token wrong at a position that varies from step
+    to step (and sometimes none): rejected drafts' KV lands on every offset of a page, the
+    last one included, and some steps accept everything (the worst case for the store)."""
 
     def __init__(self, prompt: list[int], continuation: list[int]) -> None:
         self.truth = prompt + continuation
 
     def propose(self, toks, k):
         n = len(toks)
-        draft = self.truth[n:n + k]
-        return draft[:-1] + [(draft[-1] + 1) % 256] if len(draft) >= 2 else []
+        draft = list(self.truth[n:n + k])
+        wrong = (n * 7) % (k + 2)
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % 256
+        return draft
 
 
 def test_published_blocks_hold_only_accepted_tokens_kv():
@@ -115,7 +119,7 @@ def test_published_blocks_hold_only_accepted_tokens_kv():
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     want, _, plain = run(None, [prompt], params)
     with engine(SPEC) as llm:
-        llm.proposer = WrongLast(prompt, want[0])
+        llm.proposer = Oracle(prompt, want[0])
         out = llm.generate([prompt], params)[0]
         st, spec = llm.stats()["spec"], published(llm)
     assert out.token_ids == want[0]
