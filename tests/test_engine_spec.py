@@ -97,6 +97,19 @@ def test_drafts_are_accepted_when_the_output_repeats_the_prompt(cycle):
     assert same_blocks(spec, plain) <= KV_ATOL
 
 
+def test_speculation_per_request(cycle):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with engine(SPEC, copying=True) as llm:
+        off = llm.generate([cycle], SamplingParams(max_tokens=30, ignore_eos=True, num_speculative_tokens=0))[0]
+        assert llm.stats()["spec"]["drafts"] == 0
+        two = llm.generate([cycle], SamplingParams(max_tokens=30, ignore_eos=True, num_speculative_tokens=2))[0]
+        st = llm.stats()["spec"]
+        assert st["drafts"] > 0 and len(st["accepted_per_position"]) == 2 and two.token_ids == off.token_ids
+        assert llm.generate([cycle], params)[0].token_ids == off.token_ids
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
 class Oracle:
     """Proposes the true continuation with one token wrong at a position that varies from step
     to step (and sometimes none): rejected drafts' KV lands on every offset of a page, the

@@ -203,11 +203,14 @@ class LLM:
         return self._postprocess(scheduled, logits)               # 4. postprocess
 
     def _propose(self) -> None:
-        """Ask the proposer for up to k tokens after each decoding request's last one (not
-        past max_tokens: the target adds one more of its own)."""
+        """Ask the proposer for up to k tokens after each decoding request's last one (k: the
+        request's SamplingParams.num_speculative_tokens, else the engine's; not past
+        max_tokens: the target adds one more of its own)."""
         assert self.proposer is not None and self.speculative is not None
         for r in self.scheduler.running:
-            room = min(self.speculative.num_speculative_tokens, r.params.max_tokens - len(r.output) - 1)
+            k = r.params.num_speculative_tokens
+            room = min(self.speculative.num_speculative_tokens if k is None else k,
+                       r.params.max_tokens - len(r.output) - 1)
             r.draft = self.proposer.propose(r.tokens, room) if room > 0 and r.num_tokens - r.computed == 1 else []
 
     def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
