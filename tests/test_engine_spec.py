@@ -226,3 +226,24 @@ def test_bench_engine_speculative(capsys):
     assert rows[1]["mean_acceptance_length"] >= 1
     assert main(["bench", "engine", "--speculative", "{"]) == 2
     assert capsys.readouterr().err.startswith("kvtier: error:")
+
+
+def test_kvtier_serve_with_speculation_streams_the_plain_greedy_tokens(capsys):
+    pytest.importorskip("uvicorn")
+    from test_serve import Server
+    prompt = "".join(chr(c) for c in range(32, 127))         # every printable byte: output tokens find matches
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity="4MiB", host_capacity=None)) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    srv = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        stream = srv.wait_ready().client().completions.create(
+            model="kimi-tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == want
+        got = srv.metrics()
+        assert got["kvtier:spec_decode_num_drafts_total"][()] > 0
+        assert "kvtier:spec_decode_num_accepted_tokens_per_pos_total" in got
+    finally:
+        srv.stop()
+    assert main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtier: error:") and "num_speculative_tokens" in err[0]
