@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="an existing folder for the disk case's scratch files, removed afterwards "
                         "(default: a temporary folder)")
+    p.add_argument("--speculative", default=None, metavar="JSON",
+                   help='instead of the TTFT and decode cases: decode with speculative decoding (a vLLM-style '
+                        'config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\') vs without, '
+                        "on tool-call-like prompts, at each --batch")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
 
 
@@ -67,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if max(batches) > STEP_TOKENS:
         raise ConfigError(f"--batch {max(batches)} is more than the {STEP_TOKENS} tokens the engine runs per step: "
                           f"a decode batch is at most {STEP_TOKENS} requests")
+    if args.speculative is not None:
+        from kvtier.bench import engine_spec
+        return engine_spec.run(args, args.speculative)
     cfg = model_config(args.preset, "--preset")
     limit = cfg.max_position_embeddings
     if args.prompt_tokens + 2 > limit:

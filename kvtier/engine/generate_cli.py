@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"size of the disk tier, allocated up front (default: disk_capacity, {_default('disk_capacity')})")
     p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
                    help=f"tokens per block and page (default: block_tokens, {_default('block_tokens')})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup; default: off)')
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -147,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     if args.session is not None and not args.session.strip():
         raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
     source = args.model or args.preset or "kimi-tiny"
+    spec = None
+    if args.speculative_config is not None:
+        from kvtier.engine.spec import SpeculativeConfig
+        spec = SpeculativeConfig.from_json(args.speculative_config)
     cache = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, device_capacity=args.kv_cache,
                                  disk_path=args.disk, disk_capacity=args.disk_cache)
     if args.host_cache is not None:
@@ -156,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):
-        llm = LLM(source, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache)
+        llm = LLM(source, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
+                  speculative=spec)
     with llm:
         if not args.json:
             print(f"model: {llm.info.describe()}")
@@ -171,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"random_weights": llm.info.random_weights, "text": o.text, "token_ids": o.token_ids,
                                   "prompt_tokens": len(o.prompt_token_ids),
                                   "cached_tokens": o.cached_tokens, "cached_by_tier": o.cached_by_tier,
-                                  "finish_reason": o.finish_reason, "ttft_s": o.ttft, "wall_s": wall}))
+                                  "finish_reason": o.finish_reason, "ttft_s": o.ttft, "wall_s": wall,
+                                  **({"spec": llm.stats()["spec"]} if spec is not None else {})}))
             else:
                 where = ", ".join(f"{n} blocks from {t}" for t, n in o.cached_by_tier.items())
                 print(f"\n{o.text!r}\n  {len(o.prompt_token_ids)} prompt tokens, {o.cached_tokens} of them from the "
@@ -180,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             n = sum(len(o.token_ids) for o in outs)
             print(f"\n{n} tokens in {wall:.2f} s")
+            if spec is not None:
+                st = llm.stats()["spec"]
+                print(f"speculative ({spec.method}, k={spec.num_speculative_tokens}): {st['drafts']} drafts, "
+                      f"{st['accepted_tokens']} of {st['draft_tokens']} draft tokens accepted, "
+                      f"mean acceptance length {st['mean_acceptance_length']:.2f}")
     return 0
 
 

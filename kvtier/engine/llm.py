@@ -7,6 +7,12 @@ Each step is the four-step loop:
     logits = runner.run(batch)              # 3. the model, over kvtier's device tier as KV pages
     self._postprocess(scheduled, logits)    # 4. sample, save full blocks, finish
 
+With `speculative=SpeculativeConfig(...)` a proposer first guesses up to k tokens for each
+decoding request; the decode step computes [last token, d1..dk], samples from every one
+of those positions (kvtier.engine.spec.verify) and keeps what the target accepts. Only
+accepted tokens count as computed, so only blocks made entirely of accepted tokens are
+ever published; pages taken for rejected drafts are given back.
+
 The KV pages are the store's device tier, so a prefix cached there costs no copy, and a
 finished request's blocks stay cached (evicted to host memory and disk under pressure)
 for the next request that shares the prefix.
@@ -28,6 +34,8 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, make_generator, sample
 from kvtier.engine.scheduler import Scheduled, Scheduler
+from kvtier.engine.spec import SpeculativeConfig, SpecStats, make_proposer
+from kvtier.engine.spec.verify import verify
 from kvtier.engine.tokenizer import load_tokenizer
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.store import Store
@@ -59,13 +67,21 @@ class LLM:
     built from `cache` (a kvtier.StoreConfig: device tier size, host tier, disk tier, policy, pin TTL), or
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
     `remote` (a kvtier.Remote) lets the store it builds fetch blocks other nodes hold.
+    `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup).
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
-                 max_batched_tokens: int = 512, max_seqs: int = 64, remote: Remote | None = None) -> None:
+                 max_batched_tokens: int = 512, max_seqs: int = 64, remote: Remote | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if cache is not None and not isinstance(cache, StoreConfig):
             raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError("speculative must be a kvtier.engine.spec.SpeculativeConfig(...), "
+                              f"not {type(speculative).__name__}")
+        self.speculative = speculative
+        self.proposer = make_proposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecStats()
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
         self.config = self.model.config
         cache = cache or StoreConfig()
@@ -175,37 +191,85 @@ class LLM:
         """One engine step; returns the requests that finished in it."""
         if self._closed:
             raise ClosedError("this LLM is closed; create a new one")
+        if self.proposer is not None:
+            self._propose()                                       # 0. drafts for decoding requests
         scheduled = self.scheduler.schedule()                     # 1. schedule
         if not scheduled:
             return []
         batch = self.runner.prepare(scheduled)                    # 2. prepare
+        if any(s.req.draft for s in scheduled):                   # logits at every verified position
+            batch.logits_index = _verify_rows(scheduled, batch)
         logits = self.runner.run(batch)                           # 3. run
         return self._postprocess(scheduled, logits)               # 4. postprocess
 
+    def _propose(self) -> None:
+        """Ask the proposer for up to k tokens after each decoding request's last one (k: the
+        request's SamplingParams.num_speculative_tokens, else the engine's; not past
+        max_tokens: the target adds one more of its own)."""
+        assert self.proposer is not None and self.speculative is not None
+        for r in self.scheduler.running:
+            k = r.params.num_speculative_tokens
+            room = min(self.speculative.num_speculative_tokens if k is None else k,
+                       r.params.max_tokens - len(r.output) - 1)
+            r.draft = self.proposer.propose(r.tokens, room) if room > 0 and r.num_tokens - r.computed == 1 else []
+
     def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [s for s in scheduled if s.samples]
-        new = sample(logits, [s.req.params for s in sampling], [s.req.generator for s in sampling]).tolist() \
-            if sampling else []
-        for s in scheduled:                                      # the pages now hold these tokens' KV
+        emitted = self._sample(sampling, logits) if sampling else []
+        now = time.perf_counter()
+        finished: list[Request] = []
+        toks = iter(emitted)
+        samples = [s.samples for s in scheduled]                # before `computed` moves
+        for s, samples_now in zip(scheduled, samples):          # the pages now hold these tokens' KV
             r = s.req
+            old, drafted = r.computed, bool(r.draft)
             r.computed += s.num_new
+            if samples_now:
+                reason = None
+                new = next(toks)
+                for tok in new:                                  # accepted drafts, then the target's token
+                    r.output.append(tok)
+                    reason = self._stop_reason(r, tok)
+                    if reason is not None:
+                        break
+                if r.first_token_at is None:
+                    r.first_token_at = now
+                if r.draft:                                      # KV is valid up to the last accepted draft
+                    r.computed = min(old + len(new), r.num_tokens)
+                    r.draft = []
+                if reason is not None:
+                    r.finish_reason = reason
+                    finished.append(r)
             if r.load is not None:                               # copies from lower tiers are in:
                 r.load.wait()                                    # save() caches those pages too
                 r.load = None
-            self.scheduler.save(r)
-        finished = []
-        now = time.perf_counter()
-        for s, tok in zip(sampling, new):
-            r = s.req
-            r.output.append(tok)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            reason = self._stop_reason(r, tok)
-            if reason is not None:
-                self.scheduler.finish(r, reason)
-                self._requests.pop(r.id, None)
-                finished.append(self._output(r))
-        return finished
+            self.scheduler.save(r)                               # only blocks of accepted tokens
+            if drafted and r.finish_reason is None:
+                self.scheduler.trim(r)                           # pages of rejected drafts go back
+        out = []
+        for r in finished:
+            self.scheduler.finish(r, r.finish_reason or "stop")
+            self._requests.pop(r.id, None)
+            out.append(self._output(r))
+        return out
+
+    def _sample(self, sampling: Sequence[Scheduled], logits: torch.Tensor) -> list[list[int]]:
+        """Each sampling request's new tokens: one sampled token, or verified drafts + one."""
+        if not any(s.req.draft for s in sampling):
+            return [[t] for t in sample(logits, [s.req.params for s in sampling],
+                                        [s.req.generator for s in sampling]).tolist()]
+        out, row = [], 0
+        for s in sampling:
+            r, k = s.req, len(s.req.draft)
+            rows = logits[row:row + k + 1]
+            row += k + 1
+            if k == 0:
+                out.append(sample(rows, [r.params], [r.generator]).tolist())
+                continue
+            toks, accepted = verify(rows, r.draft, r.params, r.generator)
+            self.spec_stats.record(k, accepted)
+            out.append(toks)
+        return out
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:
         p = r.params
@@ -221,8 +285,13 @@ class LLM:
 
     # -- lifetime --------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The store's counters and tiers, and the scheduler's preemptions."""
-        return {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
+        """The store's counters and tiers, the scheduler's preemptions, and speculation's counters
+        (drafts, draft_tokens, accepted_tokens, accepted_per_position, mean_acceptance_length)
+        when it is on."""
+        out = {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
+        if self.speculative is not None:
+            out["spec"] = self.spec_stats.as_dict()
+        return out
 
     def close(self) -> None:
         """Finish, flush the cache's blocks down to its persistent tiers, release everything."""
@@ -234,6 +303,17 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _verify_rows(scheduled: Sequence[Scheduled], batch) -> torch.Tensor:
+    """Logits rows of a batch where requests verify drafts: every sampling request's last
+    1 + len(draft) tokens (the runner asks for the last one only)."""
+    rows: list[int] = []
+    for s, seq in zip(scheduled, batch.seqs):
+        if s.samples:
+            end = seq.start + seq.num_new
+            rows += range(end - 1 - len(s.req.draft), end)
+    return torch.tensor(rows, dtype=torch.int64, device=batch.logits_index.device)
 
 
 def _close(adapter: KVAdapter, store: Store | None) -> None:

@@ -5,6 +5,9 @@ them have KV in the request's pages; every step computes the next ones (a prefil
 or the single newest token when decoding) and, when it reaches the last token, samples
 one more. `pages[i]` is the device-tier page of block i; the store's PagePool knows
 whether it is a cached block or the request's own (free() handles both at the end).
+With speculative decoding, `draft` holds tokens guessed past the last one: a decode step
+computes the last token and the drafts together (token_range reaches into them), and the
+postprocess keeps only what the target accepted.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class Request:
     keys: BlockKeys | None = None             # keys of the full blocks of `tokens`, as far as computed
     load: PageLoad | None = None            # a prefix load whose copies the next step waits for
     generator: torch.Generator | None = None
+    draft: list[int] = field(default_factory=list)   # speculative tokens after the last one (not yet accepted)
     # What the cache did for it (first admission only) and when things happened.
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
@@ -52,7 +56,12 @@ class Request:
         return self.prompt + self.output
 
     def token_range(self, start: int, end: int) -> list[int]:
-        """tokens[start:end] without building prompt + output (a long prompt is sliced every step)."""
+        """tokens[start:end] without building prompt + output (a long prompt is sliced every step).
+        Past num_tokens it reads the draft: the speculative tokens a verify step computes."""
+        if end > self.num_tokens:
+            k = self.num_tokens
+            return self.token_range(start, k) + self.draft[max(start - k, 0):end - k] if start < k \
+                else self.draft[start - k:end - k]
         n = len(self.prompt)
         if end <= n:
             return self.prompt[start:end]

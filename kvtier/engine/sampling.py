@@ -34,6 +34,7 @@ class SamplingParams:
     seed: int | None = None                # same seed -> same tokens; None -> fresh entropy
     stop_token_ids: tuple[int, ...] = ()   # generating one of these ends the request (it is kept)
     ignore_eos: bool = False               # keep going past EOS (benchmarks want fixed lengths)
+    num_speculative_tokens: int | None = None   # per request: drafts per step (0 = off); None = the engine's
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -52,6 +53,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)   # accept a list, store a tuple
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or k < 0):
+            raise ConfigError(f"num_speculative_tokens must be None (the engine's) or an int >= 0 (0 = off), got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -28,8 +28,8 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so it samples the next one."""
-        return self.req.computed + self.num_new == self.req.num_tokens
+        """Whether this step reaches the request's last token (and its drafts), so it samples."""
+        return self.req.computed + self.num_new == self.req.num_tokens + len(self.req.draft)
 
 
 class Scheduler:
@@ -57,7 +57,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             req = self.running[i]
-            n = min(req.num_tokens - req.computed, budget)
+            n = self._decode_with_draft(req, budget) if req.draft else min(req.num_tokens - req.computed, budget)
             while not self._grow(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -90,6 +90,17 @@ class Scheduler:
             out.append(Scheduled(req, n))
             budget -= n
         return out
+
+    def _decode_with_draft(self, req: Request, budget: int) -> int:
+        """Tokens for a decode step that verifies req.draft: the last token + as many drafts as the
+        budget and the free pages allow (drafts are dropped, never other requests preempted, for them)."""
+        if req.num_tokens - req.computed != 1:          # not decoding (a prefill chunk): no drafts
+            req.draft = []
+            return min(req.num_tokens - req.computed, budget)
+        del req.draft[budget - 1:]
+        if req.draft and not self._grow(req, 1 + len(req.draft)):
+            req.draft = []
+        return 1 + len(req.draft)
 
     def _admit(self, req: Request) -> None:
         """Key the request's tokens, look up the longest cached prefix and start loading it."""
@@ -168,4 +179,12 @@ class Scheduler:
             req.load.wait()
             req.load = None
         self.adapter.free(req.pages)
-        req.pages, req.computed, req.saved, req.keys = [], 0, 0, None
+        req.pages, req.computed, req.saved, req.keys, req.draft = [], 0, 0, None, []
+
+    def trim(self, req: Request) -> None:
+        """Give back pages allocated past what the next step needs (for rejected drafts' KV):
+        they were never cached, as save() publishes only blocks of accepted tokens."""
+        keep = max(-(-req.num_tokens // self.block_tokens), req.saved)
+        if len(req.pages) > keep:
+            extra, req.pages = req.pages[keep:], req.pages[:keep]
+            self.adapter.free(extra)

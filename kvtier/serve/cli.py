@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=positive_int, default=512, metavar="N",
                    help="tokens one engine step computes at most (chunked prefill)")
     p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N", help="requests in one batch at most")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(n-gram prompt lookup; default: off)")
     p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
                    help="largest request body accepted (413 above it)")
     p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
@@ -169,7 +172,8 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
             elif base is not None:
                 remote = TimedRemote(directory=base, secret=cluster["secret"])
         llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
-                  max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote)
+                  max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote,
+                  speculative=getattr(args, "speculative", None))
         if cluster is not None:
             from kvtier.net import Node
             try:
@@ -205,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host_cache is not None:
         cache = cache.replace(host_capacity=args.host_cache or None)
     check_capacities(cache, kv_block_bytes(model_config(args.model), args.dtype, cache.block_tokens))
+    if args.speculative_config is not None:           # a bad config fails here, before the model loads
+        from kvtier.engine.spec import SpeculativeConfig
+        args.speculative = SpeculativeConfig.from_json(args.speculative_config)
     cluster = _cluster(args)
     sock = _listen(args.host, args.port)
     if cluster is not None and args.role != "both":

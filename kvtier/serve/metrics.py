@@ -115,6 +115,16 @@ class _StateCollector:
                        m, c.corrupt_blocks)
         yield _counter("kvtier:store_remote_blocks", "Blocks fetched from peers.", m, c.remote_blocks)
         yield _gauge("kvtier:store_pinned_sessions", "Sessions holding a pin.", m, st.pinned_sessions)
+        if llm.speculative is not None:                   # vLLM's spec_decode counters
+            sp = llm.spec_stats
+            yield _counter("kvtier:spec_decode_num_drafts", "Verify steps with at least one draft token.", m, sp.drafts)
+            yield _counter("kvtier:spec_decode_num_draft_tokens", "Draft tokens proposed.", m, sp.draft_tokens)
+            yield _counter("kvtier:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, sp.accepted_tokens)
+            fam = CounterMetricFamily("kvtier:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this position was accepted.", labels=["model_name", "position"])
+            for i, n in enumerate(list(sp.accepted_per_position)):
+                fam.add_metric([m, str(i)], n)
+            yield fam
 
 
 def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,16 @@
+"""Speculative decoding for the reference engine: a proposer guesses the next k tokens, one
+forward verifies them all, and only accepted tokens' KV ever reaches the store.
+
+    config.py    SpeculativeConfig: method, num_speculative_tokens, prompt_lookup_min/max
+    proposer.py  the Proposer interface and make_proposer(config)
+    ngram.py     NgramProposer: prompt lookup over the prompt and the output so far
+    verify.py    greedy acceptance and the rejection-sampling rule (output = target distribution)
+    stats.py     SpecStats: drafts, draft tokens, accepted tokens (per position), mean acceptance length
+"""
+from __future__ import annotations
+
+from kvtier.engine.spec.config import SpeculativeConfig
+from kvtier.engine.spec.proposer import Proposer, make_proposer
+from kvtier.engine.spec.stats import SpecStats
+
+__all__ = ["SpeculativeConfig", "Proposer", "make_proposer", "SpecStats"]

@@ -1,0 +1,249 @@
+"""Speculative decoding on kimi-tiny: greedy tokens equal those without it (batched,
+chunked, cached, preempted), drafts are accepted when the output repeats the context,
+published blocks hold only accepted tokens' KV, and the rejection rule samples the target."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import StoreConfig
+from kvtier.cli import main
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.spec import SpeculativeConfig
+from kvtier.engine.spec.ngram import NgramProposer
+from kvtier.engine.spec.verify import accept_greedy, accept_point_mass
+from kvtier.errors import ConfigError
+
+torch.set_num_threads(1)
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1)
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+# Published blocks of a speculative run vs a plain one: the verify step computes 1 + k tokens
+# where plain decoding computes 1, so the same tokens' KV goes through other matmul shapes
+# (and the masked attention path): equal within fp32 rounding, not byte for byte.
+KV_ATOL = 1e-4
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(256) for _ in range(n)]
+
+
+def engine(spec: SpeculativeConfig | None, *, copying: bool = False, **kw) -> LLM:
+    """kimi-tiny; `copying` zeroes every attention output projection, so the next token is a
+    function of the current one (a bigram model over random weights): its greedy output
+    cycles and repeats its context, which random weights never do by themselves. Attention
+    still reads and writes the KV pages."""
+    kw.setdefault("cache", StoreConfig(host_capacity=None))
+    llm = LLM("kimi-tiny", speculative=spec, **kw)
+    if copying:
+        with torch.no_grad():
+            for layer in llm.model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+    return llm
+
+
+def run(spec: SpeculativeConfig | None, prompts: list, params=GREEDY, *, copying: bool = False, **kw):
+    with engine(spec, copying=copying, **kw) as llm:
+        outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], llm.stats(), published(llm)
+
+
+def published(llm: LLM) -> dict[bytes, np.ndarray]:
+    """Every block in the store, read back through the store: key -> its KV (float32)."""
+    keys = llm.store.cached_keys()
+    rows = np.empty((len(keys), llm.store.layout.block_bytes), np.uint8)
+    if keys:
+        llm.store.get(keys, rows)
+    return {bytes(k): rows[i].view(np.float32) for i, k in enumerate(keys)}
+
+
+def same_blocks(a: dict, b: dict) -> float:
+    """The max |difference| between two runs' blocks; they must hold the same keys."""
+    assert a.keys() == b.keys() and a
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def test_greedy_tokens_equal_with_and_without_speculation_batched_chunked_and_cached():
+    prompts = [tokens(10 + i, n) for i, n in enumerate((70, 33, 120, 5))] + [list(b"abcabcabc" * 6)]
+    want, _, _ = run(None, prompts, max_batched_tokens=24)
+    with engine(SPEC, max_batched_tokens=24) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        again = llm.generate(prompts, GREEDY)                  # second run: prefixes from the store
+        assert [o.token_ids for o in again] == want
+        assert all(o.cached_tokens > 0 for o, p in zip(again, prompts) if len(p) > 16)
+        assert llm.stats()["spec"]["drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def cycle() -> list[int]:
+    """A prompt that ends in the copying model's own greedy cycle: its output repeats the prompt."""
+    with engine(None, copying=True) as llm:
+        return tokens(1, 8) + llm.generate([tokens(1, 8)], SamplingParams(max_tokens=80, ignore_eos=True))[0].token_ids
+
+
+def test_drafts_are_accepted_when_the_output_repeats_the_prompt(cycle):
+    prompt = cycle
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want, _, plain = run(None, [prompt, tokens(2, 30)], params, copying=True)
+    got, stats, spec = run(SPEC, [prompt, tokens(2, 30)], params, copying=True)
+    assert got == want
+    st = stats["spec"]
+    assert st["accepted_tokens"] > 0 and st["mean_acceptance_length"] > 1
+    assert st["mean_acceptance_length"] == pytest.approx(1 + st["accepted_tokens"] / st["drafts"])
+    assert sum(st["accepted_per_position"]) == st["accepted_tokens"] <= st["draft_tokens"]
+    assert same_blocks(spec, plain) <= KV_ATOL
+
+
+def test_speculation_per_request(cycle):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with engine(SPEC, copying=True) as llm:
+        off = llm.generate([cycle], SamplingParams(max_tokens=30, ignore_eos=True, num_speculative_tokens=0))[0]
+        assert llm.stats()["spec"]["drafts"] == 0
+        two = llm.generate([cycle], SamplingParams(max_tokens=30, ignore_eos=True, num_speculative_tokens=2))[0]
+        st = llm.stats()["spec"]
+        assert st["drafts"] > 0 and len(st["accepted_per_position"]) == 2 and two.token_ids == off.token_ids
+        assert llm.generate([cycle], params)[0].token_ids == off.token_ids
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
+class Oracle:
+    """Proposes the true continuation with one token wrong at a position that varies from step
+    to step (and sometimes none): rejected drafts' KV lands on every offset of a page, the
+    last one included, and some steps accept everything (the worst case for the store)."""
+
+    def __init__(self, prompt: list[int], continuation: list[int]) -> None:
+        self.truth = prompt + continuation
+
+    def propose(self, toks, k):
+        n = len(toks)
+        draft = list(self.truth[n:n + k])
+        wrong = (n * 7) % (k + 2)
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % 256
+        return draft
+
+
+def test_published_blocks_hold_only_accepted_tokens_kv():
+    prompt = tokens(3, 45)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    want, _, plain = run(None, [prompt], params)
+    with engine(SPEC) as llm:
+        llm.proposer = Oracle(prompt, want[0])
+        out = llm.generate([prompt], params)[0]
+        st, spec = llm.stats()["spec"], published(llm)
+    assert out.token_ids == want[0]
+    assert st["accepted_tokens"] > 0 and st["accepted_tokens"] < st["draft_tokens"]
+    assert len(spec) == (len(prompt) + len(want[0]) - 1) // 16       # every full block, nothing past
+    assert same_blocks(spec, plain) <= KV_ATOL
+
+
+def test_preemption_with_speculation_changes_no_token():
+    bb = 40960                                                # kimi-tiny's block at 16 tokens
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [tokens(30, 64), tokens(31, 64)]
+    cache = StoreConfig(device_capacity=9 * bb, host_capacity="8MiB")
+    want, _, _ = run(None, prompts, params, copying=True, cache=cache)
+    got, stats, _ = run(SPEC, prompts, params, copying=True, cache=cache)
+    assert got == want and stats["preemptions"] > 0
+
+
+def test_sampled_requests_run_with_speculation(cycle):
+    hot = SamplingParams(max_tokens=30, temperature=0.05, top_p=0.9, seed=3, ignore_eos=True)   # near greedy: it cycles
+    with engine(SPEC, copying=True) as llm:
+        a, b = llm.generate([cycle, cycle], [hot, hot])
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 30     # seeded: reproducible
+        assert llm.stats()["spec"]["accepted_tokens"] > 0
+
+
+def test_rejection_sampling_gives_the_target_distribution():
+    """A point-mass draft accepted with p(d), else a draw from p without d: the first token's
+    law is p; after an accepted d1, the second's is the next row's p."""
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.25, 0.15, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    n = 40000
+    first = np.zeros(4)
+    second = np.zeros(4)
+    for _ in range(n):
+        out, acc = accept_point_mass(p, [2, 0], g)
+        first[out[0]] += 1
+        if acc >= 1:
+            second[out[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        m = counts.sum()
+        sd = np.sqrt(m * probs.numpy() * (1 - probs.numpy()))
+        assert np.all(np.abs(counts - m * probs.numpy()) < 5 * sd), (counts / m, probs)
+    assert second.sum() == pytest.approx(n * 0.3, rel=0.05)     # d1 = 2 accepted with p0(2)
+    # Certain drafts are always accepted, impossible ones never.
+    sure = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])
+    assert accept_point_mass(sure, [1, 0], g)[1] == 2
+    assert accept_point_mass(sure, [0, 0], g) == ([1], 0)
+
+
+def test_greedy_acceptance_and_the_ngram_proposer():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    assert accept_greedy(logits, [1, 0]) == ([1, 0, 2], 2)
+    assert accept_greedy(logits, [1, 2]) == ([1, 0], 1)
+    assert accept_greedy(logits, [2, 0]) == ([1], 0)
+    ng = NgramProposer(1, 3)
+    assert ng.propose([1, 2, 3, 4, 9, 2, 3], 2) == [4, 9]               # "2 3" matched, then what followed
+    assert ng.propose([1, 2, 3, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]    # the most recent match
+    assert ng.propose([5, 6, 7, 8], 3) == []                            # nothing repeats
+    assert ng.propose([7, 7], 4) == [7]
+    assert NgramProposer(2, 3).propose([1, 2, 3, 9, 3], 2) == []         # a 1-gram match is too short
+
+
+def test_speculative_config_and_cli(capsys):
+    assert SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+    for bad, why in (("{bad", "not valid JSON"), ('{"method": "eagle"}', "method"), ("[1]", "JSON object"),
+                     ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+                     ('{"method": "ngram", "k": 2}', "unknown"),
+                     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "<=")):
+        with pytest.raises(ConfigError, match=why):
+            SpeculativeConfig.from_json(bad)
+        assert main(["generate", "--prompt", "x", "--speculative-config", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("kvtier: error:"), err
+    with pytest.raises(ConfigError, match="SpeculativeConfig"):
+        LLM("kimi-tiny", speculative={"method": "ngram"})
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    assert main(["generate", "--prompt", "abcabcabcabc", "--max-tokens", "8", "--json",
+                 "--speculative-config", spec]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) <= 8 and out["spec"]["mean_acceptance_length"] >= 1
+
+
+def test_bench_engine_speculative(capsys):
+    import json
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert main(["bench", "engine", "--speculative", spec, "--decode-tokens", "4", "--batch", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["speculative"] for r in rows] == ["off", "on"] and all(r["tokens"] == 3 for r in rows)
+    assert rows[1]["mean_acceptance_length"] >= 1
+    assert main(["bench", "engine", "--speculative", "{"]) == 2
+    assert capsys.readouterr().err.startswith("kvtier: error:")
+
+
+def test_kvtier_serve_with_speculation_streams_the_plain_greedy_tokens(capsys):
+    pytest.importorskip("uvicorn")
+    from test_serve import Server
+    prompt = "".join(chr(c) for c in range(32, 127))         # every printable byte: output tokens find matches
+    with LLM("kimi-tiny", cache=StoreConfig(device_capacity="4MiB", host_capacity=None)) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    srv = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        stream = srv.wait_ready().client().completions.create(
+            model="kimi-tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == want
+        got = srv.metrics()
+        assert got["kvtier:spec_decode_num_drafts_total"][()] > 0
+        assert "kvtier:spec_decode_num_accepted_tokens_per_pos_total" in got
+    finally:
+        srv.stop()
+    assert main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtier: error:") and "num_speculative_tokens" in err[0]
