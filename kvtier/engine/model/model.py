@@ -98,6 +98,9 @@ class DeepseekV3(nn.Module):
         self.load_state_dict({k: _cast(k, t, dtype, device) for k, t in state.items()}, strict=True, assign=True)
         self.rotary = RotaryEmbedding(config).to(device)
         self.eval().requires_grad_(False)
+        for layer in self.model.layers:          # speed: weights read by one input concatenated
+            layer.self_attn.fuse()               # (views, no extra memory; see each fuse())
+            layer.mlp.fuse()
 
     @classmethod
     def skeleton(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
