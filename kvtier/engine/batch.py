@@ -71,6 +71,8 @@ class AttnGroup:
     key_rows: torch.Tensor       # int64 [B, K]: each key position's pool row for layer 0 (padding: the last real one)
     mask: torch.Tensor | None    # bool [B, Q, K]: query may see key (causal; None: every key, one query each)
     causal_from_zero: bool       # a single sequence with no context: is_causal will do, no mask needed
+    dest: torch.Tensor | None    # int64 [N]: flat rows of the real queries (None: the group is rows 0..T-1 as [B*Q])
+    src: torch.Tensor | None     # int64 [N]: their index in the padded [B * Q]
 
 
 def page_table(seqs: list[SeqSlice], device: torch.device) -> torch.Tensor:
@@ -96,5 +98,12 @@ def attn_group(batch: StepBatch, index: list[int], kv_pool: torch.Tensor) -> Att
         mask = None if bool((total == k_max).all()) else (kpos[None, None, :] < total[:, None, None])
     else:
         mask = kpos[None, None, :] <= (ctx[:, None] + qi)[:, :, None]                    # causal, [B, Q, K]
-    return AttnGroup(index, start[:, None] + qi, torch.arange(q_max, device=dev)[None, :] < nnew[:, None],
-                     key_rows, mask, len(seqs) == 1 and seqs[0].context == 0)
+    tokens = start[:, None] + qi
+    valid = torch.arange(q_max, device=dev)[None, :] < nnew[:, None]
+    dest = src = None
+    n_tokens = batch.input_ids.shape[0]
+    if not (len(seqs) * q_max == n_tokens == sum(s.num_new for s in seqs)
+            and bool((tokens.view(-1) == torch.arange(n_tokens, device=dev)).all())):
+        src = valid.view(-1).nonzero().view(-1)
+        dest = tokens.view(-1)[src]
+    return AttnGroup(index, tokens, valid, key_rows, mask, len(seqs) == 1 and seqs[0].context == 0, dest, src)

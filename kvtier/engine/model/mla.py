@@ -102,9 +102,12 @@ class MLA(nn.Module):
         t = x.shape[0]
         q, compressed = self._project(x)
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q = torch.cat([q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleaved)], dim=-1)
+        # Speed: the heads' rope parts and the shared rope key rotate in one call.
+        pe = torch.cat([q[..., self.nope:], compressed[:, None, self.rank:]], dim=1)      # [T, H + 1, rope]
+        pe = apply_rope(pe, cos, sin, self.interleaved)
+        q = torch.cat([q[..., :self.nope], pe[:, :-1]], dim=-1)
+        k_pe = pe[:, -1]
         latent = self.kv_a_layernorm(compressed[:, :self.rank])
-        k_pe = apply_rope(compressed[:, self.rank:], cos, sin, self.interleaved)
 
         # Write first, then every form reads all its keys (new and cached) from the pool.
         # Speed: one index_copy_ for every token of the step (row indices built once per step).
@@ -118,7 +121,10 @@ class MLA(nn.Module):
             rows = flat.index_select(0, (group.key_rows + self.layer * bt).view(-1))   # one gather per group
             rows = rows.view(*group.key_rows.shape, width).to(x.dtype)                # [B, K, rank + rope]
             o = self._up_projected(q, rows, group) if form == "up" else self._absorbed(q, rows, group)
-            out[group.tokens[group.valid]] = o[group.valid]                           # [B, Q, H * v] -> flat
+            if group.dest is None:                # the group is every token, in order: no scatter
+                out = o.reshape(t, -1)
+            else:
+                out.index_copy_(0, group.dest, o.view(-1, o.shape[-1]).index_select(0, group.src))
         return self.o_proj(out)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,12 +167,16 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(rows[..., :self.rank]).view(b, k, h, self.nope + self.v_dim)
         keys = torch.cat([kv[..., :self.nope], rows[:, :, None, self.rank:].expand(b, k, h, self.rope)], dim=-1)
         query = q[g.tokens].transpose(1, 2)                                          # [B, H, Q, qk]
-        if g.causal_from_zero:                    # speed: the fused causal kernel, no mask tensor
-            o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), kv[..., self.nope:].transpose(1, 2),
-                                               is_causal=True, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), kv[..., self.nope:].transpose(1, 2),
-                                               attn_mask=g.mask[:, None], scale=self.scale)
+        values = kv[..., self.nope:]
+        qk = self.nope + self.rope
+        if self.v_dim < qk:
+            # Speed: torch's fused CPU attention kernel (flash) needs v as wide as q and k; with
+            # a narrower v SDPA falls back to the unfused math path (scores materialised, ~4x
+            # slower at 1k tokens here). Zero-padding v costs (qk - v) / qk of wasted PV FLOPs.
+            values = F.pad(values, (0, qk - self.v_dim))
+        mask = None if g.causal_from_zero else g.mask[:, None]     # causal from zero: no mask tensor
+        o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                           is_causal=g.causal_from_zero, scale=self.scale)[..., :self.v_dim]
         return o.transpose(1, 2).reshape(b, -1, h * self.v_dim)
 
     def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, g: AttnGroup) -> torch.Tensor:

@@ -47,11 +47,17 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         t, e = biased.shape
+        if self.topk_group >= self.n_group:      # every group kept (Kimi K2: one group): plain top-k
+            ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
+            return self._weights(scores, ids)
         group_scores = biased.view(t, self.n_group, e // self.n_group).topk(2, dim=-1).values.sum(-1)
         kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_scores).scatter_(1, kept_groups, 1.0).bool()
         expert_mask = group_mask.repeat_interleave(e // self.n_group, dim=1)
         ids = biased.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        return self._weights(scores, ids)
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
