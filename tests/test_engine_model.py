@@ -205,6 +205,10 @@ def test_both_attention_forms_match_transformers(pair, form, monkeypatch):
         logits.append(mixed[:1])
         other.append(nxt)
     assert (torch.cat(logits) - reference_logits(hf, other)).abs().max() < TOL
+    # two prompts from scratch, of different lengths, in one step (padded, one causal kernel)
+    both = step(model, Pages(model), [("d", tokens[:17], 0), ("e", other[:30], 0)])
+    assert (both[:17] - reference_logits(hf, tokens[:17])).abs().max() < TOL
+    assert (both[17:] - reference_logits(hf, other[:30])).abs().max() < TOL
 
 
 def test_the_form_follows_the_flop_count():

@@ -70,7 +70,8 @@ class AttnGroup:
     valid: torch.Tensor          # bool [B, Q]: real queries
     key_rows: torch.Tensor       # int64 [B, K]: each key position's pool row for layer 0 (padding: the last real one)
     mask: torch.Tensor | None    # bool [B, Q, K]: query may see key (causal; None: every key, one query each)
-    causal_from_zero: bool       # a single sequence with no context: is_causal will do, no mask needed
+    causal_from_zero: bool       # no sequence has context: is_causal will do (queries and keys are the same
+                                 # positions; a padded key is past every real query of its row), no mask
     dest: torch.Tensor | None    # int64 [N]: flat rows of the real queries (None: the group is rows 0..T-1 as [B*Q])
     src: torch.Tensor | None     # int64 [N]: their index in the padded [B * Q]
 
@@ -106,4 +107,4 @@ def attn_group(batch: StepBatch, index: list[int], kv_pool: torch.Tensor) -> Att
             and bool((tokens.view(-1) == torch.arange(n_tokens, device=dev)).all())):
         src = valid.view(-1).nonzero().view(-1)
         dest = tokens.view(-1)[src]
-    return AttnGroup(index, tokens, valid, key_rows, mask, len(seqs) == 1 and seqs[0].context == 0, dest, src)
+    return AttnGroup(index, tokens, valid, key_rows, mask, all(s.context == 0 for s in seqs), dest, src)
