@@ -182,14 +182,18 @@ class MLA(nn.Module):
     def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, g: AttnGroup) -> torch.Tensor:
         """Decode: multi-query attention over the pool rows, the heads folded into the query
         rows of one batched matmul per sequence. [B, Q, H * v]"""
-        w_uk, w_uv = self._w_uk_uv()
+        w_uk, w_uv = self._w_uk_uv()                     # [H, nope, rank], [H, v, rank]: views of kv_b_proj
         b, n = g.tokens.shape
-        qg = q[g.tokens]                                                             # [B, Q, H, qk]
-        query = torch.cat([torch.einsum("bqhd,hdr->bqhr", qg[..., :self.nope], w_uk), qg[..., self.nope:]], dim=-1)
-        scores = torch.bmm(query.view(b, n * self.num_heads, -1), rows.transpose(1, 2)) * self.scale
+        h = self.num_heads
+        qg = q[g.tokens].view(b * n, h, -1)                                         # [B*Q, H, qk]
+        # W_UK_h^T q_nope_h per head: one bmm over heads (speed: einsum's planning and permute
+        # copies cost more than the matmul at decode sizes).
+        q_lat = torch.bmm(qg[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)   # [B*Q, H, rank]
+        query = torch.cat([q_lat, qg[..., self.nope:]], dim=-1).view(b, n * h, -1)      # [B, Q*H, rank + rope]
+        scores = torch.bmm(query, rows.transpose(1, 2)) * self.scale                   # [B, Q*H, K]
         if g.mask is not None:                                                       # [B, Q, K] -> every head
-            scores = scores.view(b, n, self.num_heads, -1).masked_fill_(~g.mask[:, :, None], float("-inf"))
-            scores = scores.view(b, n * self.num_heads, -1)
+            scores = scores.view(b, n, h, -1).masked_fill_(~g.mask[:, :, None], float("-inf")).view(b, n * h, -1)
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
-        latent_out = torch.bmm(p, rows[..., :self.rank]).view(b, n, self.num_heads, self.rank)
-        return torch.einsum("bqhr,hvr->bqhv", latent_out, w_uv).reshape(b, n, self.num_heads * self.v_dim)
+        latent_out = torch.bmm(p, rows[..., :self.rank]).view(b * n, h, self.rank)
+        out = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2))           # [H, B*Q, v]: W_UV after attention
+        return out.transpose(0, 1).reshape(b, n, h * self.v_dim)
