@@ -14,7 +14,7 @@ from typing import Iterator
 HELP = "engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16"
 
 CASES = ("device", "host", "disk")
-STEP_TOKENS = 512   # the engine's token budget per step (max_batched_tokens)
+STEP_TOKENS = 1024  # the engine's default token budget per step (LLM max_batched_tokens)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
