@@ -130,8 +130,8 @@ class MLA(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, H * qk_head_dim], compressed kv [T, rank + rope]).
 
-        Speed: with q_proj, q and kv_a_proj_with_mqa read the same x and run as one matmul
-        over their weights concatenated (fuse(): views of one tensor, no extra memory)."""
+        Speed: q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same x and run as one
+        matmul over their weights concatenated (fuse(): views of one tensor, no extra memory)."""
         if self.qkv_a is not None:
             both = F.linear(x, self.qkv_a)
             if hasattr(self, "q_proj"):
