@@ -150,7 +150,7 @@ class DeepseekV3(nn.Module):
         want = (c.num_hidden_layers, c.kv_entry_dim)
         if kv_pool.dim() != 4 or (kv_pool.shape[1], kv_pool.shape[3]) != want or not kv_pool.is_floating_point() \
                 or not kv_pool.is_contiguous():                  # attention reads it as flat rows
-            raise LayoutError(f"kv_pool must be a float tensor [slots, {want[0]}, block_tokens, {want[1]}] "
+            raise LayoutError(f"kv_pool must be a contiguous float tensor [slots, {want[0]}, block_tokens, {want[1]}] "
                               f"(KVLayout from model.kv_layout()), got {kv_pool.dtype} {tuple(kv_pool.shape)}")
         t = batch.input_ids.shape[0]
         if batch.input_ids.dim() != 1 or batch.positions.shape != batch.input_ids.shape:
