@@ -51,7 +51,7 @@ USAGE_ERRORS = [
     (["bench", "engine", "--decode-tokens", "1"], ["--decode-tokens", "at least 2"]),
     (["bench", "engine", "--batch", "0"], ["--batch"]),
     (["bench", "engine", "--batch", "1,x"], ["--batch"]),
-    (["bench", "engine", "--batch", "1,100000"], ["--batch", "512"]),
+    (["bench", "engine", "--batch", "1,100000"], ["--batch", "1024"]),
     (["bench", "engine", "--tiers", "device,gpu"], ["--tiers", "device, host, disk"]),
     (["bench", "engine", "--preset", "nope"], ["--preset", "kimi-tiny"]),
     (["bench", "engine", "--dtype", "int7"], ["--dtype", "float32"]),

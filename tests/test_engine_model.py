@@ -185,6 +185,41 @@ def test_batched_sequences_equal_each_alone(pair):
     assert (both[11:] - b_alone).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("form", ["absorbed", "up"])
+def test_both_attention_forms_match_transformers(pair, form, monkeypatch):
+    """The model picks the absorbed or the up-projected MLA form per sequence by FLOPs
+    (decode absorbed, long chunks up-projected); each form alone must match the oracle for
+    a whole prompt, chunks after a cached context, decode, and several sequences at once."""
+    from kvtier.engine.model import mla
+    monkeypatch.setattr(mla, "FORCE_FORM", form)
+    model, hf, _ = pair
+    tokens, other = prompt(40, seed=5), prompt(23, seed=6)
+    pages = Pages(model)
+    assert (step(model, pages, [("a", tokens, 0)]) - reference_logits(hf, tokens)).abs().max() < TOL
+    logits = [step(model, pages, [("b", other[:7], 0)]), step(model, pages, [("b", other[7:], 7)])]
+    for _ in range(3):
+        nxt = int(logits[-1][-1].argmax())
+        mixed = step(model, pages, [("b", [nxt], len(other)), ("c", tokens[:9], 0)])   # decode + prefill
+        assert (mixed[1:] - reference_logits(hf, tokens[:9])).abs().max() < TOL
+        pages.pages.pop("c")
+        logits.append(mixed[:1])
+        other.append(nxt)
+    assert (torch.cat(logits) - reference_logits(hf, other)).abs().max() < TOL
+    # two prompts from scratch, of different lengths, in one step (padded, one causal kernel)
+    both = step(model, Pages(model), [("d", tokens[:17], 0), ("e", other[:30], 0)])
+    assert (both[:17] - reference_logits(hf, tokens[:17])).abs().max() < TOL
+    assert (both[17:] - reference_logits(hf, other[:30])).abs().max() < TOL
+
+
+def test_the_form_follows_the_flop_count():
+    from kvtier.engine.model.mla import prefer_up_projected
+    k2 = preset("kimi-k2")
+    assert not prefer_up_projected(k2, 1, 4096)            # decode: absorbed
+    assert not prefer_up_projected(k2, 16, 4096)           # one block after a long cached prefix
+    assert prefer_up_projected(k2, 512, 512)               # a prefill chunk: up-projected
+    assert prefer_up_projected(k2, 512, 4096)
+
+
 def test_before_layer_runs_before_each_layer_reads_the_pool(pair):
     """A layer-wise loader fills layer l of the cached pages inside before_layer(l): the step
     must give the same logits as with everything in place."""

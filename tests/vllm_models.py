@@ -69,10 +69,11 @@ def _llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, max_
     return cfg, shapes
 
 
-def _deepseek_v3(layers: int, hidden: int, heads: int, inter: int, max_len: int) -> tuple[dict, dict]:
+def _deepseek_v3(layers: int, hidden: int, heads: int, inter: int, max_len: int,
+                 experts: int = 4) -> tuple[dict, dict]:
     # The CPU MLA backend needs kv_lora_rank 512 and a rope dim of 64 (576 cached per token).
     lora, rope, nope, v = 512, 64, 32, 32
-    experts, moe_inter, shared = 4, 64, 1
+    moe_inter, shared = 64, 1
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
            "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
@@ -129,9 +130,10 @@ def _weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.T
 
 
 def write_model(path: Path | str, kind: str, *, layers: int = 2, max_len: int = 2048, seed: int = 0,
-                hidden: int = 128, heads: int | None = None, kv_heads: int | None = None, inter: int | None = None) -> Path:
+                hidden: int = 128, heads: int | None = None, kv_heads: int | None = None, inter: int | None = None,
+                experts: int = 4) -> Path:
     """Write a tiny `kind` ("llama" or "deepseek_v3") checkpoint and tokenizer into `path`
-    (bigger shapes for benchmarks: hidden, heads, kv_heads, inter)."""
+    (bigger shapes for benchmarks: hidden, heads, kv_heads, inter; routed experts for deepseek_v3)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -140,7 +142,8 @@ def write_model(path: Path | str, kind: str, *, layers: int = 2, max_len: int = 
         cfg, shapes = _llama(layers, hidden=hidden, heads=heads or 4, kv_heads=kv_heads or 2, inter=inter or 2 * hidden,
                              max_len=max_len)
     elif kind == "deepseek_v3":
-        cfg, shapes = _deepseek_v3(layers, hidden=hidden, heads=heads or 2, inter=inter or 2 * hidden, max_len=max_len)
+        cfg, shapes = _deepseek_v3(layers, hidden=hidden, heads=heads or 2, inter=inter or 2 * hidden, max_len=max_len,
+                                    experts=experts)
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}: use 'llama' or 'deepseek_v3'")
     (path / "config.json").write_text(json.dumps(cfg, indent=1))

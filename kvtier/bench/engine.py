@@ -14,7 +14,7 @@ from typing import Iterator
 HELP = "engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16"
 
 CASES = ("device", "host", "disk")
-STEP_TOKENS = 512   # the engine's token budget per step (max_batched_tokens)
+STEP_TOKENS = 1024  # the engine's default token budget per step (LLM max_batched_tokens)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,9 +49,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\') vs without, '
                         "on tool-call-like prompts, at each --batch")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
+    p.add_argument("--compare-vllm", action="store_true",
+                   help="instead: this engine against vLLM-CPU on a tiny DeepSeek-V3 checkpoint, each in its own "
+                        "process, interleaved (bench/engine_vs_vllm.py; needs a kvtier checkout and a python with vllm)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="with --compare-vllm: the python that has vllm (default .venv/vllm/bin/python)")
+    p.add_argument("--rounds", type=positive_int, default=3, metavar="N",
+                   help="with --compare-vllm: engine processes per engine, interleaved; medians (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare_vllm:
+        return compare_vllm(args)
     import numpy as np
 
     from kvtier.bench.common import Column, emit, existing_dir, fmt_float, quiet_threads
@@ -161,6 +170,27 @@ def run(args: argparse.Namespace) -> int:
     emit(decode_rows, args.json, f"{args.preset}: decode, {args.decode_tokens} tokens per request",
          [Column("batch", "batch"), Column("tokens", "tokens", fmt_float(0)),
           Column("decode_tokens_per_s", "tokens/s", fmt_float(1)), Column("ms_per_step", "ms per step", ms)])
+    return 0
+
+
+def compare_vllm(args: argparse.Namespace) -> int:
+    """Run bench/engine_vs_vllm.py of the checkout this kvtier is imported from."""
+    import importlib.util
+    import json
+
+    from kvtier.errors import ConfigError
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "engine_vs_vllm.py"
+    if not script.exists():
+        raise ConfigError(f"--compare-vllm runs {script.name} from a kvtier checkout; {script} does not exist "
+                          "(clone the repository and run it from there)")
+    spec = importlib.util.spec_from_file_location("engine_vs_vllm", script)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    res = mod.compare(args.rounds, args.vllm_python, progress=None if args.json else
+                      lambda m: print(m, file=__import__("sys").stderr))
+    print(json.dumps(res) if args.json else mod.table(res))
     return 0
 
 

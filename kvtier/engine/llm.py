@@ -72,7 +72,7 @@ class LLM:
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
-                 max_batched_tokens: int = 512, max_seqs: int = 64, remote: Remote | None = None,
+                 max_batched_tokens: int = 1024, max_seqs: int = 64, remote: Remote | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
         if cache is not None and not isinstance(cache, StoreConfig):
             raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")

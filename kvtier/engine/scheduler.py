@@ -33,7 +33,7 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 512, max_seqs: int = 64,
+    def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 1024, max_seqs: int = 64,
                  pin_ttl: float = 600.0) -> None:
         if max_batched_tokens < 1 or max_seqs < 1:
             raise ConfigError("max_batched_tokens and max_seqs must be >= 1")

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (MLA) over a paged pool of cached latents, in the absorbed form.
+"""Multi-head Latent Attention (MLA) over a paged pool of cached latents.
 
 Per token and layer MLA caches one `kv_lora_rank`-wide latent c = kv_a_layernorm(...)
 and one `qk_rope_head_dim`-wide rope key k_pe shared by all heads: 576 numbers for
@@ -6,25 +6,36 @@ Kimi K2, instead of 2 x 64 heads x 128-192 for plain multi-head attention. The p
 row of a token is exactly [c, k_pe] (see kvtier.engine.batch), and it is the only KV.
 
 The per-head keys and values are up-projections of the latent, k_nope_h = W_UK_h c and
-v_h = W_UV_h c (W_UK, W_UV: the two halves of kv_b_proj). We never materialise them;
-we "absorb" the up-projections instead:
+v_h = W_UV_h c (W_UK, W_UV: the two halves of kv_b_proj). Attention has two exact forms:
 
-    score_h(t, s) = q_nope_h(t) . (W_UK_h c_s) + q_pe_h(t) . k_pe_s
-                  = [W_UK_h^T q_nope_h(t), q_pe_h(t)] . [c_s, k_pe_s]       (query absorbs W_UK)
-    out_h(t)      = sum_s p_h(t, s) W_UV_h c_s = W_UV_h (sum_s p_h(t, s) c_s)  (W_UV after attention)
+  up-projected: materialise k_h = [W_UK_h c_s, k_pe_s] and v_h = W_UV_h c_s for every key
+      s, then plain multi-head attention on qk_head_dim (192) / v_head_dim (128) heads.
+  absorbed:     score_h(t, s) = [W_UK_h^T q_nope_h(t), q_pe_h(t)] . [c_s, k_pe_s]
+                out_h(t)      = W_UV_h (sum_s p_h(t, s) c_s)
+      i.e. multi-query attention whose keys are the pool rows themselves (576 wide) and
+      whose values are their latents (512 wide): no per-head key or value tensor.
 
-so attention is multi-query attention whose keys are the pool rows themselves and
-whose values are their latent part: one gather of the pool, no per-head KV tensor.
-We use this one form for prefill and decode alike, so every token (new or cached)
-reads its KV from the pool and a cached prefix gives the same numbers as a computed one.
+FLOPs for n new tokens over T keys (context + n), H heads, r = kv_lora_rank, d_r = rope,
+d_n = qk_nope, d_v = v_head_dim (multiply-adds x 2):
 
-The trade-off: absorbed scores are dot products of kv_lora_rank + rope_dim (576) numbers
-instead of qk_head_dim (192), and the weighted sum runs over 512-wide latents instead of
-128-wide values: cheap for decode (few queries, memory-bound on reading the cache) but
-3-4x the attention FLOPs of plain MHA for a long prefill.
-A faster prefill would up-project the chunk's keys and values per head (plain MHA on
-192/128-wide heads) while still writing only [c, k_pe] to the pool; it would give the
-same result up to rounding. This reference engine keeps the single, simpler path.
+  up-projected   2 H T r (d_n + d_v)          (up-project every key and value)
+               + 2 H n T (d_n + d_r + d_v)    (attention on small heads)
+  absorbed       2 H n r (d_n + d_v)          (absorb W_UK into q, apply W_UV after)
+               + 2 H n T (2 r + d_r)          (attention on 576 / 512-wide rows)
+
+Kimi K2 (H 64, r 512, d_r 64, d_n = d_v = 128): up-projection costs 16.8 M x T for the
+keys and 41 k x n x T for attention; absorbed costs 139 k x n x T. So one decode token
+(n = 1) is ~120x cheaper absorbed, and a prefill chunk of n > ~170 tokens is cheaper
+up-projected (4096 new tokens: 3.3x fewer FLOPs). `prefer_up_projected` makes this choice
+per sequence and step from the formula above: prefill chunks go up-projected, decode and
+short chunks after a long cached prefix (the cached-prefix case) stay absorbed. Both
+forms read every key, new or cached, from the pool rows (written first), so a token's KV
+is the same bytes whether it was computed now or loaded, and the two forms agree to
+rounding (tests/test_engine_model.py checks both against transformers at 1e-4).
+
+Both forms run once per layer for all the sequences of a step that chose them: one
+gather of their pool rows, padded to a rectangle ([B, K]), with the causal mask built
+from lengths (kvtier.engine.batch.attn_group), not per sequence.
 """
 from __future__ import annotations
 
@@ -32,27 +43,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.engine.batch import SeqSlice, StepBatch
+from kvtier.engine.batch import AttnGroup, StepBatch, attn_group
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.model.mlp import fuse_weights
 from kvtier.engine.model.norm import MLA_NORM_EPS, RMSNorm
 from kvtier.engine.model.rope import apply_rope, softmax_scale
 
 
-def write_kv(kv_pool: torch.Tensor, layer: int, seq: SeqSlice, positions: torch.Tensor,
-             entries: torch.Tensor) -> None:
-    """Store entries [n, kv_dim] of tokens at `positions` [n] into their pages of layer `layer`."""
-    block_tokens = kv_pool.shape[2]
-    pages = seq.pages.to(kv_pool.device)
-    pos = positions.to(kv_pool.device)
-    kv_pool[pages[pos // block_tokens], layer, pos % block_tokens] = entries.to(kv_pool.dtype)
+# Tests set this to "absorbed" or "up" to check one form everywhere; None: cheaper by FLOPs.
+FORCE_FORM: str | None = None
 
 
-def read_kv(kv_pool: torch.Tensor, layer: int, seq: SeqSlice, dtype: torch.dtype) -> torch.Tensor:
-    """The sequence's cached rows of layer `layer`, positions 0..total-1: [total, kv_dim]."""
-    block_tokens, kv_dim = kv_pool.shape[2], kv_pool.shape[3]
-    n_pages = -(-seq.total // block_tokens)
-    rows = kv_pool[seq.pages[:n_pages].to(kv_pool.device), layer]      # [n_pages, block_tokens, kv_dim]
-    return rows.reshape(-1, kv_dim)[:seq.total].to(dtype)
+def prefer_up_projected(config: ModelConfig, num_new: int, total: int) -> bool:
+    """Whether the up-projected form costs fewer FLOPs than the absorbed one for `num_new`
+    new tokens over `total` keys (the table in this module's docstring)."""
+    if FORCE_FORM is not None:
+        return FORCE_FORM == "up"
+    h, r, dr = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    dn, dv = config.qk_nope_head_dim, config.v_head_dim
+    up = total * r * (dn + dv) + num_new * total * (dn + dr + dv)
+    absorbed = num_new * r * (dn + dv) + num_new * total * (2 * r + dr)
+    return up < absorbed
 
 
 class MLA(nn.Module):
@@ -77,6 +88,8 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
         self.scale = softmax_scale(config)
         self.interleaved = config.rope_interleave
+        self.config = config
+        self.register_buffer("qkv_a", None, persistent=False)     # set by fuse()
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -87,31 +100,100 @@ class MLA(nn.Module):
                 kv_pool: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the new tokens of every sequence) -> [T, hidden]; writes their KV to the pool."""
         t = x.shape[0]
-        q = self._query(x).view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
-
-        compressed = self.kv_a_proj_with_mqa(x)
+        q, compressed = self._project(x)
+        q = q.view(t, self.num_heads, self.nope + self.rope)
+        # Speed: the heads' rope parts and the shared rope key rotate in one call.
+        pe = torch.cat([q[..., self.nope:], compressed[:, None, self.rank:]], dim=1)      # [T, H + 1, rope]
+        pe = apply_rope(pe, cos, sin, self.interleaved)
+        q = torch.cat([q[..., :self.nope], pe[:, :-1]], dim=-1)
+        k_pe = pe[:, -1]
         latent = self.kv_a_layernorm(compressed[:, :self.rank])
-        k_pe = apply_rope(compressed[:, self.rank:], cos, sin, self.interleaved)
-        entries = torch.cat([latent, k_pe], dim=-1)                           # [T, rank + rope]
 
+        # Write first, then every form reads all its keys (new and cached) from the pool.
+        # Speed: one index_copy_ for every token of the step (row indices built once per step).
+        bt, width = kv_pool.shape[2], kv_pool.shape[3]
+        flat = kv_pool.view(-1, width)
+        flat.index_copy_(0, batch.write_rows(kv_pool) + self.layer * bt,
+                         torch.cat([latent, k_pe], dim=-1).to(kv_pool.dtype))
+
+        out = x.new_empty(t, self.num_heads * self.v_dim)
+        for form, group in self._groups(batch, kv_pool):
+            rows = flat.index_select(0, (group.key_rows + self.layer * bt).view(-1))   # one gather per group
+            rows = rows.view(*group.key_rows.shape, width).to(x.dtype)                # [B, K, rank + rope]
+            o = self._up_projected(q, rows, group) if form == "up" else self._absorbed(q, rows, group)
+            if group.dest is None:                # the group is every token, in order: no scatter
+                out = o.reshape(t, -1)
+            else:
+                out.index_copy_(0, group.dest, o.view(-1, o.shape[-1]).index_select(0, group.src))
+        return self.o_proj(out)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H * qk_head_dim], compressed kv [T, rank + rope]).
+
+        Speed: q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same x and run as one
+        matmul over their weights concatenated (fuse(): views of one tensor, no extra memory)."""
+        if self.qkv_a is not None:
+            both = F.linear(x, self.qkv_a)
+            if hasattr(self, "q_proj"):
+                return both.split([self.q_proj.out_features, self.rank + self.rope], dim=-1)
+            q_a, compressed = both.split([self.q_a_proj.out_features, self.rank + self.rope], dim=-1)
+            return self.q_b_proj(self.q_a_layernorm(q_a)), compressed
+        return self._query(x), self.kv_a_proj_with_mqa(x)
+
+    def fuse(self) -> None:
+        """Concatenate q_proj (or q_a_proj) and kv_a_proj_with_mqa into one weight; the two
+        parameters become views of it (state_dict() and the hub names are unchanged)."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        self.qkv_a = fuse_weights(first, self.kv_a_proj_with_mqa)
+
+    def _groups(self, batch: StepBatch, kv_pool: torch.Tensor) -> list[tuple[str, AttnGroup]]:
+        """The step's sequences split by form, each group padded once per step (memoised)."""
+        if "mla_groups" not in batch.memo:
+            c = self.config
+            forms: dict[str, list[int]] = {"absorbed": [], "up": []}
+            for i, s in enumerate(batch.seqs):
+                forms["up" if prefer_up_projected(c, s.num_new, s.total) else "absorbed"].append(i)
+            batch.memo["mla_groups"] = [(f, attn_group(batch, idx, kv_pool)) for f, idx in forms.items() if idx]
+        return batch.memo["mla_groups"]
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
-        query = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)  # [T, heads, rank + rope]
+        return w[:, :self.nope], w[:, self.nope:]
 
-        out = x.new_empty(t, self.num_heads, self.rank)
-        for seq in batch.seqs:
-            rows = slice(seq.start, seq.start + seq.num_new)
-            positions = batch.positions[rows]
-            write_kv(kv_pool, self.layer, seq, positions, entries[rows])
-            kv = read_kv(kv_pool, self.layer, seq, x.dtype)                   # [total, rank + rope]
-            keys = kv.unsqueeze(0).expand(self.num_heads, -1, -1)
-            values = kv[:, :self.rank].unsqueeze(0).expand(self.num_heads, -1, -1)
-            if seq.mask is None and seq.num_new > 1:   # speed: once per step, not per layer
-                seq.mask = torch.arange(seq.total, device=x.device)[None, :] <= positions.to(x.device)[:, None]
-            o = F.scaled_dot_product_attention(query[rows].transpose(0, 1), keys, values,
-                                               attn_mask=seq.mask, scale=self.scale)
-            out[rows] = o.transpose(0, 1)
-        attn = torch.einsum("thr,hvr->thv", out, w_uv).reshape(t, self.num_heads * self.v_dim)
-        return self.o_proj(attn)
+    def _up_projected(self, q: torch.Tensor, rows: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        """Prefill: per-head keys and values from the latents, then torch's SDPA. [B, Q, H * v]"""
+        b, k = rows.shape[:2]
+        h = self.num_heads
+        kv = self.kv_b_proj(rows[..., :self.rank]).view(b, k, h, self.nope + self.v_dim)
+        keys = torch.cat([kv[..., :self.nope], rows[:, :, None, self.rank:].expand(b, k, h, self.rope)], dim=-1)
+        query = q[g.tokens].transpose(1, 2)                                          # [B, H, Q, qk]
+        values = kv[..., self.nope:]
+        qk = self.nope + self.rope
+        if self.v_dim < qk:
+            # Speed: torch's fused CPU attention kernel (flash) needs v as wide as q and k; with
+            # a narrower v SDPA falls back to the unfused math path (scores materialised, ~4x
+            # slower at 1k tokens here). Zero-padding v costs (qk - v) / qk of wasted PV FLOPs.
+            values = F.pad(values, (0, qk - self.v_dim))
+        mask = None if g.causal_from_zero else g.mask[:, None]     # causal from zero: no mask tensor
+        o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                           is_causal=g.causal_from_zero, scale=self.scale)[..., :self.v_dim]
+        return o.transpose(1, 2).reshape(b, -1, h * self.v_dim)
+
+    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        """Decode: multi-query attention over the pool rows, the heads folded into the query
+        rows of one batched matmul per sequence. [B, Q, H * v]"""
+        w_uk, w_uv = self._w_uk_uv()                     # [H, nope, rank], [H, v, rank]: views of kv_b_proj
+        b, n = g.tokens.shape
+        h = self.num_heads
+        qg = q[g.tokens].view(b * n, h, -1)                                         # [B*Q, H, qk]
+        # W_UK_h^T q_nope_h per head: one bmm over heads (speed: einsum's planning and permute
+        # copies cost more than the matmul at decode sizes).
+        q_lat = torch.bmm(qg[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)   # [B*Q, H, rank]
+        query = torch.cat([q_lat, qg[..., self.nope:]], dim=-1).view(b, n * h, -1)      # [B, Q*H, rank + rope]
+        scores = torch.bmm(query, rows.transpose(1, 2)) * self.scale                   # [B, Q*H, K]
+        if g.mask is not None:                                                       # [B, Q, K] -> every head
+            scores = scores.view(b, n, h, -1).masked_fill_(~g.mask[:, :, None], float("-inf")).view(b, n * h, -1)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
+        latent_out = torch.bmm(p, rows[..., :self.rank]).view(b * n, h, self.rank)
+        out = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2))           # [H, B*Q, v]: W_UV after attention
+        return out.transpose(0, 1).reshape(b, n, h * self.v_dim)

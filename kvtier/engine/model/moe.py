@@ -9,8 +9,15 @@ Routing ("noaux_tc"), per token, in fp32:
 4. pick the num_experts_per_tok best biased scores among the kept groups' experts;
 5. weight each pick by its *un-biased* score, normalised to sum 1 if norm_topk_prob,
    times routed_scaling_factor.
-The output is sum(weight_e * expert_e(x)) + shared_experts(x). The experts run in a
-plain loop, each over the tokens routed to it: readable, and what transformers does.
+The output is sum(weight_e * expert_e(x)) + shared_experts(x).
+
+Speed: the experts' weights are stacked once at load (fuse(): w_gate_up [E, 2 I, H],
+w_down [E, H, I]; each expert's parameters become views, so no memory is added), the
+step's (token, expert) pairs are sorted by expert, and each projection is one grouped
+matmul over the sorted rows (torch._grouped_mm where this torch has it, else one matmul
+per *active* expert), never a loop per token. The shared expert is fused into the same
+grouped matmuls as one more "expert" that every token visits with weight 1: one launch
+fewer per projection, and for decode (a handful of rows) launches are the cost.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.config import ModelConfig
-from kvtier.engine.model.mlp import MLP
+from kvtier.engine.model.mlp import MLP, swiglu
 
 
 class Router(nn.Module):
@@ -40,11 +47,17 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         t, e = biased.shape
+        if self.topk_group >= self.n_group:      # every group kept (Kimi K2: one group): plain top-k
+            ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
+            return self._weights(scores, ids)
         group_scores = biased.view(t, self.n_group, e // self.n_group).topk(2, dim=-1).values.sum(-1)
         kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_scores).scatter_(1, kept_groups, 1.0).bool()
         expert_mask = group_mask.repeat_interleave(e // self.n_group, dim=1)
         ids = biased.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        return self._weights(scores, ids)
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -61,9 +74,50 @@ class MoE(nn.Module):
                                      for _ in range(config.n_routed_experts))
         self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        # Set by fuse(): every expert's weights stacked (+ the shared expert's, as one more
+        # expert when its width matches, which it does when n_shared_experts is 1).
+        self.register_buffer("w_gate_up", None, persistent=False)
+        self.register_buffer("w_down", None, persistent=False)
+        self.shared_fused = False
+
+    def fuse(self) -> None:
+        mlps = list(self.experts)
+        inter = mlps[0].gate_proj.weight.shape[0]
+        if self.shared_experts is not None and self.shared_experts.gate_proj.weight.shape[0] == inter:
+            mlps.append(self.shared_experts)
+            self.shared_fused = True
+        elif self.shared_experts is not None:
+            self.shared_experts.fuse()
+        self.w_gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach() for m in mlps])
+        self.w_down = torch.stack([m.down_proj.weight.detach() for m in mlps])
+        for i, m in enumerate(mlps):            # the hub-named parameters become views: no second copy
+            m.gate_proj.weight = nn.Parameter(self.w_gate_up[i, :inter], requires_grad=False)
+            m.up_proj.weight = nn.Parameter(self.w_gate_up[i, inter:], requires_grad=False)
+            m.down_proj.weight = nn.Parameter(self.w_down[i], requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
+        if self.w_gate_up is None:
+            return self._loop(x, ids, weights)
+        t, k = ids.shape
+        if self.shared_fused:                   # the shared expert: id E, weight 1, for every token
+            shared = torch.full((t, 1), len(self.experts), dtype=ids.dtype, device=ids.device)
+            ids = torch.cat([ids, shared], dim=1)
+            weights = torch.cat([weights, weights.new_ones(t, 1)], dim=1)
+            k += 1
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)                    # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.w_gate_up.shape[0])
+        rows = x[order // k]                                 # [t * k, H], sorted by expert
+        h = swiglu(grouped_linear(rows, self.w_gate_up, counts))
+        y = grouped_linear(h, self.w_down, counts) * weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, order // k, y)
+        if self.shared_experts is not None and not self.shared_fused:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Unfused: one expert at a time over the tokens routed to it (transformers' way)."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
@@ -72,3 +126,26 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by expert, counts [E] rows per expert, weight [E, out, in] -> [N, out].
+
+    torch._grouped_mm (one kernel for all experts; private API, on CPU in torch >= 2.9) where
+    it runs, else one matmul per expert that has rows."""
+    global _GROUPED_MM
+    if _GROUPED_MM:
+        try:
+            return torch._grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        except (RuntimeError, NotImplementedError):          # dtype or device it lacks: loop from now on
+            _GROUPED_MM = False
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    at = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[at:at + n] = rows[at:at + n] @ weight[e].T
+            at += n
+    return out

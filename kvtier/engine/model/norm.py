@@ -7,6 +7,7 @@ rms_norm_eps says (rms_norm_eps applies to the layer norms and the final norm on
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # The eps of the MLA-internal norms (q_a_layernorm, kv_a_layernorm): hard-coded upstream.
@@ -20,7 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Speed: torch's fused rms_norm (one kernel instead of pow, mean, add, rsqrt, mul);
+        # the same formula in fp32, then cast back and scale as upstream does.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # the same ops, one call
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * x32.to(x.dtype)
