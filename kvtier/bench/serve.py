@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
     p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), metavar="LIST",
                    help="none (no affinity header), affinity (one per session), comma-separated")
+    p.add_argument("--servers", type=positive_int, default=1, choices=[1, 2], metavar="N",
+                   help="1, or 2 servers sharing blocks over kvtier node links, sessions split between them "
+                        "(default: 1)")
     p.add_argument("--model", default="kimi-tiny", metavar="PRESET_OR_DIR", help="the served model")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
 
@@ -107,11 +110,11 @@ def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
 class ServerProcess:
     """`kvtier serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, extra: list[str] | None = None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model",
                args.model, "--kv-cache", str(args.kv_cache), "--host-cache", str(args.host_cache),
-               "--pin-ttl", str(args.pin_ttl)]
+               "--pin-ttl", str(args.pin_ttl), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.url = ""
@@ -180,21 +183,23 @@ async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: b
     return res
 
 
-async def _replay(url: str, model: str, sessions: list[list[Turn]], args: argparse.Namespace,
+async def _replay(urls: list[str], model: str, sessions: list[list[Turn]], args: argparse.Namespace,
                   affinity: bool) -> tuple[list[Result], float, int]:
     """--active sessions at a time, each turn after turn with --think between them, at most
     --clients requests at once; (results, seconds, requests planned)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    queue = list(sessions)
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=300) for u in urls]
+    queue = list(enumerate(sessions))       # session i is served by server i % len(urls)
     results: list[Result] = []
     streams = asyncio.Semaphore(args.clients)
     t0 = time.perf_counter()
 
     async def agent() -> None:
         while queue:
-            for k, turn in enumerate(queue.pop(0)):
+            i, turns = queue.pop(0)
+            client = clients[i % len(clients)]
+            for k, turn in enumerate(turns):
                 if k:
                     await asyncio.sleep(args.think)
                 if time.perf_counter() - t0 > args.duration:
@@ -204,7 +209,8 @@ async def _replay(url: str, model: str, sessions: list[list[Turn]], args: argpar
 
     await asyncio.gather(*(agent() for _ in range(args.active)))
     wall = time.perf_counter() - t0
-    await client.close()
+    for c in clients:
+        await c.close()
     return results, wall, sum(len(s) for s in sessions)
 
 
@@ -260,15 +266,15 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for mode in args.modes:
         with progress(f"{mode}: starting kvtier serve, replaying {args.sessions} sessions", enabled=not args.json):
-            server = ServerProcess(args)
+            servers = _start_servers(args)
             try:
-                results, wall, started = asyncio.run(_replay(server.url, _served(args.model), sessions, args,
-                                                             mode == "affinity"))
+                results, wall, started = asyncio.run(_replay([x.url for x in servers], _served(args.model), sessions,
+                                                             args, mode == "affinity"))
             finally:
-                code = server.stop()
-        rows.append(summarize(mode, results, wall, started, code))
+                code = max(x.stop() for x in servers)
+        rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers})
     f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
-    emit(rows, args.json, f"kvtier serve, {args.active} agents (think {args.think:g} s), {args.clients} streams "
+    emit(rows, args.json, f"kvtier serve x{args.servers}, {args.active} agents (think {args.think:g} s), {args.clients} streams "
                           f"at most, {args.max_tokens} tokens each "
                           f"(kv {args.kv_cache >> 20} MiB, host {args.host_cache >> 20} MiB)",
          [Column("mode", "affinity"), Column("completed", "done"), Column("lost", "lost"),
@@ -278,6 +284,35 @@ def run(args: argparse.Namespace) -> int:
           Column("hit_ratio", "hit", f3)], left=1)
     bad = [r for r in rows if r["lost"] or r["duplicates"] or r["server_exit"] != 0]
     return 1 if bad else 0
+
+
+def _start_servers(args: argparse.Namespace) -> list[ServerProcess]:
+    """One server, or two whose stores fetch each other's blocks over kvtier node links."""
+    if args.servers == 1:
+        return [ServerProcess(args)]
+    import socket
+    import tempfile
+
+    ports = []
+    for _ in range(2):                      # two free loopback ports for the nodes
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    secret = tempfile.NamedTemporaryFile(prefix="kvtier-bench-secret-", delete=False)
+    secret.write(os.urandom(32))
+    secret.close()
+    servers: list[ServerProcess] = []
+    try:
+        for me, peer in ((0, 1), (1, 0)):
+            servers.append(ServerProcess(args, ["--node-listen", f"127.0.0.1:{ports[me]}",
+                                                "--peers", f"127.0.0.1:{ports[peer]}", "--secret-file", secret.name]))
+    except BaseException:
+        for x in servers:
+            x.stop()
+        raise
+    finally:
+        os.unlink(secret.name)              # read at start-up
+    return servers
 
 
 def _served(model: str) -> str:
