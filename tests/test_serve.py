@@ -329,3 +329,22 @@ def test_bench_serve_replays_sessions_completely():
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert (row["requests"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == (4, 4, 0, 0, 0)
     assert row["mode"] == "affinity" and 0 <= row["hit_ratio"] <= 1 and row["ttft_p50_ms"] > 0
+
+
+def test_connections_past_the_cap_get_503_and_the_server_goes_on():
+    srv = Server("--max-connections", "2").wait_ready()       # the asking connection counts too
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        with socket.create_connection((host, int(port)), timeout=30):      # one idle connection fills the cap
+            time.sleep(0.5)                                               # (the server accepts it first)
+            over = httpx.get(srv.url + "/health", timeout=30)
+        assert over.status_code == 503
+        for _ in range(50):                                               # served again once it closed
+            if httpx.get(srv.url + "/health", timeout=30).status_code == 200:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the server never served again after the idle connection closed")
+    finally:
+        srv.stop()

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one")
     p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may run on before they end with an error")
-    p.add_argument("--max-batched-tokens", type=positive_int, default=512, metavar="N",
+    p.add_argument("--max-batched-tokens", type=positive_int, default=1024, metavar="N",
                    help="tokens one engine step computes at most (chunked prefill)")
     p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N", help="requests in one batch at most")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(n-gram prompt lookup; default: off)")
     p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
                    help="largest request body accepted (413 above it)")
+    p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="concurrent client connections at most (503 past it): clients cannot exhaust file "
+                        "descriptors or memory")
     p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of a preset's random weights")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
@@ -247,7 +250,8 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
     metrics.attach(engine)
     svc = Service(engine, metrics, name, max_body_bytes=args.max_body_size, disagg=disagg)
     config = uvicorn.Config(build_app(svc), lifespan="off", log_level="warning", access_log=False,
-                            http="httptools" if _has("httptools") else "h11", timeout_graceful_shutdown=5)
+                            http="httptools" if _has("httptools") else "h11", timeout_graceful_shutdown=5,
+                            limit_concurrency=args.max_connections, timeout_keep_alive=5)
     server = type("KvtierUvicorn", (_QuietSignals, uvicorn.Server), {})(config)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
