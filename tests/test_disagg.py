@@ -313,3 +313,11 @@ def test_busy_node_port_is_one_line():
         busy = s.getsockname()[1]
         r = run_kvtier("serve", "--role", "prefill", "--port", "0", "--node-listen", f"127.0.0.1:{busy}", timeout=120)
     assert_one_line_error(r, 2, "node")
+
+
+def test_bench_disagg_answers_every_request_through_the_router():
+    r = run_kvtier("bench", "disagg", "--setups", "pd", "--sessions", "2", "--max-requests", "3",
+                   "--max-tokens", "4", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert (row["setup"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == ("pd", 3, 0, 0, 0)

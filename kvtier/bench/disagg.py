@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.bench.serve import KvtierProcess
 
 HELP = "prefill/decode disaggregation vs colocated workers behind `kvtier router`, on loopback"
 SETUPS = ("pd", "colocated")
@@ -33,61 +31,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pd (router + prefill + decode), colocated (router + 2 both workers), comma-separated")
 
 
-def _spawn(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    got = threading.Event()
-    url = []
+def _cluster(setup: str, args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
+    """The setup's workers and the router over them, started and ready."""
+    from kvtier.bench.serve import KvtierProcess, stop_all
 
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith(ready) and not url:
-                url.append(line.split(" on ", 1)[1].split()[0])
-                got.set()
-        got.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not got.wait(300) or not url:
-        proc.kill()
-        from kvtier.errors import KvtierError
-        raise KvtierError(f"{cmd[0]} did not start: " + " | ".join(lines[-5:]))
-    return proc, url[0]
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _cluster(setup: str, args: argparse.Namespace) -> tuple[list[subprocess.Popen], str, list[str]]:
     serve = ["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache", str(args.kv_cache),
              "--host-cache", str(args.host_cache)]
     roles = ("prefill", "decode") if setup == "pd" else ("both", "both")
-    procs, urls = [], []
+    procs: list[KvtierProcess] = []
     try:
         for role in roles:
-            p, u = _spawn(serve + ["--role", role], "kvtier serve: ready:")
-            procs.append(p)
-            urls.append(u)
+            procs.append(KvtierProcess(serve + ["--role", role]))
+        urls = [x.url for x in procs]
         pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
-        p, router = _spawn(["router", "--port", "0", "--poll-interval", "0.2", *pools], "kvtier router: ready")
-        procs.append(p)
-        _wait_ready(router)
+        procs.append(KvtierProcess(["router", "--port", "0", "--poll-interval", "0.2", *pools], "kvtier router: ready"))
+        _wait_ready(procs[-1].url)
     except BaseException:
-        _stop(procs)
+        stop_all(procs)
         raise
-    return procs, router, urls
+    return procs, procs[-1].url, urls
 
 
 def _wait_ready(router: str) -> None:
@@ -119,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvtier.bench.common import Column, emit, fmt_float
-    from kvtier.bench.serve import _replay, _served, sessions_of, summarize
+    from kvtier.bench.serve import _replay, _served, sessions_of, stop_all, summarize
     from kvtier.progress import progress
 
     sessions = sessions_of(args)
@@ -128,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
         with progress(f"{setup}: starting workers and the router, replaying", enabled=not args.json):
             procs, router, urls = _cluster(setup, args)
             try:
-                results, wall, started = asyncio.run(_replay(router, _served(args.model), sessions, args, False))
+                results, wall, started = asyncio.run(_replay([router], _served(args.model), sessions, args, False))
                 moved = _pulled(urls)
                 stats = httpx.get(router + "/health", timeout=10).json()["stats"]
             finally:
-                _stop(procs)
-        row = summarize(setup, results, wall, started, max(p.returncode or 0 for p in procs))
+                code = stop_all(procs)
+        row = summarize(setup, results, wall, started, code)
         row.update(bench="disagg", setup=row.pop("mode"), **moved, disaggregated=stats["disaggregated"],
                    direct=stats["direct"])
         rows.append(row)

@@ -107,42 +107,54 @@ def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
     return chosen
 
 
-class ServerProcess:
-    """`kvtier serve` in a subprocess on a free loopback port."""
+class KvtierProcess:
+    """A `kvtier` command (serve, router) in a subprocess on loopback; `url` is taken from its
+    first line that starts with `ready` (e.g. "kvtier serve: ready: 'm' on http://...")."""
 
-    def __init__(self, args: argparse.Namespace, extra: list[str] | None = None) -> None:
+    def __init__(self, cmd: list[str], ready: str = "kvtier serve: ready:") -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model",
-               args.model, "--kv-cache", str(args.kv_cache), "--host-cache", str(args.host_cache),
-               "--pin-ttl", str(args.pin_ttl), *(extra or [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.url = ""
-        ready = threading.Event()
+        got = threading.Event()
 
         def read() -> None:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.lines.append(line.rstrip())
-                if line.startswith("kvtier serve: ready:"):
+                if line.startswith(ready) and not self.url:
                     self.url = line.split(" on ", 1)[1].split()[0]
-                    ready.set()
-            ready.set()
+                    got.set()
+            got.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or not self.url:
+        if not got.wait(300) or not self.url:
             self.proc.kill()
             from kvtier.errors import KvtierError
-            raise KvtierError("kvtier serve did not start: " + " | ".join(self.lines[-5:]))
+            raise KvtierError(f"kvtier {cmd[0]} did not start: " + " | ".join(self.lines[-5:]))
 
-    def stop(self) -> int:
-        """SIGTERM (drain), and the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
+
+def stop_all(procs: list[KvtierProcess]) -> int:
+    """SIGTERM to every process (each drains), then wait for all; the highest exit status."""
+    for x in procs:
+        if x.proc.poll() is None:
+            x.proc.send_signal(signal.SIGTERM)
+    codes = []
+    for x in procs:
         try:
-            return self.proc.wait(120)
+            codes.append(x.proc.wait(120))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+            x.proc.kill()
+            codes.append(x.proc.wait())
+    return max(codes, default=0)
+
+
+def serve_process(args: argparse.Namespace, extra: list[str] | None = None) -> KvtierProcess:
+    """`kvtier serve` on a free loopback port with the benchmark's model, caches and pin TTL."""
+    return KvtierProcess(["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache",
+                          str(args.kv_cache), "--host-cache", str(args.host_cache), "--pin-ttl", str(args.pin_ttl),
+                          *(extra or [])])
 
 
 async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: bool) -> Result:
@@ -271,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
                 results, wall, started = asyncio.run(_replay([x.url for x in servers], _served(args.model), sessions,
                                                              args, mode == "affinity"))
             finally:
-                code = max(x.stop() for x in servers)
+                code = stop_all(servers)
         rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers})
     f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
     emit(rows, args.json, f"kvtier serve x{args.servers}, {args.active} agents (think {args.think:g} s), {args.clients} streams "
@@ -286,10 +298,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _start_servers(args: argparse.Namespace) -> list[ServerProcess]:
+def _start_servers(args: argparse.Namespace) -> list[KvtierProcess]:
     """One server, or two whose stores fetch each other's blocks over kvtier node links."""
     if args.servers == 1:
-        return [ServerProcess(args)]
+        return [serve_process(args)]
     import socket
     import tempfile
 
@@ -301,14 +313,13 @@ def _start_servers(args: argparse.Namespace) -> list[ServerProcess]:
     secret = tempfile.NamedTemporaryFile(prefix="kvtier-bench-secret-", delete=False)
     secret.write(os.urandom(32))
     secret.close()
-    servers: list[ServerProcess] = []
+    servers: list[KvtierProcess] = []
     try:
         for me, peer in ((0, 1), (1, 0)):
-            servers.append(ServerProcess(args, ["--node-listen", f"127.0.0.1:{ports[me]}",
+            servers.append(serve_process(args, ["--node-listen", f"127.0.0.1:{ports[me]}",
                                                 "--peers", f"127.0.0.1:{ports[peer]}", "--secret-file", secret.name]))
     except BaseException:
-        for x in servers:
-            x.stop()
+        stop_all(servers)
         raise
     finally:
         os.unlink(secret.name)              # read at start-up
