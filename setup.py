@@ -4,15 +4,23 @@ kvtier._chain chains xxh3 block keys; kvtier._copy moves page chunks between an 
 pages and tier slots in one copy. optional=True: where no C compiler exists the install
 still succeeds and kvtier falls back to pure Python / torch paths that give the same bytes.
 """
+import platform
+
 from setuptools import Extension, setup
+
+# xxHash's runtime dispatch (AVX2/AVX-512 where the CPU has them) builds only for x86, with
+# the baseline flags: -march=native would tie the build to this machine's CPU.
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+chain_sources = ["kvtier/_chain.c"] + (["kvtier/_vendor/xxhash/xxh_x86dispatch.c"] if X86 else [])
 
 setup(
     ext_modules=[
         Extension(
             "kvtier._chain",
-            sources=["kvtier/_chain.c"],
+            sources=chain_sources,
             include_dirs=["kvtier/_vendor/xxhash"],
-            depends=["kvtier/_vendor/xxhash/xxhash.h"],
+            depends=["kvtier/_vendor/xxhash/xxhash.h", "kvtier/_vendor/xxhash/xxh_x86dispatch.h"],
+            define_macros=[("KVTIER_XXH_DISPATCH", "1")] if X86 else [],
             optional=True,
         ),
         Extension("kvtier._copy", sources=["kvtier/_copy.c"], optional=True),

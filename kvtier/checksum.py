@@ -3,7 +3,8 @@ with every block between nodes, checked on every read from either; a mismatch is
 
 The C version (kvtier/_chain.c, built by `pip install` where a compiler exists) releases
 the GIL while it hashes a large block, so I/O threads writing or reading other blocks keep
-running; python-xxhash, the fallback, gives the same values but holds the GIL.
+running; on x86 it takes xxHash's runtime dispatch (AVX2 where the CPU has it). python-xxhash,
+the fallback, gives the same values but holds the GIL.
 """
 from __future__ import annotations
 
