@@ -122,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(with --peers or --directory; default: plain TCP to peers)")
     p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                    help="open connections at most; more are closed at once (default 1024)")
+    p.add_argument("--idle-timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="close a peer's connection after this long without a request (default 300; "
+                        "kvtier clients reconnect by themselves)")
     p.add_argument("--policy", default=None, metavar="NAME",
                    help=f"eviction policy, e.g. lru or arc+nopartial (default: policy, {_default('policy')})")
 
@@ -221,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
         remote = Remote(args.peers, secret, transport=args.transport, tls=fetch_tls)
         where.append(f"peers {','.join(args.peers)}")
 
-    limits = NodeLimits(**({"max_connections": args.max_connections} if args.max_connections else {}))
+    limits = NodeLimits(**{name: v for name in ("max_connections", "idle_timeout")
+                           if (v := getattr(args, name)) is not None})
     if salt:
         where.append("tenant salt from " + args.salt_file)
     if serve_tls:

@@ -227,6 +227,35 @@ def test_connections_over_the_cap_are_closed_at_once():
     store.close()
 
 
+def test_idle_authenticated_connections_are_closed_and_the_client_reconnects():
+    """A peer's kept connection that sends nothing for idle_timeout is closed, freeing its slot
+    under max_connections; the client that kept it reconnects on its next call unnoticed."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    keys = store.keys(list(range(16)))
+    store.put(keys, payload(keys, LAYOUT.block_bytes))
+    limits = NodeLimits(max_connections=2, idle_timeout=0.3)
+    with kvtier.Node(store, "127.0.0.1:0", SECRET, request_timeout=0.5, limits=limits) as node:
+        a = PeerClient.for_store(store, node.address, SECRET, timeout=5)
+        b = PeerClient.for_store(store, node.address, SECRET, timeout=5)
+        assert a.has(keys) == b.has(keys) == 2                  # two authenticated connections: the cap
+        for _ in range(100):                                    # both go idle and are closed
+            if node.gate.closed_idle == 2:
+                break
+            time.sleep(0.05)
+        assert node.gate.closed_idle == 2 and node.gate.open == 0
+        with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
+            assert c.has(keys) == 2                             # a newcomer gets a slot
+        rows = np.zeros((2, LAYOUT.block_bytes), np.uint8)
+        assert a.get(keys, rows) == 2                           # the old clients reconnect once, unnoticed
+        assert rows.tobytes() == payload(keys, LAYOUT.block_bytes).numpy().tobytes()
+        assert b.has(keys) == 2
+        a.close()
+        b.close()
+    store.close()
+    with pytest.raises(kvtier.ConfigError, match="idle_timeout"):
+        NodeLimits(idle_timeout=0)
+
+
 def test_a_node_stops_cleanly_in_every_state():
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
     kvtier.Node(store, "127.0.0.1:0", SECRET).stop()                  # never started

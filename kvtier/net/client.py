@@ -135,9 +135,17 @@ class PeerClient:
         with self._lock:
             landed: list[Future[bool] | None] = []
             try:
-                chan = self._channel()
-                head = req.encode(self.secret)
-                prefix, body, mac = chan.request(head, rows if send_rows else None, deadline, self._check)
+                reused = self._chan is not None
+                try:
+                    chan, (prefix, body, mac) = self._send(req, rows if send_rows else None, deadline)
+                except (OSError, EOFError) as e:
+                    if not reused or isinstance(e, TimeoutError):
+                        raise
+                    # The kept connection was closed under us (the node's idle timeout, a node
+                    # restart): once more on a fresh one, with a fresh nonce. Every request is
+                    # idempotent (HAS and GET read; PUT of the same bytes under the same key).
+                    self._drop()
+                    chan, (prefix, body, mac) = self._send(req, rows if send_rows else None, deadline)
                 reply = self._reply(prefix, body, mac, req.nonce)
                 if req.op != "GET":
                     return reply.n
@@ -146,6 +154,11 @@ class PeerClient:
                 self._drop()    # the connection's state is unknown now: start afresh next time
                 raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError),
                                 loaded=_verified(landed)) from None
+
+    def _send(self, req: Frame, rows, deadline: float) -> tuple[Channel, tuple[bytes, bytes, bytes]]:
+        """Send `req` (freshly encoded: a new nonce) and read its reply's head."""
+        chan = self._channel()
+        return chan, chan.request(req.encode(self.secret), rows, deadline, self._check)
 
     def _check(self, prefix: bytes) -> int:
         return read_prefix(prefix, self.secret).length

@@ -6,7 +6,10 @@ hold only a few bytes (the 36-byte frame prefix; a header only once the prefix's
 verified, charged to `pre_auth_bytes` shared by all such connections) and must send that
 first frame within the node's request timeout, counted from accept. Connections over
 `max_connections` in all, or over `max_unauthenticated` not yet authenticated, are closed
-at once, so strangers can never crowd out the cluster's own peers' connections.
+at once, so strangers can never crowd out the cluster's own peers' connections. An
+authenticated connection that sends no request for `idle_timeout` seconds is closed too, so
+peers that come and go (or leak clients) cannot hold slots forever; kvtier's own client
+reconnects once, transparently, when it finds its kept connection closed.
 """
 from __future__ import annotations
 
@@ -24,12 +27,16 @@ class NodeLimits:
     max_unauthenticated: int = 128       # of them, not yet authenticated
     pre_auth_bytes: int = 16 << 20       # header bytes buffered for unauthenticated connections, in all
     replay_entries: int = 1 << 18        # nonces remembered for replay protection (~40 MiB at most)
+    idle_timeout: float = 300.0          # seconds an authenticated connection may wait between requests
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_unauthenticated", "pre_auth_bytes", "replay_entries"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"NodeLimits.{name} must be a positive int, got {v!r}")
+        v = self.idle_timeout
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
+            raise ConfigError(f"NodeLimits.idle_timeout must be a positive number of seconds, got {v!r}")
 
 
 class Gate:
@@ -41,6 +48,7 @@ class Gate:
         self.unauthenticated = 0      # of them, not yet authenticated
         self.pre_auth_bytes = 0       # header bytes held for unauthenticated connections
         self.closed_over_cap = 0      # connections closed at accept: over a cap
+        self.closed_idle = 0          # authenticated connections closed after idle_timeout
 
     def admit(self) -> bool:
         """Count a new (unauthenticated) connection in, or False: close it at once."""

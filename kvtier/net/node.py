@@ -224,9 +224,17 @@ class Node:
         try:
             while True:
                 try:
-                    prefix, body, mac = await conn.recv_head(None if authenticated else first_deadline, check)
+                    if authenticated:     # between requests: bounded by the idle timeout
+                        prefix, body, mac = await asyncio.wait_for(
+                            conn.recv_head(None, check), gate.limits.idle_timeout + self.request_timeout)
+                    else:
+                        prefix, body, mac = await conn.recv_head(first_deadline, check)
                 except EOFError:
                     return
+                except asyncio.TimeoutError:
+                    if authenticated:
+                        gate.closed_idle += 1
+                    raise
                 finally:
                     gate.release(reserved)
                     reserved = 0
