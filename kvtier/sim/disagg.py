@@ -10,7 +10,7 @@ worker runs only chunks; a finished prompt's KV then travels for `tokens * kv_by
 / link_bytes_per_s` and joins a decode worker, whose steps carry only decodes. Requests
 arrive as a Poisson process and go to the worker with the least work (round robin on ties).
 
-Costs are inputs: measured on this machine's CPU (kvtier bench disagg prints them) or set
+Costs are inputs: measured on this machine by the reference engine (kvtier/sim/calibrate.py) or set
 to GPU-scale figures (`GPU_KIMI_K2`, derived in docs/disaggregation.md) to predict the
 effect where the production report measured it (p90 time per token ~100 ms colocated,
 20-30 ms disaggregated).

@@ -1,0 +1,58 @@
+"""The disaggregation model (kvtier/sim/disagg.py) and its calibration on the reference
+engine (kvtier/sim/calibrate.py): the effects it exists to show follow from its costs."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvtier.sim.disagg import GPU_KIMI_K2, Costs, Workload, compare, simulate
+
+LOAD = Workload(rate=4, prompt_tokens=8000, output_tokens=200, requests=150)
+
+
+def test_prefill_chunks_stretch_colocated_decode_steps_and_disaggregation_removes_them():
+    colocated, disagg = compare(GPU_KIMI_K2, LOAD, workers=2)
+    step = GPU_KIMI_K2.decode_base_s * 1e3
+    chunk = GPU_KIMI_K2.prefill_per_token_s * GPU_KIMI_K2.chunk * 1e3
+    assert colocated["itl_p99_ms"] > step + chunk / 2          # the tail is a step that carried a chunk
+    assert disagg["itl_p99_ms"] < step * 1.5                   # decode-only steps at every percentile
+    assert disagg["ttft_p50_ms"] > colocated["ttft_p50_ms"]    # paid for in TTFT (half the workers prefill)
+
+
+def test_free_prefill_leaves_nothing_to_separate():
+    free = dataclasses.replace(GPU_KIMI_K2, prefill_per_token_s=0.0)
+    colocated, disagg = compare(free, LOAD, workers=2)
+    assert colocated["itl_p90_ms"] == pytest.approx(disagg["itl_p90_ms"], rel=0.1)
+
+
+def test_the_kv_transfer_shows_in_ttft_only_when_disaggregated():
+    slow = dataclasses.replace(GPU_KIMI_K2, link_bytes_per_s=1e9)     # 8000 tokens x 70 KB: ~0.56 s
+    fast = simulate(GPU_KIMI_K2, dataclasses.replace(LOAD, rate=0.5), 1, 1)
+    slowed = simulate(slow, dataclasses.replace(LOAD, rate=0.5), 1, 1)
+    moved = LOAD.prompt_tokens * GPU_KIMI_K2.kv_bytes_per_token / 1e9 * 1e3
+    assert slowed["ttft_p50_ms"] - fast["ttft_p50_ms"] == pytest.approx(moved, rel=0.25)
+    assert simulate(slow, LOAD, 0, 2, colocated=True) == simulate(GPU_KIMI_K2, LOAD, 0, 2, colocated=True)
+
+
+def test_the_model_is_deterministic_for_a_seed():
+    assert compare(GPU_KIMI_K2, LOAD) == compare(GPU_KIMI_K2, LOAD)
+    assert compare(GPU_KIMI_K2, LOAD) != compare(GPU_KIMI_K2, dataclasses.replace(LOAD, seed=1))
+
+
+def test_calibration_times_the_engine_here():
+    from kvtier.engine import LLM
+    from kvtier.sim.calibrate import measure_costs
+
+    m = measure_costs(long=128, short=32, batch=4, decode_tokens=4, repeat=1)
+    c = m.costs
+    assert isinstance(c, Costs) and c.chunk == 128
+    assert set(m.step_s) == {1, 4} and all(t > 0 for t in (*m.prefill_s, *m.step_s.values()))
+    # the costs are the lines through what was timed (never negative: timings here are noisy)
+    assert c.prefill_per_token_s == pytest.approx(max(0.0, (m.prefill_s[1] - m.prefill_s[0]) / (128 - 32)))
+    assert c.decode_per_seq_s == pytest.approx(max(0.0, (m.step_s[4] - m.step_s[1]) / 3))
+    assert c.decode_base_s == pytest.approx(max(0.0, m.step_s[1] - c.decode_per_seq_s))
+    with LLM("kimi-tiny") as llm:      # the model's own KV bytes per token, not a K2 default
+        assert c.kv_bytes_per_token == llm.model.kv_layout(16).block_bytes // 16
+    colocated, disagg = compare(c, Workload(rate=1, prompt_tokens=256, output_tokens=8, requests=20))
+    assert colocated["requests"] == disagg["requests"] == 20
