@@ -23,7 +23,7 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -67,7 +67,8 @@ class LLM:
     built from `cache` (a kvtier.StoreConfig: device tier size, host tier, disk tier, policy, pin TTL), or
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
     `remote` (a kvtier.Remote) lets the store it builds fetch blocks other nodes hold.
-    `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup).
+    `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup, a
+    draft model, or the checkpoint's MTP layer).
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
@@ -80,7 +81,6 @@ class LLM:
             raise ConfigError("speculative must be a kvtier.engine.spec.SpeculativeConfig(...), "
                               f"not {type(speculative).__name__}")
         self.speculative = speculative
-        self.proposer = make_proposer(speculative) if speculative is not None else None
         self.spec_stats = SpecStats()
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
         self.config = self.model.config
@@ -106,9 +106,17 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    pin_ttl=cache.pin_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
+        try:
+            self.proposer = make_proposer(speculative, self, seed) if speculative is not None else None
+        except BaseException:                     # e.g. a draft with another vocabulary: close what was built
+            _close(self.adapter, self.store if self._own_store else None)
+            raise
+        release = getattr(self.proposer, "release", None)
+        self.scheduler.on_release = release       # a draft model frees its own pages with the request's
         # A store this engine built is closed (flushed down to disk) when the engine is
         # garbage collected without close(); at interpreter exit every open store closes itself.
-        self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None)
+        self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None,
+                                           getattr(self.proposer, "close", None))
         self._finalizer.atexit = False
         self._closed = False
         self._ids = itertools.count()
@@ -207,11 +215,21 @@ class LLM:
         request's SamplingParams.num_speculative_tokens, else the engine's; not past
         max_tokens: the target adds one more of its own)."""
         assert self.proposer is not None and self.speculative is not None
+        reqs, ks = [], []
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens
             room = min(self.speculative.num_speculative_tokens if k is None else k,
                        r.params.max_tokens - len(r.output) - 1)
-            r.draft = self.proposer.propose(r.tokens, room) if room > 0 and r.num_tokens - r.computed == 1 else []
+            r.draft, r.draft_probs = [], None
+            if room > 0 and r.num_tokens - r.computed == 1:
+                reqs.append(r)
+                ks.append(room)
+        batched = getattr(self.proposer, "propose_requests", None)
+        if batched is not None:                                   # a draft model: one batch for all
+            batched(reqs, ks)
+            return
+        for r, k in zip(reqs, ks):
+            r.draft = self.proposer.propose(r.tokens, k)
 
     def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [s for s in scheduled if s.samples]
@@ -236,7 +254,7 @@ class LLM:
                     r.first_token_at = now
                 if r.draft:                                      # KV is valid up to the last accepted draft
                     r.computed = min(old + len(new), r.num_tokens)
-                    r.draft = []
+                    r.draft, r.draft_probs = [], None
                 if reason is not None:
                     r.finish_reason = reason
                     finished.append(r)
@@ -266,7 +284,8 @@ class LLM:
             if k == 0:
                 out.append(sample(rows, [r.params], [r.generator]).tolist())
                 continue
-            toks, accepted = verify(rows, r.draft, r.params, r.generator)
+            q = r.draft_probs[:k] if r.draft_probs is not None else None   # the scheduler may cut the draft
+            toks, accepted = verify(rows, r.draft, r.params, r.generator, q)
             self.spec_stats.record(k, accepted)
             out.append(toks)
         return out
@@ -316,7 +335,9 @@ def _verify_rows(scheduled: Sequence[Scheduled], batch) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=batch.logits_index.device)
 
 
-def _close(adapter: KVAdapter, store: Store | None) -> None:
+def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None) -> None:
+    if close_proposer is not None:
+        close_proposer()
     adapter.close()
     if store is not None:
         store.close()
