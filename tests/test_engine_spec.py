@@ -220,10 +220,17 @@ def test_speculative_config_and_cli(capsys):
 def test_bench_engine_speculative(capsys):
     import json
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    assert main(["bench", "engine", "--speculative", spec, "--decode-tokens", "4", "--batch", "1", "--json"]) == 0
+    assert main(["bench", "engine", "--speculative", spec, "--decode-tokens", "4", "--batch", "1", "--json",
+                 "--repeat", "1", "--spec-prompts", "tool"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["speculative"] for r in rows] == ["off", "on"] and all(r["tokens"] == 3 for r in rows)
+    assert [r["speculative"] for r in rows] == ["off", "ngram k=2"] and all(r["tokens"] == 3 for r in rows)
     assert rows[1]["mean_acceptance_length"] >= 1
+    draft = '{"method": "draft_model", "model": "kimi-tiny", "num_speculative_tokens": 3}'
+    assert main(["bench", "engine", "--speculative", draft, "--decode-tokens", "9", "--batch", "2", "--json",
+                 "--repeat", "1", "--spec-prompts", "text"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompts"], r["speculative"]) for r in rows] == [("text", "off"), ("text", "draft_model k=3")]
+    assert rows[1]["accepted_tokens"] > 0 and rows[1]["mean_acceptance_length"] > 1   # the draft is the target
     assert main(["bench", "engine", "--speculative", "{"]) == 2
     assert capsys.readouterr().err.startswith("kvtier: error:")
 
@@ -363,3 +370,107 @@ def test_draft_model_config_errors(tmp_path, capsys):
     assert main(["generate", "--prompt", "x", "--speculative-config", bad]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvtier: error:"), err
+
+
+# -- MTP (DeepSeek-V3's next-token-prediction layer) ---------------------------------------
+MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A 1-layer DeepSeek-V3 checkpoint with an MTP layer, built so the MTP layer predicts what
+    the target will: attention outputs are zero (the target is a bigram model, next = f(token)),
+    embedding rows have unit RMS (enorm is the identity on them), eh_proj keeps the embedding
+    half only, and the MTP block is a copy of layer 0: MTP(h_i, token i+1) = f(token i+1)."""
+    from kvtier.engine.config import preset
+    from kvtier.engine.weights import random_weights, save_checkpoint
+    cfg = preset("deepseek-tiny").replace(num_hidden_layers=1, first_k_dense_replace=0)
+    state = random_weights(cfg, seed=3)
+    emb = state["model.embed_tokens.weight"]
+    emb /= emb.pow(2).mean(-1, keepdim=True).sqrt()
+    state["model.layers.1.embed_tokens.weight"] = emb.clone()
+    for name in [k for k in state if k.startswith("model.layers.0.")]:
+        state[name.replace("layers.0.", "layers.1.")] = state[name].clone()
+    for layer in (0, 1):
+        state[f"model.layers.{layer}.self_attn.o_proj.weight"].zero_()
+    h = cfg.hidden_size
+    state["model.layers.1.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+    path = tmp_path_factory.mktemp("mtp")
+    save_checkpoint(path, cfg, state)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def mtp_engine(path: str, spec: SpeculativeConfig | None, noise: float = 0.0, **kw) -> LLM:
+    """The checkpoint's engine; noise > 0 perturbs the MTP layer's eh_proj so some drafts are rejected."""
+    kw.setdefault("cache", StoreConfig(host_capacity=None))
+    llm = LLM(path, speculative=spec, **kw)
+    if noise:
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            w = llm.model.model.layers[1].eh_proj.weight
+            w += torch.randn(w.shape, generator=g) * noise
+    return llm
+
+
+def test_a_tiny_checkpoint_with_an_mtp_layer_round_trips(mtp_checkpoint, tmp_path):
+    from kvtier.engine.model import load_model
+    from kvtier.engine.weights import load_checkpoint
+    with_mtp = load_checkpoint(mtp_checkpoint, mtp=True)
+    assert "model.layers.1.eh_proj.weight" in with_mtp and "model.layers.1.shared_head.head.weight" in with_mtp
+    plain = load_checkpoint(mtp_checkpoint)
+    assert not any(k.startswith("model.layers.1.") for k in plain)           # skipped unless asked for
+    model, _ = load_model(mtp_checkpoint, mtp=True)
+    assert model.kv_layout(16).num_layers == 2 and "mtp=1" in model.kv_layout(16).variant
+    assert torch.equal(model.model.layers[1].eh_proj.weight, with_mtp["model.layers.1.eh_proj.weight"])
+    with pytest.raises(ConfigError, match="MTP"):
+        LLM("kimi-tiny", cache=StoreConfig(device_capacity="4MiB", host_capacity=None), speculative=MTP)
+
+
+def test_mtp_greedy_tokens_equal_batched_chunked_cached_and_preempted(mtp_checkpoint):
+    prompts = [tokens(10 + i, n) for i, n in enumerate((70, 33, 120, 5))]
+    with mtp_engine(mtp_checkpoint, None, max_batched_tokens=24) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with mtp_engine(mtp_checkpoint, MTP, noise=0.02, max_batched_tokens=24) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        st = llm.stats()["spec"]
+        assert 0 < st["accepted_tokens"] < st["draft_tokens"]
+        again = llm.generate(prompts, GREEDY)                    # prefixes (and their MTP KV) from the store
+        assert [o.token_ids for o in again] == want
+        assert all(o.cached_tokens > 0 for o, p in zip(again, prompts) if len(p) > 16)
+        assert llm.stats()["spec"]["accepted_tokens"] > st["accepted_tokens"]
+    bb = 16 * (128 + 32) * 4                                      # one layer of a block: 16 tokens, fp32
+    cache = StoreConfig(device_capacity=9 * 2 * bb, host_capacity="8MiB")      # 9 blocks of 2 layers
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    two = [tokens(30, 64), tokens(31, 64)]
+    with mtp_engine(mtp_checkpoint, None, cache=StoreConfig(device_capacity=9 * bb, host_capacity="8MiB")) as llm:
+        want = [o.token_ids for o in llm.generate(two, params)]
+    with mtp_engine(mtp_checkpoint, MTP, noise=0.02, cache=cache) as llm:
+        assert [o.token_ids for o in llm.generate(two, params)] == want
+        assert llm.stats()["preemptions"] > 0 and llm.stats()["spec"]["accepted_tokens"] > 0
+
+
+def test_mtp_publishes_only_accepted_tokens_kv(mtp_checkpoint):
+    """Blocks (the MTP layer's KV included) equal those of the same engine drafting nothing."""
+    prompt = tokens(3, 45)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    with mtp_engine(mtp_checkpoint, MTP, noise=0.02) as llm:
+        ref = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, num_speculative_tokens=0))[0]
+        plain = published(llm.store)
+    with mtp_engine(mtp_checkpoint, MTP, noise=0.02) as llm:
+        out = llm.generate([prompt], params)[0]
+        st, spec = llm.stats()["spec"], published(llm.store)
+    assert out.token_ids == ref.token_ids and 0 < st["accepted_tokens"] < st["draft_tokens"]
+    assert len(spec) == (len(prompt) + len(out.token_ids) - 1) // 16
+    assert same_blocks(spec, plain) <= KV_ATOL
+
+
+def test_mtp_sampled_requests_are_seeded(mtp_checkpoint):
+    hot = SamplingParams(max_tokens=24, temperature=0.05, seed=5, ignore_eos=True)   # near greedy: drafts hit
+    with mtp_engine(mtp_checkpoint, MTP) as llm:
+        a, b = llm.generate([tokens(4, 20), tokens(4, 20)], [hot, hot])
+        st = llm.stats()["spec"]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24 and st["accepted_tokens"] > 0

@@ -30,6 +30,7 @@ import torch
 from kvtier.adapter import KVAdapter
 from kvtier.config import StoreConfig
 from kvtier.engine.model import load_model
+from kvtier.engine.batch import StepBatch
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, make_generator, sample
@@ -82,7 +83,8 @@ class LLM:
                               f"not {type(speculative).__name__}")
         self.speculative = speculative
         self.spec_stats = SpecStats()
-        self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
+        mtp = speculative is not None and speculative.method == "mtp"   # build the checkpoint's MTP layer too
+        self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed, mtp=mtp)
         self.config = self.model.config
         cache = cache or StoreConfig()
         layout = self.model.kv_layout(cache.block_tokens)
@@ -207,8 +209,11 @@ class LLM:
         batch = self.runner.prepare(scheduled)                    # 2. prepare
         if any(s.req.draft for s in scheduled):                   # logits at every verified position
             batch.logits_index = _verify_rows(scheduled, batch)
-        logits = self.runner.run(batch)                           # 3. run
-        return self._postprocess(scheduled, logits)               # 4. postprocess
+        if getattr(self.proposer, "wants_hidden", False):        # 3. run (the MTP layer reads hidden states)
+            logits, hidden = self.runner.run(batch, hidden=True)
+        else:
+            logits, hidden = self.runner.run(batch), None
+        return self._postprocess(scheduled, logits, batch, hidden)   # 4. postprocess
 
     def _propose(self) -> None:
         """Ask the proposer for up to k tokens after each decoding request's last one (k: the
@@ -231,16 +236,18 @@ class LLM:
         for r, k in zip(reqs, ks):
             r.draft = self.proposer.propose(r.tokens, k)
 
-    def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor, batch: StepBatch | None = None,
+                     hidden: torch.Tensor | None = None) -> list[RequestOutput]:
         sampling = [s for s in scheduled if s.samples]
         emitted = self._sample(sampling, logits) if sampling else []
         now = time.perf_counter()
         finished: list[Request] = []
         toks = iter(emitted)
         samples = [s.samples for s in scheduled]                # before `computed` moves
+        olds, drafted = [s.req.computed for s in scheduled], [bool(s.req.draft) for s in scheduled]
         for s, samples_now in zip(scheduled, samples):          # the pages now hold these tokens' KV
             r = s.req
-            old, drafted = r.computed, bool(r.draft)
+            old = r.computed
             r.computed += s.num_new
             if samples_now:
                 reason = None
@@ -253,7 +260,9 @@ class LLM:
                 if r.first_token_at is None:
                     r.first_token_at = now
                 if r.draft:                                      # KV is valid up to the last accepted draft
-                    r.computed = min(old + len(new), r.num_tokens)
+                    # (a stop inside the drafts: as plain decoding, the last token never counts as
+                    # computed, so the MTP layer always has the token after each computed one)
+                    r.computed = min(old + len(new), r.num_tokens - 1)
                     r.draft, r.draft_probs = [], None
                 if reason is not None:
                     r.finish_reason = reason
@@ -261,8 +270,14 @@ class LLM:
             if r.load is not None:                               # copies from lower tiers are in:
                 r.load.wait()                                    # save() caches those pages too
                 r.load = None
+        if hidden is not None:                                   # the MTP layer's KV of the accepted tokens,
+            assert batch is not None                             # before their blocks are published
+            self.proposer.after_step([(s.req, seq.start, old) for s, seq, old in zip(scheduled, batch.seqs, olds)],
+                                     hidden)
+        for s, was_drafted in zip(scheduled, drafted):
+            r = s.req
             self.scheduler.save(r)                               # only blocks of accepted tokens
-            if drafted and r.finish_reason is None:
+            if was_drafted and r.finish_reason is None:
                 self.scheduler.trim(r)                           # pages of rejected drafts go back
         out = []
         for r in finished:

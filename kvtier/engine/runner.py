@@ -33,9 +33,9 @@ class ModelRunner:
                            before_layer if loads else None)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [requests that sample, vocab] (fp32)."""
-        return self.model(batch, self.kv_pool)
+    def run(self, batch: StepBatch, hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [requests that sample, vocab] (fp32); hidden=True: (logits, every new token's final hidden state)."""
+        return self.model(batch, self.kv_pool, hidden) if hidden else self.model(batch, self.kv_pool)
 
 
 def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int], bool]], device: torch.device,

@@ -61,7 +61,7 @@ class Scheduler:
         while i < len(self.running) and budget:
             req = self.running[i]
             n = self._decode_with_draft(req, budget) if req.draft else min(req.num_tokens - req.computed, budget)
-            while not self._grow(req, n):
+            while not self.grow(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
@@ -76,7 +76,7 @@ class Scheduler:
             if not req.pages:
                 self._admit(req)
             n = min(req.num_tokens - req.computed, budget)
-            if not self._grow(req, n):
+            if not self.grow(req, n):
                 self._drop_pages(req)
                 if not self.running:
                     self.waiting.popleft()
@@ -101,7 +101,7 @@ class Scheduler:
             req.draft, req.draft_probs = [], None
             return min(req.num_tokens - req.computed, budget)
         del req.draft[budget - 1:]
-        if req.draft and not self._grow(req, 1 + len(req.draft)):
+        if req.draft and not self.grow(req, 1 + len(req.draft)):
             req.draft, req.draft_probs = [], None
         return 1 + len(req.draft)
 
@@ -121,7 +121,7 @@ class Scheduler:
             req.cached_tokens = req.computed
             req.cached_by_tier = dict(load.from_tiers)
 
-    def _grow(self, req: Request, n: int) -> bool:
+    def grow(self, req: Request, n: int) -> bool:
         """Give `req` pages for `n` more tokens; False if the device tier has none to spare."""
         need = -(-(req.computed + n) // self.block_tokens) - len(req.pages)
         if need <= 0:

@@ -102,13 +102,13 @@ class DraftModelProposer:
             save_blocks(self.adapter, s)
         live = [(s, k) for s, _, k in ready if s.computed == s.req.num_tokens]
         probs: dict[str, list[torch.Tensor]] = {s.req.id: [] for s, _ in live}
-        self._pick(live, logits, probs)
+        pick_drafts([s.req for s, _ in live], logits, probs)
         # 2. decode d2..dk, one batched step per position.
         for j in range(1, max((k for _, k in live), default=0)):
-            step = [(s, k) for s, k in live if k > j]
-            batch = build_batch([([s.req.draft[-1]], s.req.num_tokens + j - 1, s.pages, True) for s, _ in step],
+            step = [s for s, k in live if k > j]
+            batch = build_batch([([s.req.draft[-1]], s.req.num_tokens + j - 1, s.pages, True) for s in step],
                                 self.runner.device)
-            self._pick(step, self.runner.run(batch), probs)
+            pick_drafts([s.req for s in step], self.runner.run(batch), probs)
         for s, _ in live:
             s.fed = s.req.draft[:-1]       # the last draft was sampled but never fed
             if probs[s.req.id]:
@@ -154,15 +154,16 @@ class DraftModelProposer:
         s.pages += got
         return True
 
-    @staticmethod
-    def _pick(step: Sequence[tuple[DraftSeq, int]], logits: torch.Tensor, probs: dict[str, list[torch.Tensor]]) -> None:
-        """Each request's next draft from its logits row: the argmax (greedy), else a draw from q."""
-        best = torch.argmax(logits, dim=-1).tolist()      # speed: one argmax for the greedy rows
-        for i, (s, _) in enumerate(step):
-            r = s.req
-            if r.params.greedy:
-                r.draft.append(best[i])
-                continue
-            q = target_probs(logits[i:i + 1], r.params)[0]
-            r.draft.append(int(torch.multinomial(q, 1, generator=r.generator)[0]))
-            probs[r.id].append(q)
+
+def pick_drafts(reqs: Sequence[Request], logits: torch.Tensor, probs: dict[str, list[torch.Tensor]]) -> None:
+    """Append each request's next draft from its logits row (a draft model's or the MTP layer's):
+    the argmax for greedy requests, else a draw from q (the request's temperature and top-p),
+    whose row is kept in probs[r.id] for the rejection rule."""
+    best = torch.argmax(logits, dim=-1).tolist()      # speed: one argmax for the greedy rows
+    for i, r in enumerate(reqs):
+        if r.params.greedy:
+            r.draft.append(best[i])
+            continue
+        q = target_probs(logits[i:i + 1], r.params)[0]
+        r.draft.append(int(torch.multinomial(q, 1, generator=r.generator)[0]))
+        probs[r.id].append(q)
