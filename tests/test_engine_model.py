@@ -478,7 +478,8 @@ def test_config_rejects_what_the_engine_does_not_implement(change, match):
 
 
 def test_presets():
-    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3"]
+    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3", "deepseek-tiny"]
+    assert preset("deepseek-tiny").num_nextn_predict_layers == 1
     tiny = preset("kimi-tiny")
     assert tiny.vocab_size >= 258 and tiny.q_lora_rank and tiny.rope_scaling["type"] == "yarn"
     assert tiny.n_group > 1 and tiny.topk_group < tiny.n_group and tiny.first_k_dense_replace == 1

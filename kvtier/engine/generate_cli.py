@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per block and page (default: block_tokens, {_default('block_tokens')})")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup; default: off)')
+                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup), \'{"method": "draft_model", "model": '
+                        '"kimi-tiny", "num_speculative_tokens": 4}\' (a draft model with the same tokenizer), '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s MTP layer; default: off)')
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 

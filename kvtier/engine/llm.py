@@ -23,13 +23,14 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from kvtier.adapter import KVAdapter
 from kvtier.config import StoreConfig
 from kvtier.engine.model import load_model
+from kvtier.engine.batch import StepBatch
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, make_generator, sample
@@ -67,7 +68,8 @@ class LLM:
     built from `cache` (a kvtier.StoreConfig: device tier size, host tier, disk tier, policy, pin TTL), or
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
     `remote` (a kvtier.Remote) lets the store it builds fetch blocks other nodes hold.
-    `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup).
+    `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup, a
+    draft model, or the checkpoint's MTP layer).
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
@@ -80,9 +82,9 @@ class LLM:
             raise ConfigError("speculative must be a kvtier.engine.spec.SpeculativeConfig(...), "
                               f"not {type(speculative).__name__}")
         self.speculative = speculative
-        self.proposer = make_proposer(speculative) if speculative is not None else None
         self.spec_stats = SpecStats()
-        self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed)
+        mtp = speculative is not None and speculative.method == "mtp"   # build the checkpoint's MTP layer too
+        self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed, mtp=mtp)
         self.config = self.model.config
         cache = cache or StoreConfig()
         layout = self.model.kv_layout(cache.block_tokens)
@@ -106,9 +108,17 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    pin_ttl=cache.pin_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
+        try:
+            self.proposer = make_proposer(speculative, self, seed) if speculative is not None else None
+        except BaseException:                     # e.g. a draft with another vocabulary: close what was built
+            _close(self.adapter, self.store if self._own_store else None)
+            raise
+        release = getattr(self.proposer, "release", None)
+        self.scheduler.on_release = release       # a draft model frees its own pages with the request's
         # A store this engine built is closed (flushed down to disk) when the engine is
         # garbage collected without close(); at interpreter exit every open store closes itself.
-        self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None)
+        self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None,
+                                           getattr(self.proposer, "close", None))
         self._finalizer.atexit = False
         self._closed = False
         self._ids = itertools.count()
@@ -199,30 +209,45 @@ class LLM:
         batch = self.runner.prepare(scheduled)                    # 2. prepare
         if any(s.req.draft for s in scheduled):                   # logits at every verified position
             batch.logits_index = _verify_rows(scheduled, batch)
-        logits = self.runner.run(batch)                           # 3. run
-        return self._postprocess(scheduled, logits)               # 4. postprocess
+        if getattr(self.proposer, "wants_hidden", False):        # 3. run (the MTP layer reads hidden states)
+            logits, hidden = self.runner.run(batch, hidden=True)
+        else:
+            logits, hidden = self.runner.run(batch), None
+        return self._postprocess(scheduled, logits, batch, hidden)   # 4. postprocess
 
     def _propose(self) -> None:
         """Ask the proposer for up to k tokens after each decoding request's last one (k: the
         request's SamplingParams.num_speculative_tokens, else the engine's; not past
         max_tokens: the target adds one more of its own)."""
         assert self.proposer is not None and self.speculative is not None
+        reqs, ks = [], []
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens
             room = min(self.speculative.num_speculative_tokens if k is None else k,
                        r.params.max_tokens - len(r.output) - 1)
-            r.draft = self.proposer.propose(r.tokens, room) if room > 0 and r.num_tokens - r.computed == 1 else []
+            r.draft, r.draft_probs = [], None
+            if room > 0 and r.num_tokens - r.computed == 1:
+                reqs.append(r)
+                ks.append(room)
+        batched = getattr(self.proposer, "propose_requests", None)
+        if batched is not None:                                   # a draft model: one batch for all
+            batched(reqs, ks)
+            return
+        for r, k in zip(reqs, ks):
+            r.draft = self.proposer.propose(r.tokens, k)
 
-    def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor, batch: StepBatch | None = None,
+                     hidden: torch.Tensor | None = None) -> list[RequestOutput]:
         sampling = [s for s in scheduled if s.samples]
         emitted = self._sample(sampling, logits) if sampling else []
         now = time.perf_counter()
         finished: list[Request] = []
         toks = iter(emitted)
         samples = [s.samples for s in scheduled]                # before `computed` moves
+        olds, drafted = [s.req.computed for s in scheduled], [bool(s.req.draft) for s in scheduled]
         for s, samples_now in zip(scheduled, samples):          # the pages now hold these tokens' KV
             r = s.req
-            old, drafted = r.computed, bool(r.draft)
+            old = r.computed
             r.computed += s.num_new
             if samples_now:
                 reason = None
@@ -235,16 +260,24 @@ class LLM:
                 if r.first_token_at is None:
                     r.first_token_at = now
                 if r.draft:                                      # KV is valid up to the last accepted draft
-                    r.computed = min(old + len(new), r.num_tokens)
-                    r.draft = []
+                    # (a stop inside the drafts: as plain decoding, the last token never counts as
+                    # computed, so the MTP layer always has the token after each computed one)
+                    r.computed = min(old + len(new), r.num_tokens - 1)
+                    r.draft, r.draft_probs = [], None
                 if reason is not None:
                     r.finish_reason = reason
                     finished.append(r)
             if r.load is not None:                               # copies from lower tiers are in:
                 r.load.wait()                                    # save() caches those pages too
                 r.load = None
+        if hidden is not None:                                   # the MTP layer's KV of the accepted tokens,
+            assert batch is not None                             # before their blocks are published
+            self.proposer.after_step([(s.req, seq.start, old) for s, seq, old in zip(scheduled, batch.seqs, olds)],
+                                     hidden)
+        for s, was_drafted in zip(scheduled, drafted):
+            r = s.req
             self.scheduler.save(r)                               # only blocks of accepted tokens
-            if drafted and r.finish_reason is None:
+            if was_drafted and r.finish_reason is None:
                 self.scheduler.trim(r)                           # pages of rejected drafts go back
         out = []
         for r in finished:
@@ -266,7 +299,8 @@ class LLM:
             if k == 0:
                 out.append(sample(rows, [r.params], [r.generator]).tolist())
                 continue
-            toks, accepted = verify(rows, r.draft, r.params, r.generator)
+            q = r.draft_probs[:k] if r.draft_probs is not None else None   # the scheduler may cut the draft
+            toks, accepted = verify(rows, r.draft, r.params, r.generator, q)
             self.spec_stats.record(k, accepted)
             out.append(toks)
         return out
@@ -316,7 +350,9 @@ def _verify_rows(scheduled: Sequence[Scheduled], batch) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=batch.logits_index.device)
 
 
-def _close(adapter: KVAdapter, store: Store | None) -> None:
+def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None) -> None:
+    if close_proposer is not None:
+        close_proposer()
     adapter.close()
     if store is not None:
         store.close()

@@ -44,6 +44,7 @@ class Request:
     load: PageLoad | None = None            # a prefix load whose copies the next step waits for
     generator: torch.Generator | None = None
     draft: list[int] = field(default_factory=list)   # speculative tokens after the last one (not yet accepted)
+    draft_probs: torch.Tensor | None = None   # [len(draft), V]: a draft model's q per draft token (sampled requests)
     # What the cache did for it (first admission only) and when things happened.
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)

@@ -7,7 +7,7 @@ computes while later layers arrive.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -22,28 +22,37 @@ class ModelRunner:
         self.device = kv_pool.device
 
     def prepare(self, scheduled: Sequence[Scheduled]) -> StepBatch:
-        ids: list[int] = []
-        pos: list[int] = []
-        seqs: list[SeqSlice] = []
-        want: list[int] = []
         loads = [s.req.load for s in scheduled if s.req.load is not None]
-        for s in scheduled:
-            r, start = s.req, len(ids)
-            ids += r.token_range(r.computed, r.computed + s.num_new)
-            pos += range(r.computed, r.computed + s.num_new)
-            seqs.append(SeqSlice(start, s.num_new, r.computed, torch.tensor(r.pages, dtype=torch.int64, device=self.device)))
-            if s.samples:
-                want.append(len(ids) - 1)
 
         def before_layer(layer: int) -> None:
             for load in loads:
                 load.wait_for_layer(layer)
 
-        dev = self.device
-        return StepBatch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                         seqs, torch.tensor(want, dtype=torch.int64, device=dev), before_layer if loads else None)
+        return build_batch([(s.req.token_range(s.req.computed, s.req.computed + s.num_new), s.req.computed,
+                             s.req.pages, s.samples) for s in scheduled], self.device,
+                           before_layer if loads else None)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [requests that sample, vocab] (fp32)."""
-        return self.model(batch, self.kv_pool)
+    def run(self, batch: StepBatch, hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [requests that sample, vocab] (fp32); hidden=True: (logits, every new token's final hidden state)."""
+        return self.model(batch, self.kv_pool, hidden) if hidden else self.model(batch, self.kv_pool)
+
+
+def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int], bool]], device: torch.device,
+                before_layer: Callable[[int], None] | None = None) -> StepBatch:
+    """One StepBatch from (new token ids, position of the first, page list, wants logits) per
+    sequence: the target's step and a draft model's steps are built by this one function."""
+    ids: list[int] = []
+    pos: list[int] = []
+    seqs_out: list[SeqSlice] = []
+    want: list[int] = []
+    for toks, context, pages, samples in seqs:
+        start = len(ids)
+        ids += toks
+        pos += range(context, context + len(toks))
+        seqs_out.append(SeqSlice(start, len(toks), context, torch.tensor(pages, dtype=torch.int64, device=device)))
+        if samples:
+            want.append(len(ids) - 1)
+    return StepBatch(torch.tensor(ids, dtype=torch.int64, device=device),
+                     torch.tensor(pos, dtype=torch.int64, device=device), seqs_out,
+                     torch.tensor(want, dtype=torch.int64, device=device), before_layer)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 from kvtier.adapter import KVAdapter
 from kvtier.engine.request import Request, Status
 from kvtier.errors import ConfigError
+from kvtier.keys import BlockKeys
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 1024, max_seqs: int = 64,
-                 pin_ttl: float = 600.0) -> None:
+                 pin_ttl: float = 600.0, on_release: Callable[[Request], None] | None = None) -> None:
         if max_batched_tokens < 1 or max_seqs < 1:
             raise ConfigError("max_batched_tokens and max_seqs must be >= 1")
         self.adapter = adapter
@@ -46,6 +48,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self._blocked = False     # the head of the queue found no pages; retry when some are freed
+        self.on_release = on_release   # called when a request's pages go back (a draft model frees its own)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -58,7 +61,7 @@ class Scheduler:
         while i < len(self.running) and budget:
             req = self.running[i]
             n = self._decode_with_draft(req, budget) if req.draft else min(req.num_tokens - req.computed, budget)
-            while not self._grow(req, n):
+            while not self.grow(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
@@ -73,7 +76,7 @@ class Scheduler:
             if not req.pages:
                 self._admit(req)
             n = min(req.num_tokens - req.computed, budget)
-            if not self._grow(req, n):
+            if not self.grow(req, n):
                 self._drop_pages(req)
                 if not self.running:
                     self.waiting.popleft()
@@ -95,11 +98,11 @@ class Scheduler:
         """Tokens for a decode step that verifies req.draft: the last token + as many drafts as the
         budget and the free pages allow (drafts are dropped, never other requests preempted, for them)."""
         if req.num_tokens - req.computed != 1:          # not decoding (a prefill chunk): no drafts
-            req.draft = []
+            req.draft, req.draft_probs = [], None
             return min(req.num_tokens - req.computed, budget)
         del req.draft[budget - 1:]
-        if req.draft and not self._grow(req, 1 + len(req.draft)):
-            req.draft = []
+        if req.draft and not self.grow(req, 1 + len(req.draft)):
+            req.draft, req.draft_probs = [], None
         return 1 + len(req.draft)
 
     def _admit(self, req: Request) -> None:
@@ -118,7 +121,7 @@ class Scheduler:
             req.cached_tokens = req.computed
             req.cached_by_tier = dict(load.from_tiers)
 
-    def _grow(self, req: Request, n: int) -> bool:
+    def grow(self, req: Request, n: int) -> bool:
         """Give `req` pages for `n` more tokens; False if the device tier has none to spare."""
         need = -(-(req.computed + n) // self.block_tokens) - len(req.pages)
         if need <= 0:
@@ -141,17 +144,7 @@ class Scheduler:
     # -- pages ---------------------------------------------------------------------------
     def save(self, req: Request) -> None:
         """Cache the request's newly completed full blocks (no copy): the pages become blocks."""
-        a, bt = self.adapter, self.block_tokens
-        full = req.computed // bt
-        if full <= req.saved:
-            return
-        keys = req.keys
-        assert keys is not None               # set at admission
-        if len(keys) < full:                  # key only the new blocks, continuing the chain
-            more = a.keys(req.token_range(len(keys) * bt, full * bt), parent=keys)
-            req.keys = keys = keys + more     # still one chain, and still this store's keys
-        a.cache(keys[req.saved:full], req.pages[req.saved:full])
-        req.saved = full
+        save_blocks(self.adapter, req)
 
     def finish(self, req: Request, reason: str) -> None:
         """A request is done: pin its session's blocks, then give its pages back."""
@@ -179,7 +172,9 @@ class Scheduler:
             req.load.wait()
             req.load = None
         self.adapter.free(req.pages)
-        req.pages, req.computed, req.saved, req.keys, req.draft = [], 0, 0, None, []
+        req.pages, req.computed, req.saved, req.keys, req.draft, req.draft_probs = [], 0, 0, None, [], None
+        if self.on_release is not None:
+            self.on_release(req)
 
     def trim(self, req: Request) -> None:
         """Give back pages allocated past what the next step needs (for rejected drafts' KV):
@@ -188,3 +183,30 @@ class Scheduler:
         if len(req.pages) > keep:
             extra, req.pages = req.pages[keep:], req.pages[:keep]
             self.adapter.free(extra)
+
+
+class PagedSequence(Protocol):
+    """What save_blocks needs of a sequence: a Request, or a draft model's state for one."""
+
+    computed: int
+    saved: int
+    keys: BlockKeys | None
+    pages: list[int]
+
+    def token_range(self, start: int, end: int) -> list[int]: ...
+
+
+def save_blocks(adapter: KVAdapter, seq: PagedSequence) -> None:
+    """Cache a sequence's newly completed full blocks of computed tokens (no copy): its pages
+    become blocks, keyed by continuing its chain. Tokens past `computed` (a draft's) never are."""
+    bt = adapter.block_tokens
+    full = seq.computed // bt
+    if full <= seq.saved:
+        return
+    keys = seq.keys
+    assert keys is not None               # set at admission
+    if len(keys) < full:                  # key only the new blocks, continuing the chain
+        more = adapter.keys(seq.token_range(len(keys) * bt, full * bt), parent=keys)
+        seq.keys = keys = keys + more     # still one chain, and still this store's keys
+    adapter.cache(keys[seq.saved:full], seq.pages[seq.saved:full])
+    seq.saved = full

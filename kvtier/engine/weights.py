@@ -12,9 +12,13 @@ model.safetensors.index.json when there are several). Tensor names are the hub's
     model.layers.{i}.mlp.experts.{j}.{gate_proj, up_proj, down_proj}.weight  (one per expert)
     model.layers.{i}.mlp.shared_experts.{gate_proj, up_proj, down_proj}.weight
 
+    model.layers.{N}.{enorm, hnorm, eh_proj, embed_tokens, shared_head.norm, shared_head.head}.weight
+        and one decoder block's tensors under model.layers.{N}.: the first multi-token-prediction
+        (MTP) layer, N = num_hidden_layers, where num_nextn_predict_layers >= 1
+
 Loading memory-maps each shard (safetensors.safe_open) and copies one tensor at a time
 to the target device and dtype. Layers at index >= num_hidden_layers (DeepSeek-V3's
-multi-token-prediction layer) are skipped. FP8 block-quantized checkpoints (DeepSeek-V3
+multi-token-prediction layer) are skipped unless `mtp=True` asks for the first of them. FP8 block-quantized checkpoints (DeepSeek-V3
 and Kimi K2 as published: float8_e4m3fn weights plus `<name>_scale_inv`, one scale per
 weight_block_size block) are dequantized to the compute dtype at load time.
 """
@@ -38,10 +42,16 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def hub_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint of this config holds, with its shape, in model order."""
+def hub_shapes(config: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint of this config holds, with its shape, in model order
+    (with mtp, the first MTP layer's tensors too)."""
     from kvtier.engine.model.model import DeepseekV3
-    return DeepseekV3.skeleton(config)
+    return DeepseekV3.skeleton(config, mtp)
+
+
+def mtp_prefix(config: ModelConfig) -> str:
+    """Where the first MTP layer's tensors are: model.layers.{num_hidden_layers}."""
+    return f"model.layers.{config.num_hidden_layers}."
 
 
 def _safe_open():
@@ -87,13 +97,14 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 def load_checkpoint(path: str | Path, config: ModelConfig | None = None, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """The hub-named tensors of a checkpoint directory, in `dtype` (default: config.torch_dtype) on `device`."""
+                    device: torch.device | str = "cpu", mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The hub-named tensors of a checkpoint directory, in `dtype` (default: config.torch_dtype) on
+    `device`; with mtp, the first MTP layer's too."""
     path = Path(path)
     config = config or ModelConfig.from_hf(path)
     dtype = dtype or config.dtype
     block = _fp8_block(config)
-    expected = hub_shapes(config)
+    expected = hub_shapes(config, mtp)
     safe_open = _safe_open()
     state: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
@@ -137,16 +148,30 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None, *, dtyp
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   std: float = 0.1, bias_std: float = 0.05) -> dict[str, torch.Tensor]:
+                   std: float = 0.1, bias_std: float = 0.05, mtp: bool | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights from `seed`: matrices N(0, std), norms 1, router correction
     bias N(0, bias_std) (non-zero so it visibly steers expert selection). std is wider than
     HF's 0.02 init: at 0.02 a random kimi-tiny's attention is nearly uniform and greedy decoding
     repeats one token, so cached-vs-uncached comparisons would prove little; at 0.1 it varies.
-    Drawn in fp32 in model order, then cast: the same seed gives the same model in any dtype."""
+    Drawn in fp32 in model order, then cast: the same seed gives the same model in any dtype.
+    With an MTP layer (mtp, default: when config.num_nextn_predict_layers >= 1) its tensors are
+    drawn after the model's, so the model is the same with or without it; its embed_tokens and
+    shared_head.head copy the model's, as DeepSeek-V3 shares them."""
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for name, shape in hub_shapes(config).items():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    shapes = hub_shapes(config)
+    with_mtp = config.num_nextn_predict_layers >= 1 if mtp is None else mtp
+    if with_mtp:
+        shapes.update({k: v for k, v in hub_shapes(config, True).items() if k not in shapes})
+    pre = mtp_prefix(config)
+    for name, shape in shapes.items():
+        if name == pre + "embed_tokens.weight":
+            state[name] = state["model.embed_tokens.weight"].clone()
+            continue
+        if name == pre + "shared_head.head.weight":
+            state[name] = state["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"].clone()
+            continue
+        if name.endswith(("layernorm.weight", "norm.weight")) or name == "model.norm.weight":
             t = torch.ones(shape)
         elif name.endswith("e_score_correction_bias"):
             t = torch.randn(shape, generator=g) * bias_std
@@ -167,7 +192,7 @@ def save_checkpoint(path: str | Path, config: ModelConfig, state: Mapping[str, t
         raise ConfigError("saving a checkpoint needs safetensors: pip install 'kvtier[engine]'") from None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    expected = hub_shapes(config)
+    expected = hub_shapes(config, any(k.startswith(mtp_prefix(config)) for k in state))
     check_state(config, state, expected)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

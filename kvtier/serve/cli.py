@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N", help="requests in one batch at most")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(n-gram prompt lookup; default: off)")
+                        "(n-gram prompt lookup); method draft_model (with \"model\") or mtp as in kvtier generate; "
+                        "default: off")
     p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
                    help="largest request body accepted (413 above it)")
     p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",

@@ -47,11 +47,13 @@ def compute_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
 
 
 def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, seed: int = 0) -> tuple[DeepseekV3, ModelInfo]:
+               device: torch.device | str | None = None, seed: int = 0,
+               mtp: bool = False) -> tuple[DeepseekV3, ModelInfo]:
     """(model, info) from a preset with random weights ("kimi-tiny"), a ModelConfig (random
     weights of that shape), or a Hugging Face checkpoint directory. dtype defaults to the
     config's torch_dtype (float32 for kimi-tiny, bfloat16 for real checkpoints); device to
-    CUDA when there is one."""
+    CUDA when there is one. mtp=True also builds the first next-token-prediction layer
+    (the config must have num_nextn_predict_layers >= 1)."""
     from kvtier.engine import weights
 
     from kvtier.tiers.device import resolve_device
@@ -65,8 +67,8 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
         config = preset(source) if isinstance(source, str) else source
         name = source if isinstance(source, str) else f"random-{config.model_type}"
         dt = compute_dtype(dtype, config)
-        model = DeepseekV3(config, weights.random_weights(config, seed=seed), dtype=dt, device=device,
-                           random_weights=True, source=f"random(seed={seed})")
+        model = DeepseekV3(config, weights.random_weights(config, seed=seed, mtp=mtp), dtype=dt, device=device,
+                           random_weights=True, source=f"random(seed={seed})", mtp=mtp)
         info = ModelInfo(name, f"preset {name}", f"random-seed{seed}", True, None, dt)
     else:
         path = Path(source)
@@ -76,8 +78,11 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
                               f"checkpoint directory: that path {why}")
         config = ModelConfig.from_hf(path)
         dt = compute_dtype(dtype, config)
-        state = weights.load_checkpoint(path, config, dtype=dt, device=device)
-        model = DeepseekV3(config, state, dtype=dt, device=device, source=str(path))
+        if mtp and config.num_nextn_predict_layers < 1:
+            raise ConfigError(f"{path} has no next-token-prediction (MTP) layer (num_nextn_predict_layers is 0): "
+                              "use method \"ngram\" or \"draft_model\"")
+        state = weights.load_checkpoint(path, config, dtype=dt, device=device, mtp=mtp)
+        model = DeepseekV3(config, state, dtype=dt, device=device, source=str(path), mtp=mtp)
         info = ModelInfo(path.resolve().name, str(path), checkpoint_revision(path), False, str(path), dt)
     model.info = info
     return model, info

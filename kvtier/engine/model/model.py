@@ -1,5 +1,10 @@
 """The DeepSeek-V3 / Kimi K2 decoder: embed, N x (MLA + FFN), final norm, lm_head.
 
+With `mtp=True` the checkpoint's first next-token-prediction layer is built too, where the
+hub stores it (`model.layers.{N}.`: enorm, hnorm, eh_proj, embed_tokens, shared_head, and
+one decoder block): `forward_mtp` runs it, and its KV is layer N of the same pages (the
+layout then has N + 1 layers), so cached blocks carry it along with the target's.
+
 Layers below `first_k_dense_replace` have a dense SwiGLU FFN, the rest a MoE. Module
 and parameter names are the hub's (`model.layers.3.mlp.experts.7.up_proj.weight`, ...),
 so a checkpoint's tensors map onto `state_dict()` one to one (kvtier.engine.weights).
@@ -71,13 +76,37 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Decoder(nn.Module):
-    """The hub's `model.` prefix: embed_tokens, layers, norm."""
+class SharedHead(nn.Module):
+    """The MTP layer's output: a norm and its own copy of the vocabulary projection."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module, stored as layer N: the target's hidden state
+    at position i and the embedding of token i + 1, each RMS-normed, concatenated and projected
+    (eh_proj), then one decoder block; shared_head turns the result into logits for token i + 2."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+
+class Decoder(nn.Module):
+    """The hub's `model.` prefix: embed_tokens, layers (then the MTP layer, when built), norm."""
+
+    def __init__(self, config: ModelConfig, mtp: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        n = config.num_hidden_layers
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(n)] + ([MTPLayer(config, n)] if mtp else []))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -86,13 +115,18 @@ class DeepseekV3(nn.Module):
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 random_weights: bool = False, source: str = "") -> None:
+                 random_weights: bool = False, source: str = "", mtp: bool = False) -> None:
         super().__init__()
         self.config = config
+        if mtp and config.num_nextn_predict_layers < 1:
+            raise ConfigError("this model has no next-token-prediction (MTP) layer: num_nextn_predict_layers is 0 "
+                              "in its config")
+        self.num_layers = config.num_hidden_layers          # the target's layers; the MTP layer comes after
+        self.kv_layers = self.num_layers + int(mtp)         # layers of KV in each page
         self.random_weights = random_weights      # True: made from a seed, not a trained checkpoint
         self.source = source                      # the checkpoint path, or "random(seed=...)"
         with torch.device("meta"):                # no memory until the real tensors are assigned
-            self.model = Decoder(config)
+            self.model = Decoder(config, mtp)
             self.lm_head = (None if config.tie_word_embeddings
                             else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         dtype = dtype or config.dtype
@@ -108,11 +142,12 @@ class DeepseekV3(nn.Module):
             keep_freed_cpu_memory()
 
     @classmethod
-    def skeleton(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """The hub's tensor names and shapes for this config (built on the meta device, no memory)."""
+    def skeleton(cls, config: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+        """The hub's tensor names and shapes for this config (built on the meta device, no memory);
+        with mtp, the MTP layer's too."""
         with torch.device("meta"):
             m = nn.Module()
-            m.model = Decoder(config)
+            m.model = Decoder(config, mtp)
             if not config.tie_word_embeddings:
                 m.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         return hub_shapes_of(m)
@@ -128,26 +163,51 @@ class DeepseekV3(nn.Module):
     def kv_layout(self, block_tokens: int, dtype: torch.dtype | None = None) -> KVLayout:
         """The kvtier layout of this model's paged KV (dtype: the pool's, default the model's)."""
         c = self.config
-        return KVLayout.mla(c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, block_tokens,
-                            dtype or self.dtype, variant=kv_variant(c, self.dtype))
+        variant = kv_variant(c, self.dtype) + (";mtp=1" if self.kv_layers > self.num_layers else "")
+        return KVLayout.mla(self.kv_layers, c.kv_lora_rank, c.qk_rope_head_dim, block_tokens,
+                            dtype or self.dtype, variant=variant)
 
     @torch.no_grad()
-    def forward(self, batch: StepBatch, kv_pool: torch.Tensor) -> torch.Tensor:
-        """Logits [len(batch.logits_index), vocab] (fp32); writes the new tokens' KV into kv_pool."""
+    def forward(self, batch: StepBatch, kv_pool: torch.Tensor,
+                hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [len(batch.logits_index), vocab] (fp32); writes the new tokens' KV into kv_pool.
+        hidden=True: (logits, the final-normed hidden state of every new token), what the MTP layer reads."""
         self._check(batch, kv_pool)
         h = self.model.embed_tokens(batch.input_ids.to(self.device))
         cos, sin = self.rotary(batch.positions.to(self.device))
-        for i, layer in enumerate(self.model.layers):
+        for i in range(self.num_layers):
             if batch.before_layer is not None:
                 batch.before_layer(i)             # layer i's cached pages are in place from here on
-            h = layer(h, cos, sin, batch, kv_pool)
-        h = self.model.norm(h[batch.logits_index.to(self.device)])
+            h = self.model.layers[i](h, cos, sin, batch, kv_pool)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden:                                # speed: every row normed only when the MTP layer needs them
+            h = self.model.norm(h)
+            return F.linear(h[batch.logits_index.to(self.device)], head).float(), h
+        h = self.model.norm(h[batch.logits_index.to(self.device)])
         return F.linear(h, head).float()
+
+    @torch.no_grad()
+    def forward_mtp(self, batch: StepBatch, kv_pool: torch.Tensor,
+                    previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over a batch whose token at position i is token i + 1, with `previous`
+        the hidden state at each position (the target's, or this layer's own output when it
+        runs ahead): (logits of the logits_index rows, fp32; its output hidden states, for the
+        next position). Writes its KV into layer N of kv_pool."""
+        self._check(batch, kv_pool)
+        mtp = self.model.layers[self.num_layers]
+        assert isinstance(mtp, MTPLayer), "built without mtp=True"
+        pos = batch.positions.to(self.device)
+        e = mtp.embed_tokens(batch.input_ids.to(self.device))
+        e = torch.where(pos[:, None] == 0, 0.0, e)   # as vLLM's DeepSeek MTP: no embedding at position 0
+        x = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(previous.to(e.dtype))], dim=-1))
+        cos, sin = self.rotary(pos)
+        x = mtp(x, cos, sin, batch, kv_pool)
+        out = mtp.shared_head.norm(x[batch.logits_index.to(self.device)])
+        return mtp.shared_head.head(out).float(), x
 
     def _check(self, batch: StepBatch, kv_pool: torch.Tensor) -> None:
         c = self.config
-        want = (c.num_hidden_layers, c.kv_entry_dim)
+        want = (self.kv_layers, c.kv_entry_dim)
         if kv_pool.dim() != 4 or (kv_pool.shape[1], kv_pool.shape[3]) != want or not kv_pool.is_floating_point() \
                 or not kv_pool.is_contiguous():                  # attention reads it as flat rows
             raise LayoutError(f"kv_pool must be a contiguous float tensor [slots, {want[0]}, block_tokens, {want[1]}] "

@@ -3,9 +3,10 @@
 Row j of the logits is the target's prediction after the last token and drafts d1..dj.
 Greedy: accept d(j+1) while it is row j's argmax, then add the target's own token (the
 argmax of the first mismatching row, or of row k when all were accepted). Sampling: the
-standard rejection rule with a point-mass draft (what an n-gram proposer gives): accept d
-with probability p_j(d), else draw from p_j with d removed and renormalised; all accepted,
-draw a bonus token from p_k. Either way the emitted tokens follow the target's distribution.
+standard speculative-sampling rule: accept d with probability min(1, p_j(d) / q_j(d)), else
+draw from max(0, p_j - q_j) renormalised; all accepted, draw a bonus token from p_k. q is a
+draft model's distribution, or a point mass at d (an n-gram proposer: accept with p_j(d),
+else draw from p_j with d removed). Either way the emitted tokens follow the target's distribution.
 """
 from __future__ import annotations
 
@@ -37,27 +38,40 @@ def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> tuple[list[int]
     return out + [best[len(draft)]], len(draft)
 
 
-def accept_point_mass(probs: torch.Tensor, draft: Sequence[int],
-                      generator: torch.Generator | None) -> tuple[list[int], int]:
-    """(tokens to emit, drafts accepted) by rejection sampling; probs [len(draft) + 1, V] (rows sum to 1)."""
+def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None,
+                   draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """(tokens to emit, drafts accepted) by speculative sampling; probs [len(draft) + 1, V] is the
+    target's p per row, draft_probs [len(draft), V] the draft's q (None: a point mass at each
+    draft token, what an n-gram proposer gives). Accept d with probability min(1, p(d) / q(d));
+    on the first rejection draw from max(0, p - q) renormalised; all accepted, draw a bonus
+    token from the last row of p."""
     out: list[int] = []
     k = len(draft)
     if k:
-        u = torch.rand(k, generator=generator, device=probs.device).tolist()
-        p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(list(draft), device=probs.device)].tolist()
+        dev = probs.device
+        u = torch.rand(k, generator=generator, device=dev).tolist()
+        rows, ids = torch.arange(k, device=dev), torch.tensor(list(draft), device=dev)
+        p_draft = probs[rows, ids].tolist()
+        q_draft = [1.0] * k if draft_probs is None else draft_probs[rows, ids].tolist()
     for j, d in enumerate(draft):
-        if u[j] < p_draft[j]:
+        if u[j] * q_draft[j] < p_draft[j]:   # u < p/q without dividing (q(d) > 0: d was drawn from q)
             out.append(d)
             continue
-        rest = probs[j].clone()
-        rest[d] = 0.0                        # max(0, p - q) with q the point mass at d
+        if draft_probs is None:
+            rest = probs[j].clone()
+            rest[d] = 0.0                    # max(0, p - q) with q the point mass at d
+        else:
+            rest = torch.clamp(probs[j] - draft_probs[j], min=0.0)
+            if float(rest.sum()) <= 0.0:     # p == q up to rounding: a rejection had probability ~0
+                rest = probs[j]
         return out + [int(torch.multinomial(rest, 1, generator=generator)[0])], j
     return out + [int(torch.multinomial(probs[k], 1, generator=generator)[0])], k
 
 
 def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[list[int], int]:
-    """The tokens a request emits this step and how many drafts were accepted."""
+           generator: torch.Generator | None, draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """The tokens a request emits this step and how many drafts were accepted (draft_probs: the
+    draft model's q for each draft token's row; None for a point-mass proposer)."""
     if params.greedy:
         return accept_greedy(logits, draft)
-    return accept_point_mass(target_probs(logits, params), draft, generator)
+    return accept_sampled(target_probs(logits, params), draft, generator, draft_probs)
