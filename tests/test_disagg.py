@@ -26,6 +26,7 @@ from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BT = 16
+HANDOFF_TTL = 6          # seconds the prefill worker keeps a hand-over's blocks pinned
 PROMPT = ("The agent's shared system prompt: you can call tools, read files and answer. " * 4) + "Turn 1."
 
 
@@ -70,12 +71,16 @@ def pd(tmp_path_factory):
     secret = tmp_path_factory.mktemp("pd") / "secret"
     secret.write_text("0123456789abcdef-pd-test-secret")
     pp, dp = _free_port(), _free_port()
+    while dp == pp:                            # a port just freed may be handed out again
+        dp = _free_port()
     started: list = []
     try:
         router = Router("--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}")
         started.append(router)
         early = router.health()
-        started += [_on_port(pp, "--role", "prefill", "--secret-file", str(secret)),
+        # the prefill worker's caches are small (102 blocks) so a test can overflow them
+        started += [_on_port(pp, "--role", "prefill", "--secret-file", str(secret), "--kv-cache", "2MiB",
+                             "--host-cache", "2MiB", "--handoff-ttl", str(HANDOFF_TTL)),
                     _on_port(dp, "--role", "decode", "--secret-file", str(secret)), Server()]
         p, d, ref = (s.wait_ready() for s in started[1:])
         router.wait_ready()
@@ -83,6 +88,17 @@ def pd(tmp_path_factory):
     finally:
         for s in started:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_push(pd):
+    """A second router over the same workers, with --handoff push."""
+    _, p, d, *_ = pd
+    router = Router("--prefill", p.url, "--decode", d.url, "--handoff", "push")
+    try:
+        yield router.wait_ready()
+    finally:
+        router.stop()
 
 
 def _on_port(port: int, *args: str) -> Server:
@@ -127,6 +143,22 @@ def _full_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BT * BT
 
 
+def _load(server) -> dict:
+    return httpx.get(server.url + "/kvtier/load", timeout=10).json()
+
+
+def _wrapped(server, route: str, body: dict) -> dict:
+    r = httpx.post(server.url + route, json={"api": "completions", "request": body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _remote_tokens(server, body: dict) -> int:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"]
+
+
 # -- the hand-over ---------------------------------------------------------------------------
 
 
@@ -135,6 +167,29 @@ def test_router_reports_workers_before_they_are_up(pd):
     assert early.status_code == 503
     body = early.json()
     assert body["status"] == "starting" and {w["pool"] for w in body["workers"]} == {"prefill", "decode"}
+
+
+def test_handed_over_blocks_stay_pinned_on_the_prefill_worker_until_the_ttl(pd):
+    """First to use the prefill worker: no earlier hand-over's pin takes its pin budget."""
+    _, p, d, _, _ = pd
+    loose = _body("[Turn 0 (computed, not handed over)] " + PROMPT, 1)
+    assert httpx.post(p.url + "/v1/completions", json=loose, timeout=120).status_code == 200
+    pinned = _body("[Turn 0 (handed over)] " + PROMPT)
+    hand = _wrapped(p, "/kvtier/prefill", pinned)
+    n = len(hand["keys"])
+    assert n and _load(p)["pinned_blocks"] == n
+    for i in range(3):        # 3 x 44 blocks through a 102-block store: every unpinned block is evicted
+        flood = _body([1 + (i * 131 + j * 7) % 500 for j in range(700)], 1)
+        assert httpx.post(p.url + "/v1/completions", json=flood, timeout=120).status_code == 200
+    # the decode worker still pulls the handed-over prompt whole; the other one is gone
+    assert _remote_tokens(d, {**pinned, "kvtier_handoff": {"node": hand["node"], "keys": hand["keys"]}}) == n * BT
+    loose_keys = _wrapped(p, "/kvtier/keys", loose)["keys"]
+    assert len(loose_keys) >= n
+    assert _remote_tokens(d, {**loose, "kvtier_handoff": {"node": hand["node"], "keys": loose_keys}}) == 0
+    deadline = time.monotonic() + HANDOFF_TTL + 10                # released on expiry
+    while _load(p)["pinned_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _load(p)["pinned_blocks"] == 0
 
 
 def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
@@ -157,6 +212,29 @@ def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
     assert load["role"] == "decode" and load["pulled_blocks"] > 0 and load["pulled_bytes"] > 0
     health = router.health().json()
     assert health["stats"]["disaggregated"] >= 2 and health["stats"]["unserved"] == 0
+
+
+def test_push_handoff_answers_like_one_server_with_the_prefix_in_the_decode_workers_tier(pd, pd_push):
+    _, p, d, ref, _ = pd
+    pulled = _load(d)["pulled_blocks"]
+    prompt = "[Turn 6 (pushed)] " + PROMPT
+    want = _complete(ref.client(), prompt)
+    got = _complete(pd_push.client(), prompt)
+    assert got.choices[0].text == want.choices[0].text
+    details = got.usage.prompt_tokens_details
+    n = _full_blocks(got.usage.prompt_tokens)
+    by_tier = details.model_extra["kvtier_cached_by_tier"]
+    assert details.cached_tokens == n > 0 and by_tier["device"] == n and by_tier["remote"] == 0   # the receiving tier
+    stats = pd_push.health().json()["stats"]
+    block_bytes = _load(d)["block_bytes"]
+    assert stats["disaggregated"] == 1 and stats["pushed_bytes"] == n // BT * block_bytes and stats["push_failures"] == 0
+    assert _load(p)["pushed_blocks"] >= n // BT and _load(d)["pulled_blocks"] == pulled     # nothing was pulled
+    # streamed: the same text, one [DONE]
+    prompt2 = "[Turn 6 (pushed, streamed)] " + PROMPT
+    want2 = _complete(ref.client(), prompt2).choices[0].text
+    text, lines, usage = _sse(pd_push.url, _body(prompt2))
+    assert text == want2 and lines.count("[DONE]") == 1
+    assert usage["prompt_tokens_details"]["kvtier_cached_by_tier"]["device"] == _full_blocks(usage["prompt_tokens"])
 
 
 def test_pd_chat_matches_one_server(pd):
@@ -316,8 +394,9 @@ def test_busy_node_port_is_one_line():
 
 
 def test_bench_disagg_answers_every_request_through_the_router():
-    r = run_kvtier("bench", "disagg", "--setups", "pd", "--sessions", "2", "--max-requests", "3",
-                   "--max-tokens", "4", "--json", timeout=300)
+    r = run_kvtier("bench", "disagg", "--setups", "pd", "--handoff", "push", "--direct-below", "0", "--sessions", "2",
+                   "--max-requests", "3", "--max-tokens", "4", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert (row["setup"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == ("pd", 3, 0, 0, 0)
+    assert row["handoff"] == "push" and row["disaggregated"] == 3 and row["moved_bytes"] > 0

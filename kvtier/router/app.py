@@ -54,6 +54,7 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0
     poll_interval: float = 0.5
+    handoff: str = "pull"              # pull: the decode worker fetches; push: the prefill worker sends
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Stats:
     prefill_retries: int = 0           # a prefill worker failed and another (or the decode worker) took over
     decode_retries: int = 0
     unserved: int = 0                  # answered 5xx: no worker could serve
+    pushed_bytes: int = 0              # KV bytes prefill workers pushed to decode workers (--handoff push)
+    push_failures: int = 0             # pushes that ended early (the decode worker pulls the rest)
 
 
 @dataclass
@@ -156,27 +159,34 @@ class Router:
             self.stats.unserved += 1
             raise ApiError(503, "no decode worker is ready; retry later (GET /health lists the workers)",
                            code="service_unavailable")
-        handoff = None
+        handoff = first = None
         prefillers = [w for w in self.pools.prefill if w.ready]
         if prefillers:
-            _, uncached = self.pick(decoders, prompt, session, "decode")
+            target, uncached = self.pick(decoders, prompt, session, "decode")
             if uncached >= self.cfg.direct_below:
-                handoff, answer = await self._prefill(body, prompt, session, headers, chat)
+                # push: the decode worker is chosen now, and the prefill worker sends it the blocks
+                push_to = _reachable(target.node, target) if self.cfg.handoff == "push" and target.node else None
+                handoff, answer = await self._prefill(body, prompt, session, headers, chat, push_to)
                 if answer is not None:
                     return answer
+                first = target if push_to is not None else None
         if handoff is not None:
             self.stats.disaggregated += 1
         else:
             self.stats.direct += 1
-        return await self._decode(request.url.path, body, prompt, session, headers, chat, handoff)
+        return await self._decode(request.url.path, body, prompt, session, headers, chat, handoff, first)
 
     async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                       chat: bool) -> tuple[dict | None, Response | None]:
+                       chat: bool, push_to: str | None = None) -> tuple[dict | None, Response | None]:
         """Prefill on a prefill worker: (the hand-over, None), (None, a 4xx to answer), or
-        (None, None) when no prefill worker could do it (the decode worker computes)."""
+        (None, None) when no prefill worker could do it (the decode worker computes).
+        `push_to`: the decode worker's node, which the prefill worker PUTs the blocks to."""
         assert self.client is not None
         tried: set[str] = set()
-        payload = orjson.dumps({"api": "chat" if chat else "completions", "request": body})
+        outer: dict[str, Any] = {"api": "chat" if chat else "completions", "request": body}
+        if push_to is not None:
+            outer["push_to"] = push_to
+        payload = orjson.dumps(outer)
         while True:
             workers = [w for w in self.pools.prefill if w.ready and w.url not in tried]
             if not workers:
@@ -210,10 +220,16 @@ class Router:
             self.learn(prompt, data.get("prompt_tokens"))
             self.prefixes.insert(w.url, prompt)
             self.remember(session, "prefill", w)
+            pushed = data.get("pushed")
+            if isinstance(pushed, dict) and isinstance(pushed.get("bytes"), int):
+                self.stats.pushed_bytes += pushed["bytes"]
+                self.stats.push_failures += bool(pushed.get("error"))
             return hand, None
 
     async def _decode(self, path: str, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                      chat: bool, handoff: dict | None) -> Any:
+                      chat: bool, handoff: dict | None, first: Worker | None = None) -> Any:
+        """Stream the request from a decode worker (`first` if it is ready: the one the blocks
+        were pushed to), the next one if it cannot be reached or answers 503."""
         assert self.client is not None
         send = dict(body, kvtier_handoff=handoff) if handoff is not None else body
         content = orjson.dumps(send)
@@ -225,7 +241,10 @@ class Router:
             if not workers:
                 self.stats.unserved += 1
                 raise ApiError(503, "no decode worker could serve this request; retry later", code="service_unavailable")
-            w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
+            if first is not None and first in workers:
+                w, uncached = first, 0
+            else:
+                w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
             tried.add(w.url)
             load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
             try:
@@ -285,7 +304,7 @@ class Router:
 
     def health(self) -> tuple[dict, int]:
         ready = any(w.ready for w in self.pools.decode)
-        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy,
+        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy, "handoff": self.cfg.handoff,
                  "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
                  "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
                  "workers": [w.view() for w in self.pools.all]}, 200 if ready else 503)

@@ -336,6 +336,10 @@ def build_app(svc: Service) -> Any:
         from kvtier.serve.disagg import prefill as run_prefill
         return await run_prefill(svc, request)
 
+    async def keys(request: Request) -> Response:
+        from kvtier.serve.disagg import block_keys
+        return await block_keys(svc, request)
+
     async def load(_request: Request) -> Response:
         from kvtier.serve.disagg import Disagg
         return JSON((svc.disagg or Disagg()).load(svc))
@@ -366,6 +370,7 @@ def build_app(svc: Service) -> Any:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/kvtier/prefill", prefill, methods=["POST"]),
         Route("/kvtier/load", load, methods=["GET"]),
+        Route("/kvtier/keys", keys, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})
