@@ -212,6 +212,16 @@ def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
     assert load["role"] == "decode" and load["pulled_blocks"] > 0 and load["pulled_bytes"] > 0
     health = router.health().json()
     assert health["stats"]["disaggregated"] >= 2 and health["stats"]["unserved"] == 0
+    # the decode worker's KV events report the pulled blocks, under the keys any worker gives the prompt
+    keys = _wrapped(d, "/kvtier/keys", _body(prompt2))["keys"]
+    assert keys == _wrapped(ref, "/kvtier/keys", _body(prompt2))["keys"]
+    stored = {k for op, k in httpx.get(d.url + "/kvtier/events", params={"since": 0}, timeout=10).json()["events"]
+              if op == "+"}
+    assert len(keys) == _full_blocks(usage["prompt_tokens"]) // BT and set(keys) <= stored
+    deadline = time.monotonic() + 10                  # and the router reads them
+    while not all(w.get("kv_events", {}).get("blocks") for w in router.health().json()["workers"]):
+        assert time.monotonic() < deadline, router.health().text
+        time.sleep(0.2)
 
 
 def test_push_handoff_answers_like_one_server_with_the_prefix_in_the_decode_workers_tier(pd, pd_push):

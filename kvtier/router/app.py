@@ -32,9 +32,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvtier.router.blocks import MAX_ROUNDS, BlockMap
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import Pools, Worker
+from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
 from kvtier.serve.protocol import ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, EchoAffinity, EventStream, error_response, on_api_error, read_body,
                               read_json, sse_event)
@@ -44,6 +45,7 @@ FORWARD = ("content-type", "authorization", AFFINITY)
 MAX_SESSIONS = 100_000
 CALIBRATION_TEXT = ("You are a coding agent. Read the repository, call the tools you need, and answer the "
                     "user's question with a short plan, the files to change and the tests to run. ") * 4
+KEYS_TIMEOUT_S = 1.0                          # a prompt's keys from a worker, else the text index decides
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}   # completions (OpenAI's default), chat (a guess for load only)
 
 
@@ -55,6 +57,7 @@ class RouterConfig:
     request_timeout: float = 600.0
     poll_interval: float = 0.5
     handoff: str = "pull"              # pull: the decode worker fetches; push: the prefill worker sends
+    prefixes: str = "events"           # events: the workers' KV events (blocks.py), else the text index only
 
 
 @dataclass
@@ -74,12 +77,14 @@ class Router:
     pools: Pools
     cfg: RouterConfig = field(default_factory=RouterConfig)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    blocks: BlockMap = field(default_factory=BlockMap)
     stats: Stats = field(default_factory=Stats)
     tokens_per_byte: float = 0.3       # from a worker's tokenizer, then learned from prompt_tokens
     calibrated: bool = False
     client: httpx.AsyncClient | None = None
     _sessions: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
     _poller: asyncio.Task | None = None
+    _turn: int = 0                     # round-robin over the workers asked for a prompt's keys
 
     # -- life --------------------------------------------------------------------------------
     async def start(self, max_connections: int = 256) -> None:
@@ -91,9 +96,44 @@ class Router:
         while True:
             assert self.client is not None
             await self.pools.poll_once(self.client)
+            if self.cfg.prefixes == "events":
+                await asyncio.gather(*(self._read_events(w) for w in self.pools.all if w.ready and w.kv_events))
             if not self.calibrated:
                 await self._calibrate()
             await asyncio.sleep(self.cfg.poll_interval)
+
+    async def _read_events(self, w: Worker) -> None:
+        """Bring the router's view of `w`'s blocks up to date from its KV events (bounded)."""
+        assert self.client is not None
+        for _ in range(MAX_ROUNDS):
+            try:
+                r = await self.client.get(w.url + "/kvtier/events", params={"since": self.blocks.since(w.url)},
+                                          timeout=POLL_TIMEOUT_S)
+                if r.status_code != 200 or not self.blocks.apply(w.url, r.json()):
+                    return
+            except (httpx.HTTPError, ValueError, TypeError, IndexError) as e:
+                log.debug("KV events of %s: %s", w.url, e)
+                return
+
+    async def _keys(self, body: dict, chat: bool, prompt: Prompt) -> None:
+        """The prompt's block keys and exact token count from a worker (POST /kvtier/keys),
+        when some worker's events are known; else the text index is all there is."""
+        assert self.client is not None
+        ask = [w for w in self.pools.all if w.ready and self.blocks.knows(w.url)]
+        if self.cfg.prefixes != "events" or not ask:
+            return
+        self._turn += 1
+        w = ask[self._turn % len(ask)]
+        try:
+            r = await self.client.post(w.url + "/kvtier/keys", content=orjson.dumps(
+                {"api": "chat" if chat else "completions", "request": body}), timeout=KEYS_TIMEOUT_S,
+                headers={"content-type": "application/json"})
+            if r.status_code == 200:
+                data = r.json()
+                prompt.keys = [bytes.fromhex(k) for k in data["keys"]]
+                prompt.tokens = int(data["prompt_tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.debug("keys from %s: %s", w.url, e)
 
     async def _calibrate(self) -> None:
         """Tokens per byte of text, from a ready worker's tokenizer (once; then learned)."""
@@ -126,11 +166,22 @@ class Router:
         tokens = prompt.tokens_of(prompt.size, self.tokens_per_byte)
         cands = []
         for w in workers:
-            cached = tokens if handed_over else prompt.tokens_of(self.prefixes.match(w.url, prompt), self.tokens_per_byte)
+            if handed_over:
+                cached = tokens
+            elif prompt.keys is not None and self.blocks.knows(w.url):
+                cached = self.blocks.match(w.url, prompt.keys) * w.block_tokens     # what it reported it holds
+            else:
+                cached = prompt.tokens_of(self.prefixes.match(w.url, prompt), self.tokens_per_byte)
             cands.append(Candidate(w.url, cached, w.prefill_tokens, w.decode_blocks))
         mine = self._sessions.get(session, {}).get(pool) if session else None
         c = choose(cands, Ask(tokens, self.block_tokens, mine), self.cfg.policy)
         return next(w for w in workers if w.url == c.name), max(0, tokens - c.prefix_tokens)
+
+    def routed(self, w: Worker, prompt: Prompt) -> None:
+        """`prompt` went to `w`: it will hold its prefix (until its events or the text index say otherwise)."""
+        self.prefixes.insert(w.url, prompt)
+        if prompt.keys is not None:
+            self.blocks.sent(w.url, prompt.keys)
 
     def remember(self, session: str | None, pool: str, w: Worker) -> None:
         if session:
@@ -154,6 +205,7 @@ class Router:
         headers["content-type"] = "application/json"
         session = request.headers.get(AFFINITY)
         prompt = prompt_of(body, chat)
+        await self._keys(body, chat, prompt)
         decoders = [w for w in self.pools.decode if w.ready]
         if not decoders:
             self.stats.unserved += 1
@@ -218,7 +270,7 @@ class Router:
                 self.stats.prefill_retries += 1
                 continue
             self.learn(prompt, data.get("prompt_tokens"))
-            self.prefixes.insert(w.url, prompt)
+            self.routed(w, prompt)
             self.remember(session, "prefill", w)
             pushed = data.get("pushed")
             if isinstance(pushed, dict) and isinstance(pushed.get("bytes"), int):
@@ -266,7 +318,7 @@ class Router:
                 load.release()
                 self.stats.decode_retries += 1
                 continue
-            self.prefixes.insert(w.url, prompt)
+            self.routed(w, prompt)
             self.remember(session, "decode", w)
             w.sent += 1
             ctype = resp.headers.get("content-type", "")
@@ -307,7 +359,9 @@ class Router:
         return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy, "handoff": self.cfg.handoff,
                  "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
                  "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
-                 "workers": [w.view() for w in self.pools.all]}, 200 if ready else 503)
+                 "prefixes": self.cfg.prefixes,
+                 "workers": [dict(w.view(), **({"kv_events": v} if (v := self.blocks.view(w.url)) else {}))
+                             for w in self.pools.all]}, 200 if ready else 503)
 
 
 @dataclass

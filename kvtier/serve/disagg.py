@@ -16,6 +16,8 @@
   (the prefill worker died, evicted the blocks) means the prompt is computed here.
 - `GET /kvtier/load`: what a router balances on: role, node, outstanding prefill tokens,
   running and waiting requests, KV usage, handed-over bytes.
+- `POST /kvtier/keys` (any role): a prompt's block keys, as admission keys it, so a router
+  can match them against the `GET /kvtier/events` this server publishes (events.py).
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ class Disagg:
         out: dict[str, Any] = {"role": self.role, "node": self.node, "status": svc.phase,
                                "running": running, "waiting": waiting, "inflight": svc.inflight,
                                "prefill_tokens": 0, "kv_usage": 0.0, "handed_over": self.handed_over,
-                               "prefills": self.prefills}
+                               "prefills": self.prefills, "kv_events": True}
         llm = svc.engine.llm
         if llm is not None and svc.phase == "ready":
             s = llm.scheduler
