@@ -307,6 +307,64 @@ class FakePrefill:
         self.server.server_close()
 
 
+class FakeDecode:
+    """A decode worker that looks ready but fails: `mode` "503" answers every generation
+    503 (not generating); "die" streams one chunk and drops the connection mid-answer."""
+
+    def __init__(self, mode: str) -> None:
+        me = self
+        self.posts = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:          # /kvtier/load
+                body = json.dumps({"role": "decode", "status": "ready", "node": "127.0.0.1:1",
+                                   "block_tokens": BT}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path == "/tokenize":
+                    self.send_response(404)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                    return
+                me.posts += 1
+                if mode == "503":
+                    body = b'{"error": {"message": "draining", "code": "service_unavailable"}}'
+                    self.send_response(503)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                chunk = b'data: {"id": "cmpl-fake", "choices": [{"index": 0, "text": "half"}]}\n\n'
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)    # dies before the last chunk
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.fixture
 def fake():
     f = FakePrefill()
@@ -363,6 +421,71 @@ def test_decode_worker_that_cannot_fetch_recomputes(pd):
     other = httpx.post(d.url + "/v1/completions", json={**_body(prompt + "!"), "kvtier_handoff": {
         "node": hand["node"], "keys": ["00" * 16] * len(hand["keys"])}}, timeout=120).json()
     assert other["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
+
+
+def test_a_decode_worker_answering_503_or_gone_before_generating_is_replaced_by_the_next(pd):
+    _, _, d, ref, _ = pd
+    busy, gone = FakeDecode("503"), FakeDecode("503")
+    # the failing workers first (ties go to them); one poll only, so `gone` stays in rotation
+    r = Router("--decode", busy.url, gone.url, d.url, "--poll-interval", "60")
+    try:
+        r.wait_ready()
+        gone.stop()                                         # unreachable now: connection refused
+        prompt = "[Turn 8 (next decode worker)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        assert _complete(r.client(), prompt).choices[0].text == want
+        h = r.health().json()
+        assert h["stats"]["decode_retries"] == 2 and h["stats"]["unserved"] == 0 and busy.posts == 1
+        assert {w["url"]: w["sent"] for w in h["workers"]} == {busy.url: 0, gone.url: 0, d.url: 1}
+    finally:
+        r.stop()
+        busy.stop()
+
+
+def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_retried(pd):
+    _, _, d, _, _ = pd
+    dying = FakeDecode("die")
+    r = Router("--decode", dying.url, d.url)
+    try:
+        r.wait_ready()
+        lines = []
+        body = {**_body("[Turn 9 (mid-stream)] " + PROMPT), "stream": True}
+        with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = [x[6:] for x in resp.iter_lines() if x.startswith("data: ")]
+        assert json.loads(lines[0])["choices"][0]["text"] == "half"
+        assert json.loads(lines[1])["error"]["code"] == "bad_gateway" and lines[2:] == ["[DONE]"]
+        h = r.health().json()
+        assert dying.posts == 1 and h["stats"]["decode_retries"] == 0
+        assert [w["sent"] for w in h["workers"] if w["url"] == d.url] == [0]      # answered once, by nobody else
+    finally:
+        r.stop()
+        dying.stop()
+
+
+def test_router_metrics(pd, pd_push):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router, p, d, _, _ = pd
+
+    def scrape(r) -> dict:
+        text = httpx.get(r.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    m = scrape(router)
+    req = "kvtier_router:requests_total"
+    assert m[(req, (("outcome", "disaggregated"), ("route", "completions")))] >= 2
+    assert m[(req, (("outcome", "direct"), ("route", "completions")))] >= 1
+    assert m[(req, (("outcome", "rejected"), ("route", "completions")))] >= 2          # the two 400s
+    assert m[(req, (("outcome", "disaggregated"), ("route", "chat")))] >= 1
+    assert m[("kvtier_router:worker_up", (("pool", "decode"), ("worker", d.url)))] == 1
+    assert m[("kvtier_router:worker_prefill_tokens", (("pool", "prefill"), ("worker", p.url)))] == 0
+    assert m[("kvtier_router:worker_decode_requests", (("pool", "decode"), ("worker", d.url)))] == 0
+    pulled = m[("kvtier_router:handoff_bytes_total", (("direction", "pulled"), ("worker", d.url)))]
+    assert pulled == _load(d)["pulled_bytes"] > 0
+    pushed = scrape(pd_push)[("kvtier_router:handoff_bytes_total", (("direction", "pushed"), ("worker", p.url)))]
+    assert pushed == _load(p)["pushed_bytes"] > 0
 
 
 def test_no_worker_ready_is_one_5xx_json_error():

@@ -33,9 +33,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvtier.router.blocks import MAX_ROUNDS, BlockMap
+from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
 from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
+from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, EchoAffinity, EventStream, error_response, on_api_error, read_body,
                               read_json, sse_event)
@@ -78,6 +80,7 @@ class Router:
     cfg: RouterConfig = field(default_factory=RouterConfig)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     blocks: BlockMap = field(default_factory=BlockMap)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
     stats: Stats = field(default_factory=Stats)
     tokens_per_byte: float = 0.3       # from a worker's tokenizer, then learned from prompt_tokens
     calibrated: bool = False
@@ -87,6 +90,9 @@ class Router:
     _turn: int = 0                     # round-robin over the workers asked for a prompt's keys
 
     # -- life --------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.metrics.attach(self)
+
     async def start(self, max_connections: int = 256) -> None:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
@@ -197,6 +203,17 @@ class Router:
 
     # -- a generation request ----------------------------------------------------------------
     async def generate(self, request: Request, chat: bool) -> Any:
+        """One generation request, counted in /metrics by route and outcome."""
+        route = "chat" if chat else "completions"
+        try:
+            answer, outcome = await self._generate(request, chat)
+        except ApiError as e:
+            self.metrics.request(route, "rejected" if e.status < 500 else "unserved")
+            raise
+        self.metrics.request(route, outcome)
+        return answer
+
+    async def _generate(self, request: Request, chat: bool) -> tuple[Any, str]:
         self.stats.requests += 1
         body = await read_json(request, self.cfg.max_body_bytes, "router")
         if not isinstance(body, dict):
@@ -220,13 +237,17 @@ class Router:
                 push_to = _reachable(target.node, target) if self.cfg.handoff == "push" and target.node else None
                 handoff, answer = await self._prefill(body, prompt, session, headers, chat, push_to)
                 if answer is not None:
-                    return answer
+                    return answer, "rejected"
                 first = target if push_to is not None else None
         if handoff is not None:
             self.stats.disaggregated += 1
         else:
             self.stats.direct += 1
-        return await self._decode(request.url.path, body, prompt, session, headers, chat, handoff, first)
+        answer = await self._decode(request.url.path, body, prompt, session, headers, chat, handoff, first)
+        status = getattr(answer, "status_code", 200)          # a decode worker's own error, passed through
+        if status >= 400:
+            return answer, "rejected" if status < 500 else "unserved"
+        return answer, "disaggregated" if handoff is not None else "direct"
 
     async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
                        chat: bool, push_to: str | None = None) -> tuple[dict | None, Response | None]:
@@ -429,6 +450,9 @@ def build_app(router: Router) -> Any:
     async def forward(request: Request) -> Response:
         return await router.forward(request)
 
+    async def metrics(_request: Request) -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
     async def on_http_error(_request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         codes = {404: "not_found", 405: "method_not_allowed"}
@@ -445,6 +469,7 @@ def build_app(router: Router) -> Any:
         Route("/tokenize", forward, methods=["POST"]),
         Route("/detokenize", forward, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})
