@@ -175,6 +175,7 @@ class Store:
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
+        self._feeds: dict[str, list[tuple[str, bytes]]] = {}   # watch(): changes not yet taken, per feed
         self._closed = False
         self.pages = PagePool(self)     # who holds each top-tier slot, for an engine whose pages they are
         self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
@@ -541,17 +542,30 @@ class Store:
         return tier
 
     # -- what the store holds, for a directory that tells other nodes ---------------------
-    def watch(self, on: bool = True) -> None:
+    def watch(self, on: bool = True, feed: str = "directory") -> None:
         """Start (or stop) recording the keys that become readable or leave the store, for
-        changes(). Off by default: nobody listening costs nothing."""
+        changes(feed). Off by default: nobody listening costs nothing. Each feed (a node's
+        directory publisher, a server's KV event log) gets every change once."""
         with self._lock:
-            self.index.changes = ([] if self.index.changes is None else self.index.changes) if on else None
+            if on:
+                self._feeds.setdefault(feed, [])
+            else:
+                self._feeds.pop(feed, None)
+            self.index.changes = ([] if self.index.changes is None else self.index.changes) if self._feeds else None
 
-    def changes(self) -> list[tuple[str, bytes]]:
-        """The ("+" | "-", key) changes recorded since the last call, oldest first."""
+    def changes(self, feed: str = "directory") -> list[tuple[str, bytes]]:
+        """The ("+" | "-", key) changes recorded for `feed` since its last call, oldest first."""
         with self._lock:
-            out, self.index.changes = self.index.changes or [], ([] if self.index.changes is not None else None)
-        return out
+            new = self.index.changes or []
+            if self.index.changes is not None:
+                self.index.changes = []
+            for pending in self._feeds.values():
+                pending.extend(new)
+            out = self._feeds.get(feed)
+            if out is None:
+                return []
+            self._feeds[feed] = []
+            return out
 
     def cached_keys(self) -> list[BlockKey]:
         """Every readable block's key (a snapshot)."""

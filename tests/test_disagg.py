@@ -26,6 +26,7 @@ from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BT = 16
+HANDOFF_TTL = 6          # seconds the prefill worker keeps a hand-over's blocks pinned
 PROMPT = ("The agent's shared system prompt: you can call tools, read files and answer. " * 4) + "Turn 1."
 
 
@@ -70,12 +71,16 @@ def pd(tmp_path_factory):
     secret = tmp_path_factory.mktemp("pd") / "secret"
     secret.write_text("0123456789abcdef-pd-test-secret")
     pp, dp = _free_port(), _free_port()
+    while dp == pp:                            # a port just freed may be handed out again
+        dp = _free_port()
     started: list = []
     try:
         router = Router("--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}")
         started.append(router)
         early = router.health()
-        started += [_on_port(pp, "--role", "prefill", "--secret-file", str(secret)),
+        # the prefill worker's caches are small (102 blocks) so a test can overflow them
+        started += [_on_port(pp, "--role", "prefill", "--secret-file", str(secret), "--kv-cache", "2MiB",
+                             "--host-cache", "2MiB", "--handoff-ttl", str(HANDOFF_TTL)),
                     _on_port(dp, "--role", "decode", "--secret-file", str(secret)), Server()]
         p, d, ref = (s.wait_ready() for s in started[1:])
         router.wait_ready()
@@ -83,6 +88,17 @@ def pd(tmp_path_factory):
     finally:
         for s in started:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_push(pd):
+    """A second router over the same workers, with --handoff push."""
+    _, p, d, *_ = pd
+    router = Router("--prefill", p.url, "--decode", d.url, "--handoff", "push")
+    try:
+        yield router.wait_ready()
+    finally:
+        router.stop()
 
 
 def _on_port(port: int, *args: str) -> Server:
@@ -127,6 +143,22 @@ def _full_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BT * BT
 
 
+def _load(server) -> dict:
+    return httpx.get(server.url + "/kvtier/load", timeout=10).json()
+
+
+def _wrapped(server, route: str, body: dict) -> dict:
+    r = httpx.post(server.url + route, json={"api": "completions", "request": body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _remote_tokens(server, body: dict) -> int:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"]
+
+
 # -- the hand-over ---------------------------------------------------------------------------
 
 
@@ -135,6 +167,29 @@ def test_router_reports_workers_before_they_are_up(pd):
     assert early.status_code == 503
     body = early.json()
     assert body["status"] == "starting" and {w["pool"] for w in body["workers"]} == {"prefill", "decode"}
+
+
+def test_handed_over_blocks_stay_pinned_on_the_prefill_worker_until_the_ttl(pd):
+    """First to use the prefill worker: no earlier hand-over's pin takes its pin budget."""
+    _, p, d, _, _ = pd
+    loose = _body("[Turn 0 (computed, not handed over)] " + PROMPT, 1)
+    assert httpx.post(p.url + "/v1/completions", json=loose, timeout=120).status_code == 200
+    pinned = _body("[Turn 0 (handed over)] " + PROMPT)
+    hand = _wrapped(p, "/kvtier/prefill", pinned)
+    n = len(hand["keys"])
+    assert n and _load(p)["pinned_blocks"] == n
+    for i in range(3):        # 3 x 44 blocks through a 102-block store: every unpinned block is evicted
+        flood = _body([1 + (i * 131 + j * 7) % 500 for j in range(700)], 1)
+        assert httpx.post(p.url + "/v1/completions", json=flood, timeout=120).status_code == 200
+    # the decode worker still pulls the handed-over prompt whole; the other one is gone
+    assert _remote_tokens(d, {**pinned, "kvtier_handoff": {"node": hand["node"], "keys": hand["keys"]}}) == n * BT
+    loose_keys = _wrapped(p, "/kvtier/keys", loose)["keys"]
+    assert len(loose_keys) >= n
+    assert _remote_tokens(d, {**loose, "kvtier_handoff": {"node": hand["node"], "keys": loose_keys}}) == 0
+    deadline = time.monotonic() + HANDOFF_TTL + 10                # released on expiry
+    while _load(p)["pinned_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _load(p)["pinned_blocks"] == 0
 
 
 def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
@@ -157,6 +212,39 @@ def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
     assert load["role"] == "decode" and load["pulled_blocks"] > 0 and load["pulled_bytes"] > 0
     health = router.health().json()
     assert health["stats"]["disaggregated"] >= 2 and health["stats"]["unserved"] == 0
+    # the decode worker's KV events report the pulled blocks, under the keys any worker gives the prompt
+    keys = _wrapped(d, "/kvtier/keys", _body(prompt2))["keys"]
+    assert keys == _wrapped(ref, "/kvtier/keys", _body(prompt2))["keys"]
+    stored = {k for op, k in httpx.get(d.url + "/kvtier/events", params={"since": 0}, timeout=10).json()["events"]
+              if op == "+"}
+    assert len(keys) == _full_blocks(usage["prompt_tokens"]) // BT and set(keys) <= stored
+    deadline = time.monotonic() + 10                  # and the router reads them
+    while not all(w.get("kv_events", {}).get("blocks") for w in router.health().json()["workers"]):
+        assert time.monotonic() < deadline, router.health().text
+        time.sleep(0.2)
+
+
+def test_push_handoff_answers_like_one_server_with_the_prefix_in_the_decode_workers_tier(pd, pd_push):
+    _, p, d, ref, _ = pd
+    pulled = _load(d)["pulled_blocks"]
+    prompt = "[Turn 6 (pushed)] " + PROMPT
+    want = _complete(ref.client(), prompt)
+    got = _complete(pd_push.client(), prompt)
+    assert got.choices[0].text == want.choices[0].text
+    details = got.usage.prompt_tokens_details
+    n = _full_blocks(got.usage.prompt_tokens)
+    by_tier = details.model_extra["kvtier_cached_by_tier"]
+    assert details.cached_tokens == n > 0 and by_tier["device"] == n and by_tier["remote"] == 0   # the receiving tier
+    stats = pd_push.health().json()["stats"]
+    block_bytes = _load(d)["block_bytes"]
+    assert stats["disaggregated"] == 1 and stats["pushed_bytes"] == n // BT * block_bytes and stats["push_failures"] == 0
+    assert _load(p)["pushed_blocks"] >= n // BT and _load(d)["pulled_blocks"] == pulled     # nothing was pulled
+    # streamed: the same text, one [DONE]
+    prompt2 = "[Turn 6 (pushed, streamed)] " + PROMPT
+    want2 = _complete(ref.client(), prompt2).choices[0].text
+    text, lines, usage = _sse(pd_push.url, _body(prompt2))
+    assert text == want2 and lines.count("[DONE]") == 1
+    assert usage["prompt_tokens_details"]["kvtier_cached_by_tier"]["device"] == _full_blocks(usage["prompt_tokens"])
 
 
 def test_pd_chat_matches_one_server(pd):
@@ -213,6 +301,64 @@ class FakePrefill:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeDecode:
+    """A decode worker that looks ready but fails: `mode` "503" answers every generation
+    503 (not generating); "die" streams one chunk and drops the connection mid-answer."""
+
+    def __init__(self, mode: str) -> None:
+        me = self
+        self.posts = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:          # /kvtier/load
+                body = json.dumps({"role": "decode", "status": "ready", "node": "127.0.0.1:1",
+                                   "block_tokens": BT}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path == "/tokenize":
+                    self.send_response(404)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                    return
+                me.posts += 1
+                if mode == "503":
+                    body = b'{"error": {"message": "draining", "code": "service_unavailable"}}'
+                    self.send_response(503)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                chunk = b'data: {"id": "cmpl-fake", "choices": [{"index": 0, "text": "half"}]}\n\n'
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)    # dies before the last chunk
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -277,6 +423,71 @@ def test_decode_worker_that_cannot_fetch_recomputes(pd):
     assert other["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
 
 
+def test_a_decode_worker_answering_503_or_gone_before_generating_is_replaced_by_the_next(pd):
+    _, _, d, ref, _ = pd
+    busy, gone = FakeDecode("503"), FakeDecode("503")
+    # the failing workers first (ties go to them); one poll only, so `gone` stays in rotation
+    r = Router("--decode", busy.url, gone.url, d.url, "--poll-interval", "60")
+    try:
+        r.wait_ready()
+        gone.stop()                                         # unreachable now: connection refused
+        prompt = "[Turn 8 (next decode worker)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        assert _complete(r.client(), prompt).choices[0].text == want
+        h = r.health().json()
+        assert h["stats"]["decode_retries"] == 2 and h["stats"]["unserved"] == 0 and busy.posts == 1
+        assert {w["url"]: w["sent"] for w in h["workers"]} == {busy.url: 0, gone.url: 0, d.url: 1}
+    finally:
+        r.stop()
+        busy.stop()
+
+
+def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_retried(pd):
+    _, _, d, _, _ = pd
+    dying = FakeDecode("die")
+    r = Router("--decode", dying.url, d.url)
+    try:
+        r.wait_ready()
+        lines = []
+        body = {**_body("[Turn 9 (mid-stream)] " + PROMPT), "stream": True}
+        with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = [x[6:] for x in resp.iter_lines() if x.startswith("data: ")]
+        assert json.loads(lines[0])["choices"][0]["text"] == "half"
+        assert json.loads(lines[1])["error"]["code"] == "bad_gateway" and lines[2:] == ["[DONE]"]
+        h = r.health().json()
+        assert dying.posts == 1 and h["stats"]["decode_retries"] == 0
+        assert [w["sent"] for w in h["workers"] if w["url"] == d.url] == [0]      # answered once, by nobody else
+    finally:
+        r.stop()
+        dying.stop()
+
+
+def test_router_metrics(pd, pd_push):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router, p, d, _, _ = pd
+
+    def scrape(r) -> dict:
+        text = httpx.get(r.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    m = scrape(router)
+    req = "kvtier_router:requests_total"
+    assert m[(req, (("outcome", "disaggregated"), ("route", "completions")))] >= 2
+    assert m[(req, (("outcome", "direct"), ("route", "completions")))] >= 1
+    assert m[(req, (("outcome", "rejected"), ("route", "completions")))] >= 2          # the two 400s
+    assert m[(req, (("outcome", "disaggregated"), ("route", "chat")))] >= 1
+    assert m[("kvtier_router:worker_up", (("pool", "decode"), ("worker", d.url)))] == 1
+    assert m[("kvtier_router:worker_prefill_tokens", (("pool", "prefill"), ("worker", p.url)))] == 0
+    assert m[("kvtier_router:worker_decode_requests", (("pool", "decode"), ("worker", d.url)))] == 0
+    pulled = m[("kvtier_router:handoff_bytes_total", (("direction", "pulled"), ("worker", d.url)))]
+    assert pulled == _load(d)["pulled_bytes"] > 0
+    pushed = scrape(pd_push)[("kvtier_router:handoff_bytes_total", (("direction", "pushed"), ("worker", p.url)))]
+    assert pushed == _load(p)["pushed_bytes"] > 0
+
+
 def test_no_worker_ready_is_one_5xx_json_error():
     r = Router("--decode", f"http://127.0.0.1:{_free_port()}", "--max-body-size", "1KiB")
     try:
@@ -316,8 +527,9 @@ def test_busy_node_port_is_one_line():
 
 
 def test_bench_disagg_answers_every_request_through_the_router():
-    r = run_kvtier("bench", "disagg", "--setups", "pd", "--sessions", "2", "--max-requests", "3",
-                   "--max-tokens", "4", "--json", timeout=300)
+    r = run_kvtier("bench", "disagg", "--setups", "pd", "--handoff", "push", "--direct-below", "0", "--sessions", "2",
+                   "--max-requests", "3", "--max-tokens", "4", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert (row["setup"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == ("pd", 3, 0, 0, 0)
+    assert row["handoff"] == "push" and row["disaggregated"] == 3 and row["moved_bytes"] > 0

@@ -3,9 +3,11 @@ workers behind the same router, on loopback, replaying the same input-heavy agen
 (kvtier/bench/serve.py's sessions: streaming clients, each playing whole sessions).
 
 Reported per setup: TTFT and inter-token latency p50/p90/p99 as the client sees them,
-throughput, the hit ratio, and the KV bytes the decode worker pulled from the prefill
-worker with the time those pulls took (GB/s). Bounded in requests and in time; every
-process it starts is stopped (SIGTERM, then killed).
+throughput, the hit ratio, and the KV bytes handed over with the time that took (GB/s):
+with `--handoff pull` the decode worker's HAS + GET from the prefill worker's node, with
+`--handoff push` the prefill worker's HAS + PUTs to the decode worker's node (`pull,push`
+runs the P/D setup once each). Bounded in requests and in time; every process it starts is
+stopped (SIGTERM, then killed).
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ if TYPE_CHECKING:
 
 HELP = "prefill/decode disaggregation vs colocated workers behind `kvtier router`, on loopback"
 SETUPS = ("pd", "colocated")
+HANDOFFS = ("pull", "push")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.argtypes import non_negative_int
     from kvtier.bench.common import choice_list
     from kvtier.bench.serve import add_arguments as serve_arguments
 
@@ -29,9 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(max_requests=32, sessions=12, clients=4, duration=240.0)
     p.add_argument("--setups", type=choice_list(SETUPS), default=list(SETUPS), metavar="LIST",
                    help="pd (router + prefill + decode), colocated (router + 2 both workers), comma-separated")
+    p.add_argument("--handoff", type=choice_list(HANDOFFS), default=["pull"], metavar="LIST",
+                   help="the pd setup's hand-over (`kvtier router --handoff`): pull, push, or pull,push (one run each)")
+    p.add_argument("--direct-below", type=non_negative_int, default=256, metavar="TOKENS",
+                   help="the router's --direct-below: 0 hands every prompt over")
 
 
-def _cluster(setup: str, args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
+def _cluster(setup: str, handoff: str, args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
     """The setup's workers and the router over them, started and ready."""
     from kvtier.bench.serve import KvtierProcess, stop_all
 
@@ -44,7 +52,8 @@ def _cluster(setup: str, args: argparse.Namespace) -> tuple[list[KvtierProcess],
             procs.append(KvtierProcess(serve + ["--role", role]))
         urls = [x.url for x in procs]
         pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
-        procs.append(KvtierProcess(["router", "--port", "0", "--poll-interval", "0.2", *pools], "kvtier router: ready"))
+        procs.append(KvtierProcess(["router", "--port", "0", "--poll-interval", "0.2", "--handoff", handoff,
+                                    "--direct-below", str(args.direct_below), *pools], "kvtier router: ready"))
         _wait_ready(procs[-1].url)
     except BaseException:
         stop_all(procs)
@@ -64,17 +73,18 @@ def _wait_ready(router: str) -> None:
     raise KvtierError(f"the router's workers did not become ready: {h}")
 
 
-def _pulled(urls: list[str]) -> dict[str, Any]:
+def _moved(urls: list[str]) -> dict[str, Any]:
+    """KV handed over, from the workers' /kvtier/load: pulled by decode workers, pushed by prefill ones."""
     import httpx
     blocks = nbytes = 0
     seconds = 0.0
     for u in urls:
         d = httpx.get(u + "/kvtier/load", timeout=10).json()
-        blocks += d.get("pulled_blocks", 0)
-        nbytes += d.get("pulled_bytes", 0)
-        seconds += d.get("pull_seconds", 0.0)
-    return {"pulled_blocks": blocks, "pulled_bytes": nbytes, "pull_s": round(seconds, 4),
-            "pull_gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else None}
+        blocks += d.get("pulled_blocks", 0) + d.get("pushed_blocks", 0)
+        nbytes += d.get("pulled_bytes", 0) + d.get("pushed_bytes", 0)
+        seconds += d.get("pull_seconds", 0.0) + d.get("push_seconds", 0.0)
+    return {"moved_blocks": blocks, "moved_bytes": nbytes, "move_s": round(seconds, 4),
+            "move_gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,24 +96,26 @@ def run(args: argparse.Namespace) -> int:
 
     sessions = sessions_of(args)
     rows = []
-    for setup in args.setups:
-        with progress(f"{setup}: starting workers and the router, replaying", enabled=not args.json):
-            procs, router, urls = _cluster(setup, args)
+    runs = [(setup, h) for setup in args.setups for h in (args.handoff if setup == "pd" else ["pull"])]
+    for setup, handoff in runs:
+        name = f"pd-{handoff}" if setup == "pd" else setup
+        with progress(f"{name}: starting workers and the router, replaying", enabled=not args.json):
+            procs, router, urls = _cluster(setup, handoff, args)
             try:
                 results, wall, started = asyncio.run(_replay([router], _served(args.model), sessions, args, False))
-                moved = _pulled(urls)
+                moved = _moved(urls)
                 stats = httpx.get(router + "/health", timeout=10).json()["stats"]
             finally:
                 code = stop_all(procs)
         row = summarize(setup, results, wall, started, code)
-        row.update(bench="disagg", setup=row.pop("mode"), **moved, disaggregated=stats["disaggregated"],
-                   direct=stats["direct"])
+        row.update(bench="disagg", setup=row.pop("mode"), handoff=handoff if setup == "pd" else None, **moved,
+                   disaggregated=stats["disaggregated"], direct=stats["direct"])
         rows.append(row)
     f1, f3 = fmt_float(1), fmt_float(3)
     emit(rows, args.json, f"router + workers on loopback, {args.clients} streaming clients, {args.max_tokens} tokens each",
-         [Column("setup", "setup"), Column("completed", "done"), Column("lost", "lost"), Column("duplicates", "dup"),
+         [Column("setup", "setup"), Column("handoff", "hand-over"), Column("completed", "done"), Column("lost", "lost"), Column("duplicates", "dup"),
           Column("out_tok_per_s", "tok/s", f1), Column("ttft_p50_ms", "TTFT p50"), Column("ttft_p90_ms", "p90"),
           Column("ttft_p99_ms", "p99"), Column("itl_p50_ms", "ITL p50"), Column("itl_p90_ms", "p90"),
-          Column("itl_p99_ms", "p99"), Column("hit_ratio", "hit", f3), Column("pulled_bytes", "pulled B"),
-          Column("pull_gb_per_s", "GB/s", f3)], left=1)
+          Column("itl_p99_ms", "p99"), Column("hit_ratio", "hit", f3), Column("disaggregated", "P/D"),
+          Column("moved_bytes", "KV B"), Column("move_gb_per_s", "GB/s", f3)], left=2)
     return 1 if any(r["lost"] or r["duplicates"] for r in rows) else 0

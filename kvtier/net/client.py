@@ -120,12 +120,15 @@ class PeerClient:
         that arrived verified before it."""
         return self._call(Frame("GET", self.ns, list(keys)), _rows(rows, len(keys), self.block_bytes, True))
 
-    def put(self, keys: Sequence[bytes], blocks: object) -> int:
+    def put(self, keys: Sequence[bytes], blocks: object, sums: Sequence[int] | None = None) -> int:
         """Store blocks on the peer (`blocks`: [n, block_bytes] uint8 numpy or CPU torch, or a
-        list of rows); returns how many it newly wrote. Each block travels with its checksum;
-        the peer stores the leading blocks that match theirs."""
-        rows = _rows(blocks, len(keys), self.block_bytes, False)
-        sums = [block_checksum(r) for r in rows]
+        list of rows); returns how many it newly wrote. Each block travels with its checksum
+        (`sums`, the blocks' xxh3-64 as `Store.hold` gives them, else computed here); the peer
+        stores the leading blocks that match theirs."""
+        rows = _rows(blocks, len(keys), self.block_bytes, False)[:len(keys)]
+        if sums is None or len(sums) < len(keys):
+            sums = [block_checksum(r) for r in rows]
+        sums = list(sums[:len(keys)])
         req = Frame("PUT", self.ns, list(keys), payload=len(keys) * self.block_bytes, sums=sums)
         return self._call(req, rows, send_rows=True)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.checksum import block_checksum
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import parse_address
 from kvtier.net.directory import Directory
@@ -285,7 +285,10 @@ class Node:
             good = 0
             while good < n and block_checksum(buf[good]) == req.sums[good]:
                 good += 1
-            t = store.put(req.keys[:good], buf[:good]) if good else None
+            try:
+                t = store.put(req.keys[:good], buf[:good]) if good else None
+            except KvtierError as e:       # more blocks than the top tier holds, a closed store
+                raise FrameError(f"PUT refused: {e}") from None
             await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0, re=re).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")

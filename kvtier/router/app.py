@@ -32,9 +32,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvtier.router.blocks import MAX_ROUNDS, BlockMap
+from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import Pools, Worker
+from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
+from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, EchoAffinity, EventStream, error_response, on_api_error, read_body,
                               read_json, sse_event)
@@ -44,6 +47,7 @@ FORWARD = ("content-type", "authorization", AFFINITY)
 MAX_SESSIONS = 100_000
 CALIBRATION_TEXT = ("You are a coding agent. Read the repository, call the tools you need, and answer the "
                     "user's question with a short plan, the files to change and the tests to run. ") * 4
+KEYS_TIMEOUT_S = 1.0                          # a prompt's keys from a worker, else the text index decides
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}   # completions (OpenAI's default), chat (a guess for load only)
 
 
@@ -54,6 +58,8 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0
     poll_interval: float = 0.5
+    handoff: str = "pull"              # pull: the decode worker fetches; push: the prefill worker sends
+    prefixes: str = "events"           # events: the workers' KV events (blocks.py), else the text index only
 
 
 @dataclass
@@ -64,6 +70,8 @@ class Stats:
     prefill_retries: int = 0           # a prefill worker failed and another (or the decode worker) took over
     decode_retries: int = 0
     unserved: int = 0                  # answered 5xx: no worker could serve
+    pushed_bytes: int = 0              # KV bytes prefill workers pushed to decode workers (--handoff push)
+    push_failures: int = 0             # pushes that ended early (the decode worker pulls the rest)
 
 
 @dataclass
@@ -71,14 +79,20 @@ class Router:
     pools: Pools
     cfg: RouterConfig = field(default_factory=RouterConfig)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    blocks: BlockMap = field(default_factory=BlockMap)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
     stats: Stats = field(default_factory=Stats)
     tokens_per_byte: float = 0.3       # from a worker's tokenizer, then learned from prompt_tokens
     calibrated: bool = False
     client: httpx.AsyncClient | None = None
     _sessions: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
     _poller: asyncio.Task | None = None
+    _turn: int = 0                     # round-robin over the workers asked for a prompt's keys
 
     # -- life --------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.metrics.attach(self)
+
     async def start(self, max_connections: int = 256) -> None:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
@@ -88,9 +102,44 @@ class Router:
         while True:
             assert self.client is not None
             await self.pools.poll_once(self.client)
+            if self.cfg.prefixes == "events":
+                await asyncio.gather(*(self._read_events(w) for w in self.pools.all if w.ready and w.kv_events))
             if not self.calibrated:
                 await self._calibrate()
             await asyncio.sleep(self.cfg.poll_interval)
+
+    async def _read_events(self, w: Worker) -> None:
+        """Bring the router's view of `w`'s blocks up to date from its KV events (bounded)."""
+        assert self.client is not None
+        for _ in range(MAX_ROUNDS):
+            try:
+                r = await self.client.get(w.url + "/kvtier/events", params={"since": self.blocks.since(w.url)},
+                                          timeout=POLL_TIMEOUT_S)
+                if r.status_code != 200 or not self.blocks.apply(w.url, r.json()):
+                    return
+            except (httpx.HTTPError, ValueError, TypeError, IndexError) as e:
+                log.debug("KV events of %s: %s", w.url, e)
+                return
+
+    async def _keys(self, body: dict, chat: bool, prompt: Prompt) -> None:
+        """The prompt's block keys and exact token count from a worker (POST /kvtier/keys),
+        when some worker's events are known; else the text index is all there is."""
+        assert self.client is not None
+        ask = [w for w in self.pools.all if w.ready and self.blocks.knows(w.url)]
+        if self.cfg.prefixes != "events" or not ask:
+            return
+        self._turn += 1
+        w = ask[self._turn % len(ask)]
+        try:
+            r = await self.client.post(w.url + "/kvtier/keys", content=orjson.dumps(
+                {"api": "chat" if chat else "completions", "request": body}), timeout=KEYS_TIMEOUT_S,
+                headers={"content-type": "application/json"})
+            if r.status_code == 200:
+                data = r.json()
+                prompt.keys = [bytes.fromhex(k) for k in data["keys"]]
+                prompt.tokens = int(data["prompt_tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.debug("keys from %s: %s", w.url, e)
 
     async def _calibrate(self) -> None:
         """Tokens per byte of text, from a ready worker's tokenizer (once; then learned)."""
@@ -123,11 +172,22 @@ class Router:
         tokens = prompt.tokens_of(prompt.size, self.tokens_per_byte)
         cands = []
         for w in workers:
-            cached = tokens if handed_over else prompt.tokens_of(self.prefixes.match(w.url, prompt), self.tokens_per_byte)
+            if handed_over:
+                cached = tokens
+            elif prompt.keys is not None and self.blocks.knows(w.url):
+                cached = self.blocks.match(w.url, prompt.keys) * w.block_tokens     # what it reported it holds
+            else:
+                cached = prompt.tokens_of(self.prefixes.match(w.url, prompt), self.tokens_per_byte)
             cands.append(Candidate(w.url, cached, w.prefill_tokens, w.decode_blocks))
         mine = self._sessions.get(session, {}).get(pool) if session else None
         c = choose(cands, Ask(tokens, self.block_tokens, mine), self.cfg.policy)
         return next(w for w in workers if w.url == c.name), max(0, tokens - c.prefix_tokens)
+
+    def routed(self, w: Worker, prompt: Prompt) -> None:
+        """`prompt` went to `w`: it will hold its prefix (until its events or the text index say otherwise)."""
+        self.prefixes.insert(w.url, prompt)
+        if prompt.keys is not None:
+            self.blocks.sent(w.url, prompt.keys)
 
     def remember(self, session: str | None, pool: str, w: Worker) -> None:
         if session:
@@ -143,6 +203,17 @@ class Router:
 
     # -- a generation request ----------------------------------------------------------------
     async def generate(self, request: Request, chat: bool) -> Any:
+        """One generation request, counted in /metrics by route and outcome."""
+        route = "chat" if chat else "completions"
+        try:
+            answer, outcome = await self._generate(request, chat)
+        except ApiError as e:
+            self.metrics.request(route, "rejected" if e.status < 500 else "unserved")
+            raise
+        self.metrics.request(route, outcome)
+        return answer
+
+    async def _generate(self, request: Request, chat: bool) -> tuple[Any, str]:
         self.stats.requests += 1
         body = await read_json(request, self.cfg.max_body_bytes, "router")
         if not isinstance(body, dict):
@@ -151,32 +222,44 @@ class Router:
         headers["content-type"] = "application/json"
         session = request.headers.get(AFFINITY)
         prompt = prompt_of(body, chat)
+        await self._keys(body, chat, prompt)
         decoders = [w for w in self.pools.decode if w.ready]
         if not decoders:
             self.stats.unserved += 1
             raise ApiError(503, "no decode worker is ready; retry later (GET /health lists the workers)",
                            code="service_unavailable")
-        handoff = None
+        handoff = first = None
         prefillers = [w for w in self.pools.prefill if w.ready]
         if prefillers:
-            _, uncached = self.pick(decoders, prompt, session, "decode")
+            target, uncached = self.pick(decoders, prompt, session, "decode")
             if uncached >= self.cfg.direct_below:
-                handoff, answer = await self._prefill(body, prompt, session, headers, chat)
+                # push: the decode worker is chosen now, and the prefill worker sends it the blocks
+                push_to = _reachable(target.node, target) if self.cfg.handoff == "push" and target.node else None
+                handoff, answer = await self._prefill(body, prompt, session, headers, chat, push_to)
                 if answer is not None:
-                    return answer
+                    return answer, "rejected"
+                first = target if push_to is not None else None
         if handoff is not None:
             self.stats.disaggregated += 1
         else:
             self.stats.direct += 1
-        return await self._decode(request.url.path, body, prompt, session, headers, chat, handoff)
+        answer = await self._decode(request.url.path, body, prompt, session, headers, chat, handoff, first)
+        status = getattr(answer, "status_code", 200)          # a decode worker's own error, passed through
+        if status >= 400:
+            return answer, "rejected" if status < 500 else "unserved"
+        return answer, "disaggregated" if handoff is not None else "direct"
 
     async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                       chat: bool) -> tuple[dict | None, Response | None]:
+                       chat: bool, push_to: str | None = None) -> tuple[dict | None, Response | None]:
         """Prefill on a prefill worker: (the hand-over, None), (None, a 4xx to answer), or
-        (None, None) when no prefill worker could do it (the decode worker computes)."""
+        (None, None) when no prefill worker could do it (the decode worker computes).
+        `push_to`: the decode worker's node, which the prefill worker PUTs the blocks to."""
         assert self.client is not None
         tried: set[str] = set()
-        payload = orjson.dumps({"api": "chat" if chat else "completions", "request": body})
+        outer: dict[str, Any] = {"api": "chat" if chat else "completions", "request": body}
+        if push_to is not None:
+            outer["push_to"] = push_to
+        payload = orjson.dumps(outer)
         while True:
             workers = [w for w in self.pools.prefill if w.ready and w.url not in tried]
             if not workers:
@@ -208,12 +291,18 @@ class Router:
                 self.stats.prefill_retries += 1
                 continue
             self.learn(prompt, data.get("prompt_tokens"))
-            self.prefixes.insert(w.url, prompt)
+            self.routed(w, prompt)
             self.remember(session, "prefill", w)
+            pushed = data.get("pushed")
+            if isinstance(pushed, dict) and isinstance(pushed.get("bytes"), int):
+                self.stats.pushed_bytes += pushed["bytes"]
+                self.stats.push_failures += bool(pushed.get("error"))
             return hand, None
 
     async def _decode(self, path: str, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                      chat: bool, handoff: dict | None) -> Any:
+                      chat: bool, handoff: dict | None, first: Worker | None = None) -> Any:
+        """Stream the request from a decode worker (`first` if it is ready: the one the blocks
+        were pushed to), the next one if it cannot be reached or answers 503."""
         assert self.client is not None
         send = dict(body, kvtier_handoff=handoff) if handoff is not None else body
         content = orjson.dumps(send)
@@ -225,7 +314,10 @@ class Router:
             if not workers:
                 self.stats.unserved += 1
                 raise ApiError(503, "no decode worker could serve this request; retry later", code="service_unavailable")
-            w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
+            if first is not None and first in workers:
+                w, uncached = first, 0
+            else:
+                w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
             tried.add(w.url)
             load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
             try:
@@ -247,7 +339,7 @@ class Router:
                 load.release()
                 self.stats.decode_retries += 1
                 continue
-            self.prefixes.insert(w.url, prompt)
+            self.routed(w, prompt)
             self.remember(session, "decode", w)
             w.sent += 1
             ctype = resp.headers.get("content-type", "")
@@ -285,10 +377,12 @@ class Router:
 
     def health(self) -> tuple[dict, int]:
         ready = any(w.ready for w in self.pools.decode)
-        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy,
+        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy, "handoff": self.cfg.handoff,
                  "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
                  "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
-                 "workers": [w.view() for w in self.pools.all]}, 200 if ready else 503)
+                 "prefixes": self.cfg.prefixes,
+                 "workers": [dict(w.view(), **({"kv_events": v} if (v := self.blocks.view(w.url)) else {}))
+                             for w in self.pools.all]}, 200 if ready else 503)
 
 
 @dataclass
@@ -356,6 +450,9 @@ def build_app(router: Router) -> Any:
     async def forward(request: Request) -> Response:
         return await router.forward(request)
 
+    async def metrics(_request: Request) -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
     async def on_http_error(_request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         codes = {404: "not_found", 405: "method_not_allowed"}
@@ -372,6 +469,7 @@ def build_app(router: Router) -> Any:
         Route("/tokenize", forward, methods=["POST"]),
         Route("/detokenize", forward, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})

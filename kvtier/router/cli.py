@@ -45,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="kvtier",
                    help="routing rule (docs/disaggregation.md): kvtier (longest cached prefix among balanced "
                         "workers), dynamo (min uncached prefill blocks + decode blocks), sglang (cache-aware)")
+    p.add_argument("--handoff", choices=("pull", "push"), default="pull",
+                   help="how the prompt's KV reaches the decode worker (docs/disaggregation.md): pull (the decode "
+                        "worker fetches it from the prefill worker's node at admission) or push (the router picks the "
+                        "decode worker first; the prefill worker sends the blocks to its node before answering)")
+    p.add_argument("--prefixes", choices=("events", "text"), default="events",
+                   help="what the router knows of each worker's cached prefixes: events (the block keys the "
+                        "workers' GET /kvtier/events report, matched against each prompt's keys from POST "
+                        "/kvtier/keys; the text index where a worker publishes none) or text (an approximate "
+                        "index of what the router sent each worker)")
     p.add_argument("--direct-below", type=non_negative_int, default=256, metavar="TOKENS",
                    help="prompts with fewer uncached tokens than this go straight to a decode worker")
     p.add_argument("--max-body-size", type=size, default=4 << 20, metavar="SIZE",
@@ -85,7 +94,8 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode])
     router = Router(pools, RouterConfig(policy=args.policy, direct_below=args.direct_below,
                                         max_body_bytes=args.max_body_size, request_timeout=args.request_timeout,
-                                        poll_interval=args.poll_interval))
+                                        poll_interval=args.poll_interval, handoff=args.handoff,
+                                        prefixes=args.prefixes))
     config = uvicorn.Config(build_app(router), lifespan="off", log_level="warning", access_log=False,
                             http="httptools" if has("httptools") else "h11", limit_concurrency=args.max_connections,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
@@ -96,7 +106,7 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     async def main() -> None:
         await router.start(max_connections=args.max_connections)
         print(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
-              f"policy {args.policy}; GET {url}/health lists them)", flush=True)
+              f"policy {args.policy}, {args.handoff} hand-over; GET {url}/health lists them)", flush=True)
         try:
             await server.serve(sockets=[sock])
         finally:

@@ -31,6 +31,7 @@ class Prompt:
     hashes: list[bytes]
     size: int
     tokens: int | None = None
+    keys: list[bytes] | None = None      # its block keys, as the workers key it (blocks.py), when known
 
     def tokens_of(self, nbytes: int, tokens_per_byte: float) -> int:
         """Tokens in the first `nbytes` bytes: proportional to the known count, else estimated."""

@@ -31,6 +31,9 @@ class Worker:
     role: str | None = None            # what it reports: both, prefill, decode
     node: str | None = None            # its kvtier node, host:port
     block_tokens: int = 16
+    kv_events: bool = False            # it publishes GET /kvtier/events (router/blocks.py)
+    pulled_bytes: int = 0              # KV it handed over, as it reports it (decode: pulled, prefill: pushed)
+    pushed_bytes: int = 0
     prefill_tokens: int = 0            # router-side counts (see the module docstring)
     decode_blocks: int = 0
     decode_seqs: int = 0
@@ -94,6 +97,9 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
     if data:
         w.role, w.node = data.get("role"), data.get("node")
         w.block_tokens = int(data.get("block_tokens") or w.block_tokens)
+        w.kv_events = data.get("kv_events") is True
+        w.pulled_bytes = int(data.get("pulled_bytes") or 0)
+        w.pushed_bytes = int(data.get("pushed_bytes") or 0)
         if w.pool == "prefill" and w.role not in (None, "prefill", "both"):
             w.status, w.error = "down", f"it runs --role {w.role}, not prefill"
         elif w.pool == "prefill" and not w.node:

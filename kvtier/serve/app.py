@@ -47,6 +47,7 @@ class Service:
     inflight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     disagg: Any = None                # kvtier.serve.disagg.Disagg: the worker's P/D role, or None
+    kv_events: Any = None             # kvtier.serve.events.KvEvents, from the first GET /kvtier/events
     _chat: ChatFormatter | None = None
     _idle: asyncio.Event | None = None
 
@@ -336,6 +337,22 @@ def build_app(svc: Service) -> Any:
         from kvtier.serve.disagg import prefill as run_prefill
         return await run_prefill(svc, request)
 
+    async def keys(request: Request) -> Response:
+        from kvtier.serve.disagg import block_keys
+        return await block_keys(svc, request)
+
+    async def events(request: Request) -> Response:
+        svc.check_serving()
+        try:
+            since = int(request.query_params.get("since", "0"))
+            limit = int(request.query_params.get("limit", "4096"))
+        except ValueError:
+            raise P.bad("since and limit must be integers", "since") from None
+        if svc.kv_events is None:                 # from the first router that asks: idle costs nothing
+            from kvtier.serve.events import KvEvents
+            svc.kv_events = KvEvents(svc.llm.store)
+        return JSON(svc.kv_events.since(since, limit))
+
     async def load(_request: Request) -> Response:
         from kvtier.serve.disagg import Disagg
         return JSON((svc.disagg or Disagg()).load(svc))
@@ -366,6 +383,8 @@ def build_app(svc: Service) -> Any:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/kvtier/prefill", prefill, methods=["POST"]),
         Route("/kvtier/load", load, methods=["GET"]),
+        Route("/kvtier/keys", keys, methods=["POST"]),
+        Route("/kvtier/events", events, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})

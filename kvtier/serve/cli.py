@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
                    help="prefill/decode disaggregation behind `kvtier router` (docs/disaggregation.md): prefill "
                         "computes prompts' KV and hands it over, decode pulls it and generates; both does all")
+    p.add_argument("--handoff-ttl", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="--role prefill: how long a prompt's blocks stay pinned in memory for the decode worker "
+                        "to pull them (released then, or at once when pushed whole)")
     cluster = p.add_argument_group("cluster mode: share blocks with other servers and nodes")
     cluster.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
                          help="kvtier nodes (or servers' --kv-listen addresses) to fetch blocks from")
@@ -175,6 +178,9 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
                 remote = disagg.remote = TimedRemote(directory=disagg.handoff, secret=cluster["secret"])
             elif base is not None:
                 remote = TimedRemote(directory=base, secret=cluster["secret"])
+            if cluster["role"] == "prefill":
+                from kvtier.net.push import Pusher
+                disagg.pusher = Pusher(cluster["secret"])
         llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
                   max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote,
                   speculative=getattr(args, "speculative", None))
@@ -245,7 +251,7 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
 
     metrics = ServeMetrics(name)
     nodes: list[Any] = []
-    disagg = Disagg(args.role) if cluster is not None else None
+    disagg = Disagg(args.role, pin_ttl=args.handoff_ttl) if cluster is not None else None
     engine = EngineLoop(_make_llm(args, cache, cluster, nodes, disagg), metrics,
                         before_close=lambda: [n.stop() for n in nodes])
     metrics.attach(engine)

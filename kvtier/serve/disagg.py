@@ -5,6 +5,10 @@
   4xx), the prompt is computed into this server's store (one token sampled, then the
   request ends; its full blocks stay cached), and the answer says where the KV is:
   `{"prompt_tokens", "block_tokens", "keys": [hex], "node": "host:port", "cached_tokens"}`.
+  The blocks stay pinned here for --handoff-ttl seconds (30) (in memory, not evicted before the
+  decode worker pulls them; released on expiry). With `"push_to": "host:port"` (the router's
+  --handoff push) the blocks are first PUT to that node (kvtier/net/push.py) and the answer
+  says how many arrived (`"pushed"`); a complete push releases the pin at once.
 - A generation request with `"kvtier_handoff": {"node", "keys"}` (decode workers): the keys
   are checked against this server's own keys of the prompt (same model, weights and block
   size, or the hint is ignored) and registered as hints; admission then pulls that prefix
@@ -12,6 +16,8 @@
   (the prefill worker died, evicted the blocks) means the prompt is computed here.
 - `GET /kvtier/load`: what a router balances on: role, node, outstanding prefill tokens,
   running and waiting requests, KV usage, handed-over bytes.
+- `POST /kvtier/keys` (any role): a prompt's block keys, as admission keys it, so a router
+  can match them against the `GET /kvtier/events` this server publishes (events.py).
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.net.address import parse_address
 from kvtier.net.handoff import HandoffDirectory
+from kvtier.net.push import Pusher
 from kvtier.net.remote import Remote
 from kvtier.serve import protocol as P
 from kvtier.serve.engine_loop import Failed, Finished, Submission
@@ -38,6 +47,7 @@ log = logging.getLogger("kvtier.serve")
 ROLES = ("both", "prefill", "decode")
 HANDOFF_FIELD = "kvtier_handoff"
 MAX_HANDOFF_KEYS = 1 << 14
+COMPUTE_PIN_S = 600.0      # a prefill's blocks stay pinned while it computes (then for Disagg.pin_ttl)
 
 
 class TimedRemote(Remote):
@@ -59,9 +69,11 @@ class Disagg:
     """A worker's part in P/D: its role, its node's address, and where hand-over hints go."""
 
     role: str = "both"
+    pin_ttl: float = 30.0                         # seconds a prefill's blocks stay pinned for the pull (--handoff-ttl)
     node: str | None = None                       # set once the node listens (engine thread)
     handoff: HandoffDirectory | None = None
     remote: TimedRemote | None = None
+    pusher: Pusher | None = None                  # prefill workers: --handoff push sends blocks with it
     handed_over: int = 0                          # requests that arrived with a hand-over
     prefills: int = 0                             # /kvtier/prefill answered
     _started: float = field(default_factory=time.perf_counter)
@@ -71,7 +83,7 @@ class Disagg:
         out: dict[str, Any] = {"role": self.role, "node": self.node, "status": svc.phase,
                                "running": running, "waiting": waiting, "inflight": svc.inflight,
                                "prefill_tokens": 0, "kv_usage": 0.0, "handed_over": self.handed_over,
-                               "prefills": self.prefills}
+                               "prefills": self.prefills, "kv_events": True}
         llm = svc.engine.llm
         if llm is not None and svc.phase == "ready":
             s = llm.scheduler
@@ -81,6 +93,11 @@ class Disagg:
             out["block_bytes"] = llm.store.layout.block_bytes
             pool = svc.engine.llm.adapter.device_tier.capacity_blocks
             out["kv_usage"] = round(sum(len(r.pages) for r in list(s.running)) / pool, 4) if pool else 0.0
+            out["pinned_blocks"] = sum(t.pinned_blocks for t in llm.store.stats().tiers)
+        if self.pusher is not None:
+            p = self.pusher
+            out.update(pushed_blocks=p.blocks, pushed_bytes=p.bytes, push_seconds=round(p.seconds, 6),
+                       push_failures=p.failures)
         if self.remote is not None:
             bb = out.get("block_bytes", 0)
             out["pulled_blocks"] = self.remote.fetched_blocks
@@ -118,30 +135,56 @@ def accept_handoff(svc: Service, body: dict, ids: list[int]) -> None:
         d.handoff.hint([bytes(k) for k in mine[:n]], hand["node"])
 
 
+async def _wrapped(svc: Service, request: Request) -> tuple[dict, P.GenerationRequest, list[int]]:
+    """A router's `{"api": "completions" | "chat", "request": {...}}` body: the outer object, the
+    client's request (validated as /v1/... validates it: the same 4xx) and its prompt's ids."""
+    from kvtier.serve.sse import read_json
+
+    svc.check_serving()
+    outer = await read_json(request, svc.max_body_bytes)
+    if not isinstance(outer, dict) or outer.get("api") not in ("completions", "chat"):
+        raise P.bad("the body must be {'api': 'completions' | 'chat', 'request': {...}}", "api")
+    body = outer.get("request")
+    req = P.parse_chat(body) if outer["api"] == "chat" else P.parse_completion(body)
+    svc.check_model(req.model)
+    return outer, req, svc.prompt_ids(req)
+
+
+async def block_keys(svc: Service, request: Request) -> Any:
+    """POST /kvtier/keys: the block keys of a request's prompt as this server keys it (the
+    blocks a cached prefix is made of), so a router can match them against KV events."""
+    from kvtier.serve.sse import JSON
+
+    _, _, ids = await _wrapped(svc, request)
+    adapter = svc.llm.adapter
+    keys = adapter.keys(ids[:len(ids) - 1])       # what admission looks up: the last token is computed
+    return JSON({"object": "kvtier.keys", "prompt_tokens": len(ids), "block_tokens": adapter.block_tokens,
+                 "keys": [bytes(k).hex() for k in keys]})
+
+
 async def prefill(svc: Service, request: Request) -> Any:
     """POST /kvtier/prefill: compute the prompt's KV here and say where it is."""
     from kvtier.serve.app import session_of
-    from kvtier.serve.sse import JSON, read_json
+    from kvtier.serve.sse import JSON
 
     d = svc.disagg
     if d is None or d.node is None:
         raise ApiError(404, "this server has no kvtier node to hand KV over from: start it with --role prefill",
                        code="not_found")
-    svc.check_serving()
     session = session_of(request)
-    outer = await read_json(request, svc.max_body_bytes)
-    if not isinstance(outer, dict) or outer.get("api") not in ("completions", "chat"):
-        raise P.bad("the body must be {'api': 'completions' | 'chat', 'request': {...}}", "api")
-    chat = outer["api"] == "chat"
-    body = outer.get("request")
-    req = P.parse_chat(body) if chat else P.parse_completion(body)
-    svc.check_model(req.model)
-    ids = svc.prompt_ids(req)
+    outer, req, ids = await _wrapped(svc, request)
     svc.sampling(req, len(ids))                   # the same 400s the decode worker would give
+    push_to = _push_target(outer.get("push_to"))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     rid = f"prefill-{uuid.uuid4().hex}"
+    adapter = svc.llm.adapter
+    keys = adapter.keys(ids[:len(ids) - 1])
+    pin = f"kvtier-handoff:{rid}"
+    # Pinned before the prompt is computed (keys not cached yet are protected when they
+    # arrive), so no other request evicts them between compute and the decode worker's pull.
+    adapter.pin(pin, keys, COMPUTE_PIN_S)
     t0 = time.perf_counter()
     svc.begin()
     over = False
@@ -156,12 +199,35 @@ async def prefill(svc: Service, request: Request) -> Any:
                 if isinstance(ev, Finished):
                     over = True
                     cached = sum(ev.cached_by_tier.values())
+    except BaseException:
+        adapter.unpin(pin)
+        raise
     finally:
         if not over:                              # cancelled: the router went away
             svc.engine.abort(rid)
         svc.end()
-    keys = svc.llm.adapter.keys(ids[:len(ids) - 1])
+    adapter.pin(pin, keys, d.pin_ttl)             # now a short, bounded wait for the pull
+    answer = {"object": "kvtier.prefill", "prompt_tokens": len(ids), "block_tokens": adapter.block_tokens,
+              "keys": [bytes(k).hex() for k in keys], "node": d.node, "cached_tokens": cached,
+              "prefill_s": round(time.perf_counter() - t0, 6)}
+    if push_to is not None and d.pusher is not None and len(keys):
+        pushed = await asyncio.to_thread(d.pusher.push, svc.llm.store, keys, push_to)
+        if pushed.blocks == len(keys):
+            adapter.unpin(pin)                    # the decode worker has them all: nothing to pull
+        answer["pushed"] = {"node": push_to, "blocks": pushed.blocks, "sent": pushed.sent, "bytes": pushed.bytes,
+                            "seconds": round(pushed.seconds, 6), **({"error": pushed.error} if pushed.error else {})}
     d.prefills += 1
-    return JSON({"object": "kvtier.prefill", "prompt_tokens": len(ids), "block_tokens": svc.llm.adapter.block_tokens,
-                 "keys": [bytes(k).hex() for k in keys], "node": d.node, "cached_tokens": cached,
-                 "prefill_s": round(time.perf_counter() - t0, 6)})
+    return JSON(answer)
+
+
+def _push_target(value: Any) -> str | None:
+    """The node a prefill's blocks are pushed to ("push_to"), checked; None: pull."""
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, str):
+            raise ConfigError("not a string")
+        parse_address(value)
+    except ConfigError:
+        raise P.bad("push_to must be a kvtier node's 'host:port'", "push_to") from None
+    return value

@@ -1,0 +1,115 @@
+"""What each worker really holds: block keys from the KV events the workers publish.
+
+The router polls each ready worker's `GET /kvtier/events?since=N` (kvtier/serve/events.py)
+and keeps, per worker, the keys of the blocks its store holds. For a request it asks one
+worker for the prompt's block keys (`POST /kvtier/keys`: the workers key prompts exactly as
+admission does), and a worker's cached prefix is the leading run of those keys it holds.
+Where a worker publishes no events (an older server) or the keys could not be had, the
+router falls back to its approximate text index (prefixes.py).
+
+Between a request being sent and its blocks' events coming back (one poll), the keys sent
+are believed held ("pending"), for at most PENDING_S; an event for a key settles it either
+way. A worker that restarted (another epoch) or whose log the router fell behind is started
+afresh. Bounded: at most `capacity` keys per worker (the oldest reported forgotten first).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+PENDING_S = 5.0              # seconds a routed request's keys count as held before events confirm them
+DEFAULT_CAPACITY = 1 << 20   # keys per worker (~100 MB at most for a million blocks)
+MAX_ROUNDS = 8               # event batches read per worker per poll
+
+
+@dataclass
+class WorkerBlocks:
+    """One worker's blocks as its events report them."""
+
+    epoch: str | None = None
+    next: int = 0                                  # the next event number to ask for
+    held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    pending: dict[bytes, float] = field(default_factory=dict)   # key -> when the belief expires
+    events: int = 0                                # events applied
+    resets: int = 0
+
+
+class BlockMap:
+    """Per worker, the block keys it holds (from its events), and the prefix match."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.clock = clock
+        self._workers: dict[str, WorkerBlocks] = {}
+
+    def knows(self, worker: str) -> bool:
+        """Whether `worker` publishes events this router has read."""
+        return worker in self._workers
+
+    def since(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return w.next if w is not None else 0
+
+    def apply(self, worker: str, answer: Any) -> bool:
+        """Apply one `/kvtier/events` answer; True if more events are waiting. A malformed
+        answer raises ValueError (the caller treats the worker as publishing none)."""
+        if not isinstance(answer, dict) or not isinstance(answer.get("events"), list) \
+                or not isinstance(answer.get("next"), int) or not isinstance(answer.get("epoch"), str):
+            raise ValueError("not a /kvtier/events answer")
+        w = self._workers.setdefault(worker, WorkerBlocks())
+        if answer["epoch"] != w.epoch or answer.get("reset"):
+            if w.epoch is not None:
+                w.resets += 1
+            w.held.clear()
+            w.pending.clear()
+            w.epoch = answer["epoch"]
+        held, pending = w.held, w.pending
+        for ev in answer["events"]:
+            op, key = ev[0], bytes.fromhex(ev[1])
+            pending.pop(key, None)
+            if op == "+":
+                held[key] = None
+                held.move_to_end(key)
+            else:
+                held.pop(key, None)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        w.events += len(answer["events"])
+        w.next = answer["next"]
+        return isinstance(answer.get("last"), int) and answer["last"] > w.next
+
+    def sent(self, worker: str, keys: Sequence[bytes]) -> None:
+        """A request with these keys went to `worker`: believe them held until events say."""
+        w = self._workers.get(worker)
+        if w is None:
+            return
+        until = self.clock() + PENDING_S
+        for k in keys:
+            if k not in w.held:
+                w.pending[k] = until
+
+    def match(self, worker: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` `worker` holds (or was just sent)."""
+        w = self._workers.get(worker)
+        if w is None:
+            return 0
+        now, n = self.clock(), 0
+        for k in keys:
+            if k in w.held or w.pending.get(k, 0.0) > now:
+                n += 1
+            else:
+                break
+        if len(w.pending) > 4096:                  # expired beliefs go now and then
+            w.pending = {k: t for k, t in w.pending.items() if t > now}
+        return n
+
+    def forget(self, worker: str) -> None:
+        self._workers.pop(worker, None)
+
+    def view(self, worker: str) -> dict[str, Any] | None:
+        w = self._workers.get(worker)
+        if w is None:
+            return None
+        return {"blocks": len(w.held), "events": w.events, "next": w.next, "resets": w.resets}

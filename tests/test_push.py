@@ -1,0 +1,72 @@
+"""Pushing blocks to another node (kvtier/net/push.py, the prefill side of `--handoff push`),
+in one process on loopback: byte-exact arrival, nothing sent twice, and a receiver that is
+gone or cannot take the blocks ends the push early without raising or hanging."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import kvtier
+from kvtier.net import Node, PeerClient
+from kvtier.net.push import Pusher
+from tests.conftest import payload
+
+LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)  # 8 KiB
+NS = kvtier.Namespace("push-test", "r1")
+SECRET = b"cluster-secret-0123456789abcdef"
+
+
+def store(blocks: int = 64) -> kvtier.Store:
+    return kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=blocks)], NS)
+
+
+def test_push_lands_byte_exact_and_is_not_sent_twice():
+    sender, receiver = store(), store()
+    keys = sender.keys(list(range(8 * 10)))                   # 10 blocks
+    sender.put(keys, payload(keys, LAYOUT.block_bytes))
+    pusher = Pusher(SECRET, chunk=4)                           # 3 PUTs: 4 + 4 + 2
+    with Node(receiver, "127.0.0.1:0", SECRET) as node:
+        out = pusher.push(sender, keys, node.address)
+        assert (out.blocks, out.sent, out.bytes, out.error) == (10, 10, 10 * LAYOUT.block_bytes, "")
+        assert receiver.lookup(keys).blocks == 10
+        got = torch.zeros(10, LAYOUT.block_bytes, dtype=torch.uint8)
+        assert receiver.get(keys, got).loaded == 10 and torch.equal(got, payload(keys, LAYOUT.block_bytes))
+        longer = sender.keys(list(range(8 * 12)))
+        sender.put(longer, payload(longer, LAYOUT.block_bytes))
+        again = pusher.push(sender, longer, node.address)     # the receiver holds 10: 2 are sent
+        assert (again.blocks, again.sent) == (12, 2)
+    assert (pusher.blocks, pusher.bytes, pusher.failures) == (12, 12 * LAYOUT.block_bytes, 0)
+    pusher.close()
+
+
+def test_push_sends_only_the_cached_prefix():
+    sender, receiver = store(), store()
+    keys = sender.keys(list(range(8 * 6)))
+    sender.put(keys[:3], payload(keys[:3], LAYOUT.block_bytes))   # blocks 3-5 are not here
+    with Node(receiver, "127.0.0.1:0", SECRET) as node:
+        out = Pusher(SECRET).push(sender, keys, node.address)
+    assert (out.blocks, out.sent, out.error) == (3, 3, "") and receiver.lookup(keys).blocks == 3
+
+
+def test_a_receiver_that_is_gone_or_too_small_ends_the_push_early():
+    sender = store()
+    keys = sender.keys(list(range(8 * 10)))
+    sender.put(keys, payload(keys, LAYOUT.block_bytes))
+    t0 = time.monotonic()
+    with Node(store(), "127.0.0.1:0", SECRET) as gone:
+        address = gone.address
+    out = Pusher(SECRET, timeout=0.5).push(sender, keys, address)
+    assert out.blocks == 0 and out.error and time.monotonic() - t0 < 5
+    # a PUT of more blocks than the receiver's top tier holds is refused (an ERR reply), and
+    # the node goes on serving
+    small = store(blocks=4)
+    with Node(small, "127.0.0.1:0", SECRET) as node:
+        pusher = Pusher(SECRET, chunk=8)
+        out = pusher.push(sender, keys, node.address)
+        assert out.blocks == 0 and "PUT refused" in out.error and pusher.failures == 1
+        with PeerClient.for_store(small, node.address, SECRET, timeout=2) as c:
+            rows = payload(keys[:2], LAYOUT.block_bytes).numpy()
+            assert c.put(keys[:2], rows) == 2 and c.has(keys) == 2
+            assert c.put(keys[2:4], rows, sums=[0, 0]) == 0        # blocks that do not match their checksums
+            assert c.has(keys) == 2                                  # are never stored
