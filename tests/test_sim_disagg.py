@@ -56,3 +56,27 @@ def test_calibration_times_the_engine_here():
         assert c.kv_bytes_per_token == llm.model.kv_layout(16).block_bytes // 16
     colocated, disagg = compare(c, Workload(rate=1, prompt_tokens=256, output_tokens=8, requests=20))
     assert colocated["requests"] == disagg["requests"] == 20
+
+
+def test_bench_disagg_predict_prints_the_costs_and_both_setups(monkeypatch, capsys):
+    """`kvtier bench disagg --predict`: the measured costs, then colocated and 1P+1D at each
+    rate, for the costs measured here and for GPU-scale ones (the timing itself is stubbed:
+    test_calibration_times_the_engine_here runs it)."""
+    import json
+
+    from kvtier import cli
+    from kvtier.sim import calibrate
+
+    here = Costs(prefill_per_token_s=2e-4, decode_base_s=0.008, decode_per_seq_s=3e-4, kv_bytes_per_token=2560,
+                 chunk=1024)
+    monkeypatch.setattr(calibrate, "measure_costs",
+                        lambda model: calibrate.Measured(here, (64, 1024), (0.02, 0.21), {1: 0.0083, 16: 0.0128}))
+    assert cli.main(["bench", "disagg", "--predict", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["prefill_us_per_token"] == 200.0 and lines[0]["decode_step_ms"] == 8.0
+    rows = lines[1:]
+    assert [(r["costs"], r["setup"]) for r in rows] == [
+        (name, setup) for name in ("measured here", "measured here", "GPU_KIMI_K2", "GPU_KIMI_K2")
+        for setup in ("colocated", "1P+1D")]
+    gpu = [r for r in rows if r["costs"] == "GPU_KIMI_K2" and r["rate"] == 4.0]
+    assert gpu[0]["itl_p99_ms"] > 2 * gpu[1]["itl_p99_ms"]

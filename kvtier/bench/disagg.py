@@ -8,6 +8,10 @@ with `--handoff pull` the decode worker's HAS + GET from the prefill worker's no
 `--handoff push` the prefill worker's HAS + PUTs to the decode worker's node (`pull,push`
 runs the P/D setup once each). Bounded in requests and in time; every process it starts is
 stopped (SIGTERM, then killed).
+
+`--predict` runs no servers: it times the engine's prefill and decode steps here
+(kvtier/sim/calibrate.py) and prints the disaggregation model's predictions (kvtier/sim/disagg.py)
+with those costs, each worker on cores of its own, and with GPU-scale costs (GPU_KIMI_K2).
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pd setup's hand-over (`kvtier router --handoff`): pull, push, or pull,push (one run each)")
     p.add_argument("--direct-below", type=non_negative_int, default=256, metavar="TOKENS",
                    help="the router's --direct-below: 0 hands every prompt over")
+    p.add_argument("--predict", action="store_true",
+                   help="instead: time the engine's prefill and decode steps here and print the disaggregation "
+                        "model's predictions with those costs and with GPU-scale ones (no servers)")
 
 
 def _cluster(setup: str, handoff: str, args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
@@ -88,6 +95,8 @@ def _moved(urls: list[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.predict:
+        return _predict(args)
     import httpx
 
     from kvtier.bench.common import Column, emit, fmt_float
@@ -119,3 +128,44 @@ def run(args: argparse.Namespace) -> int:
           Column("itl_p99_ms", "p99"), Column("hit_ratio", "hit", f3), Column("disaggregated", "P/D"),
           Column("moved_bytes", "KV B"), Column("move_gb_per_s", "GB/s", f3)], left=2)
     return 1 if any(r["lost"] or r["duplicates"] for r in rows) else 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    """The model (kvtier/sim/disagg.py) on costs measured here and on GPU-scale costs."""
+    import json
+
+    from kvtier.bench.common import Column, emit, fmt_float
+    from kvtier.progress import progress
+    from kvtier.sim.calibrate import measure_costs
+    from kvtier.sim.disagg import GPU_KIMI_K2, Workload, compare
+
+    with progress("timing the engine's prefill and decode steps", enabled=not args.json):
+        m = measure_costs(args.model)
+    c = m.costs
+    costs = {"bench": "disagg", "costs": "measured here", "prefill_us_per_token": round(c.prefill_per_token_s * 1e6, 1),
+             "decode_step_ms": round(c.decode_base_s * 1e3, 2), "decode_ms_per_seq": round(c.decode_per_seq_s * 1e3, 3),
+             "kv_bytes_per_token": c.kv_bytes_per_token, "chunk": c.chunk, "timed_steps_s": m.step_s}
+    if args.json:
+        print(json.dumps(costs), flush=True)
+    else:
+        print(f"measured here ({args.model}, one thread): prefill {costs['prefill_us_per_token']} us/token, "
+              f"decode step {costs['decode_step_ms']} ms + {costs['decode_ms_per_seq']} ms per sequence, "
+              f"KV {c.kv_bytes_per_token} B/token")
+    # Here: 2,048-token prompts at 30 % and 60 % of two workers' prefill capacity. GPU: the
+    # documented Kimi K2 case (docs/disaggregation.md).
+    prompt, out = 2048, 64
+    cases = [(c, "measured here", Workload(util * 2 / (prompt * c.prefill_per_token_s), prompt, out, requests=200))
+             for util in (0.3, 0.6)] if c.prefill_per_token_s > 0 else []
+    cases += [(GPU_KIMI_K2, "GPU_KIMI_K2", Workload(rate, 8000, 200, requests=300)) for rate in (2.0, 4.0)]
+    rows = []
+    for cost, name, load in cases:
+        for r in compare(cost, load, workers=2):
+            rows.append({"bench": "disagg", "costs": name, "rate": round(load.rate, 3), "prompt_tokens": load.prompt_tokens,
+                         "output_tokens": load.output_tokens, **r})
+    f1 = fmt_float(1)
+    emit(rows, args.json, "the disaggregation model, 2 workers (kvtier/sim/disagg.py)",
+         [Column("costs", "costs"), Column("setup", "setup"), Column("rate", "req/s", fmt_float(2)),
+          Column("ttft_p50_ms", "TTFT p50", f1), Column("ttft_p90_ms", "p90", f1), Column("itl_p50_ms", "ITL p50", f1),
+          Column("itl_p90_ms", "p90", f1), Column("itl_p99_ms", "p99", f1), Column("out_tok_per_s", "tok/s", f1)],
+         left=2)
+    return 0
