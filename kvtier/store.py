@@ -186,13 +186,16 @@ class Store:
         with this store's origin: a store of another namespace, layout or hash refuses them."""
         return self.keyer(tokens, parent)
 
-    def lookup(self, keys: Sequence[BlockKey]) -> Hit:
-        """The longest cached prefix of `keys` and the tier of each block; moves no data."""
+    def lookup(self, keys: Sequence[BlockKey], *, local: bool = False) -> Hit:
+        """The longest cached prefix of `keys` and the tier of each block; moves no data.
+        With a remote, the peers are asked for what follows the local prefix, unless
+        `local` (what a node answers its peers: asking its own peers in turn would send
+        two nodes that list each other round in a loop until the deadline)."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
             n, locs = self.index.lookup(keys)
-        if self.remote is not None and n < len(keys):
+        if self.remote is not None and n < len(keys) and not local:
             m = len(self.remote.locate(keys[n:]))       # one round trip (directory or each peer)
             locs += [len(self.tiers)] * m
             n += m
@@ -342,12 +345,14 @@ class Store:
         self._written(res)
 
     @contextmanager
-    def reading(self, keys: Sequence[BlockKey], promote: bool | None = None) -> Iterator[HeldBlocks]:
+    def reading(self, keys: Sequence[BlockKey], promote: bool | None = None, *,
+                local: bool = False) -> Iterator[HeldBlocks]:
         """A load read in place: hold the longest locally cached prefix of `keys` and yield
         where each block's bytes are. Blocks in memory tiers are their slots (no copy);
         blocks on disk are read into a buffer of the store's and verified (the prefix ends
         at the first that fails; with `promote`, default the store's, they are also copied
-        up into the top tier). Nothing held is evicted or overwritten until the block exits."""
+        up into the top tier). With a remote, blocks past the local prefix are fetched from
+        peers unless `local`. Nothing held is evicted or overwritten until the block exits."""
         self._check_keys(keys)
         with self._lock:
             self._check_open()
@@ -359,7 +364,7 @@ class Store:
             c.get_blocks += n
             c.get_bytes += n * self.layout.block_bytes
         with self._held_reads(held, locs, promote) as blocks:
-            if self.remote is None or blocks.blocks < n or n == len(keys):
+            if self.remote is None or local or blocks.blocks < n or n == len(keys):
                 yield blocks
                 return
             buffer = self._read_buffer(len(keys) - n)     # the rest from peers, verified
@@ -456,11 +461,11 @@ class Store:
 
     @contextmanager
     def hold(self, keys: Sequence[BlockKey]) -> Iterator[tuple[list[np.ndarray], list[int]]]:
-        """Hold the longest cached prefix of `keys` and yield its blocks' bytes and xxh3-64
-        checksums: views of slot memory for memory tiers (no copy: a node sends them straight
-        to a peer), verified copies for disk. Nothing held is evicted or overwritten until
-        the block exits."""
-        with self.reading(keys, promote=False) as held:
+        """Hold the longest locally cached prefix of `keys` (never fetched from peers: this
+        is what a node serves them) and yield its blocks' bytes and xxh3-64 checksums: views
+        of slot memory for memory tiers (no copy: a node sends them straight to a peer),
+        verified copies for disk. Nothing held is evicted or overwritten until the block exits."""
+        with self.reading(keys, promote=False, local=True) as held:
             rows = held.rows()
             with self._lock:
                 entries = [self.index.entries[k] for k in keys[:held.blocks]]

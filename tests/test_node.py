@@ -396,3 +396,34 @@ def test_a_down_peer_is_logged_once_backed_off_and_found_again(caplog):
         assert len(msgs) == 2 and "reachable again" in msgs[1], msgs
     store.close()
     peer_store.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nodes_that_list_each_other_answer_only_their_own_blocks():
+    """A node answers HAS and GET from its own tiers only: two nodes whose stores fetch from
+    each other must not relay a miss back and forth (it used to loop until the deadline and
+    leave each peer marked unreachable)."""
+    pa, pb = _free_port(), _free_port()
+    a = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS,
+                     remote=kvtier.Remote([f"127.0.0.1:{pb}"], SECRET, timeout=2))
+    b = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS,
+                     remote=kvtier.Remote([f"127.0.0.1:{pa}"], SECRET, timeout=2))
+    with Node(a, f"127.0.0.1:{pa}", SECRET) as na, Node(b, f"127.0.0.1:{pb}", SECRET):
+        only_b = b.keys(list(range(100, 124)))
+        b.put(only_b, payload(only_b, LAYOUT.block_bytes))
+        nobody = a.keys(list(range(24)))
+        with PeerClient.for_store(a, na.address, SECRET, timeout=5) as c:
+            assert c.has(nobody) == 0
+            assert c.has(only_b) == 0                       # b's blocks: not a's to serve
+            assert c.get(only_b, np.zeros((3, LAYOUT.block_bytes), np.uint8)) == 0
+        assert a.remote.errors == b.remote.errors == 0     # no relayed call timed out
+        assert a.lookup(only_b).blocks == 3                # a's own lookups still ask b
+        out = torch.zeros(3, LAYOUT.block_bytes, dtype=torch.uint8)
+        assert a.get(only_b, out).loaded == 3 and torch.equal(out, payload(only_b, LAYOUT.block_bytes))
+    a.close()
+    b.close()

@@ -36,7 +36,7 @@ from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode, read_prefix
 from kvtier.net.limits import Gate, NodeLimits
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
-from kvtier.net.transport import ServerConn, TcpServerConn, TlsServerConn, check_transport
+from kvtier.net.transport import ServerConn, TcpServerConn, TlsServerConn, check_transport, within
 
 if TYPE_CHECKING:
     from kvtier.store import Store
@@ -225,7 +225,7 @@ class Node:
             while True:
                 try:
                     if authenticated:     # between requests: bounded by the idle timeout
-                        prefix, body, mac = await asyncio.wait_for(
+                        prefix, body, mac = await within(
                             conn.recv_head(None, check), gate.limits.idle_timeout + self.request_timeout)
                     else:
                         prefix, body, mac = await conn.recv_head(first_deadline, check)
@@ -246,7 +246,7 @@ class Node:
                 if req.ns != self.seed:
                     raise FrameError("request for another namespace (another model, revision, shard, layout "
                                      "or tenant salt): this node serves only its own")
-                await asyncio.wait_for(self._answer(conn, req), self.request_timeout)
+                await within(self._answer(conn, req), self.request_timeout)
                 self.served += 1
         except FrameError as e:
             self.refused += 1
@@ -267,7 +267,7 @@ class Node:
         if req.op == "HAS":
             if req.payload:
                 raise FrameError("HAS carries no payload")
-            n = store.lookup(req.keys).blocks
+            n = store.lookup(req.keys, local=True).blocks     # only its own blocks: never its peers'
             await conn.send(Frame("OK", self.seed, n=n, re=re).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
