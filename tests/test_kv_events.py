@@ -14,7 +14,7 @@ import torch
 
 import kvtier
 from kvtier.router.blocks import PENDING_S, BlockMap
-from kvtier.serve.events import KvEvents
+from kvtier.serve.events import SNAPSHOT_TTL_S, KvEvents
 from tests.conftest import payload
 
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
@@ -103,6 +103,13 @@ def test_a_snapshot_pages_the_keys_and_the_changes_made_meanwhile_follow_it():
     _put(store, 60_000, 8)                              # its continuation leaves the log: the snapshot goes
     again = log.since(0, 3, cursor=q["cursor"])
     assert again["reset"] is True and again["snapshot"]["offset"] == 0 and again["next"] > q["next"]
+    # ... and so does one nobody read for SNAPSHOT_TTL_S (it is dropped: it holds every key)
+    now = [0.0]
+    timed = KvEvents(store, capacity=6, clock=lambda: now[0])
+    page = timed.since(0, 3)
+    assert timed.since(0, 3, cursor=page["cursor"])["snapshot"]["offset"] == 3
+    now[0] += SNAPSHOT_TTL_S + 1
+    assert timed.since(0, 3, cursor=page["cursor"])["reset"] is True
 
 
 def test_block_map_follows_events_and_forgets_beliefs():
