@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -33,10 +34,10 @@ PROMPT = ("The agent's shared system prompt: you can call tools, read files and 
 class Router:
     """One `kvtier router` subprocess."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, port: int = 0) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--host", "127.0.0.1", "--port", "0",
-                                      "--poll-interval", "0.2", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--host", "127.0.0.1",
+                                      "--port", str(port), "--poll-interval", "0.2", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -58,6 +59,14 @@ class Router:
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def terminate(self, timeout: float = 30) -> int:
+        """SIGTERM, as an operator stops it; its exit status (killed if it outlives `timeout`)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -153,6 +162,16 @@ def _wrapped(server, route: str, body: dict) -> dict:
     return r.json()
 
 
+def _held(server, keys: list[str]) -> int:
+    """How many leading `keys` the server's KV events say it holds (read as a router reads them)."""
+    from kvtier.router.blocks import BlockMap
+
+    m = BlockMap()
+    while m.apply(server.url, httpx.get(server.url + "/kvtier/events", params=m.query(server.url), timeout=10).json()):
+        pass
+    return m.match(server.url, [bytes.fromhex(k) for k in keys])
+
+
 def _remote_tokens(server, body: dict) -> int:
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -215,9 +234,9 @@ def test_pd_answers_like_one_server_with_the_prefix_from_remote(pd):
     # the decode worker's KV events report the pulled blocks, under the keys any worker gives the prompt
     keys = _wrapped(d, "/kvtier/keys", _body(prompt2))["keys"]
     assert keys == _wrapped(ref, "/kvtier/keys", _body(prompt2))["keys"]
-    stored = {k for op, k in httpx.get(d.url + "/kvtier/events", params={"since": 0}, timeout=10).json()["events"]
-              if op == "+"}
-    assert len(keys) == _full_blocks(usage["prompt_tokens"]) // BT and set(keys) <= stored
+    assert len(keys) == _full_blocks(usage["prompt_tokens"]) // BT and _held(d, keys) == len(keys)
+    bad = httpx.get(d.url + "/kvtier/events", params={"since": 0, "cursor": "not-a-cursor"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cursor"
     deadline = time.monotonic() + 10                  # and the router reads them
     while not all(w.get("kv_events", {}).get("blocks") for w in router.health().json()["workers"]):
         assert time.monotonic() < deadline, router.health().text
@@ -461,6 +480,79 @@ def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_ret
     finally:
         r.stop()
         dying.stop()
+
+
+def _finished(server) -> dict[str, float]:
+    """The server's finished requests by reason (length, stop, abort, error)."""
+    counts = server.metrics().get("kvtier:request_success_total", {})
+    return {dict(k)["finished_reason"]: v for k, v in counts.items()}
+
+
+def test_a_router_restart_loses_only_what_was_in_flight(pd):
+    """Router A answers a session's first turn, then is stopped (SIGTERM) while it streams a
+    long answer: that client's stream breaks, the decode worker stops generating it, and
+    nobody answers it again. Router B, started on the same port over the same workers, answers
+    new requests and learns from the workers' KV events what they hold: the session's next
+    turn goes straight to the decode worker holding its history, from its own tiers."""
+    _, p, d, ref, _ = pd
+    before = _finished(d)
+    a = Router("--prefill", p.url, "--decode", d.url, "--shutdown-timeout", "0.5")
+    port = int(a.url.rsplit(":", 1)[1])
+    b = None
+    try:
+        a.wait_ready()
+        turn1 = "[Turn 10 (before the restart)] " + PROMPT
+        first = _complete(a.client(), turn1)
+        assert a.health().json()["stats"]["disaggregated"] == 1
+        # a long answer in flight when A is stopped: its stream ends early, without [DONE]
+        lines: list[str] = []
+        cut = None
+        try:
+            with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
+                              json={**_body("[Turn 11 (in flight)]", 1500), "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if len(lines) == 1:
+                            a.proc.send_signal(signal.SIGTERM)
+        except httpx.HTTPError as e:
+            cut = e                                # the connection dropped: a truncated stream
+        assert a.proc.wait(30) == 0                # a clean stop, after --shutdown-timeout
+        assert isinstance(cut, httpx.RemoteProtocolError), cut
+        assert lines and "[DONE]" not in lines and len({json.loads(x)["id"] for x in lines}) == 1
+        deadline = time.monotonic() + 30           # the decode worker aborts it: nothing left running
+        while _finished(d).get("abort", 0) == before.get("abort", 0) or _load(d)["running"]:
+            assert time.monotonic() < deadline, _load(d)
+            time.sleep(0.2)
+        b = Router("--prefill", p.url, "--decode", d.url, port=port)
+        assert b.url == a.url
+        b.wait_ready()
+        # B learns from the decode worker's events that it holds turn 1 (pulled through A) ...
+        held = len(_wrapped(d, "/kvtier/keys", _body(turn1))["keys"])
+        deadline = time.monotonic() + 30
+        while [w.get("kv_events", {}).get("blocks", 0) for w in b.health().json()["workers"]
+               if w["url"] == d.url] < [held]:
+            assert time.monotonic() < deadline, b.health().text
+            time.sleep(0.2)
+        # ... so turn 2 goes straight to it (a router that knew nothing would prefill it elsewhere)
+        turn2 = turn1 + first.choices[0].text + " Turn 2: run the tests."
+        want = _complete(ref.client(), turn2)
+        got = _complete(b.client(), turn2)
+        assert got.choices[0].text == want.choices[0].text and got.usage.prompt_tokens >= 256 + BT
+        stats = b.health().json()["stats"]
+        assert (stats["requests"], stats["direct"], stats["disaggregated"]) == (1, 1, 0)
+        details = got.usage.prompt_tokens_details
+        assert details.cached_tokens >= _full_blocks(first.usage.prompt_tokens)
+        assert details.model_extra["kvtier_cached_by_tier"]["remote"] == 0
+        # every request answered once: turns 1 and 2 finished, the one in flight aborted
+        after = _finished(d)
+        assert after.get("length", 0) - before.get("length", 0) == 2
+        assert after.get("abort", 0) - before.get("abort", 0) == 1
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
 
 
 def test_router_metrics(pd, pd_push):

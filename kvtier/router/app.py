@@ -113,7 +113,7 @@ class Router:
         assert self.client is not None
         for _ in range(MAX_ROUNDS):
             try:
-                r = await self.client.get(w.url + "/kvtier/events", params={"since": self.blocks.since(w.url)},
+                r = await self.client.get(w.url + "/kvtier/events", params=self.blocks.query(w.url),
                                           timeout=POLL_TIMEOUT_S)
                 if r.status_code != 200 or not self.blocks.apply(w.url, r.json()):
                     return

@@ -9,8 +9,10 @@ router falls back to its approximate text index (prefixes.py).
 
 Between a request being sent and its blocks' events coming back (one poll), the keys sent
 are believed held ("pending"), for at most PENDING_S; an event for a key settles it either
-way. A worker that restarted (another epoch) or whose log the router fell behind is started
-afresh. Bounded: at most `capacity` keys per worker (the oldest reported forgotten first).
+way. A router new to a worker, one whose worker restarted (another epoch) and one further
+behind than the worker's log is answered a snapshot (`reset`, then pages of the keys held,
+then the events since it was taken) and starts that worker's view afresh. Bounded: at most
+`capacity` keys per worker (the oldest reported forgotten first).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class WorkerBlocks:
 
     epoch: str | None = None
     next: int = 0                                  # the next event number to ask for
+    cursor: str | None = None                      # the next snapshot page to ask for, while reading one
     held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     pending: dict[bytes, float] = field(default_factory=dict)   # key -> when the belief expires
     events: int = 0                                # events applied
@@ -48,9 +51,12 @@ class BlockMap:
         """Whether `worker` publishes events this router has read."""
         return worker in self._workers
 
-    def since(self, worker: str) -> int:
+    def query(self, worker: str) -> dict[str, Any]:
+        """The parameters of the next `GET /kvtier/events` to `worker`."""
         w = self._workers.get(worker)
-        return w.next if w is not None else 0
+        if w is None or w.epoch is None:
+            return {"since": 0}                    # new to it: a snapshot
+        return {"since": w.next, "epoch": w.epoch, **({"cursor": w.cursor} if w.cursor else {})}
 
     def apply(self, worker: str, answer: Any) -> bool:
         """Apply one `/kvtier/events` answer; True if more events are waiting. A malformed
@@ -78,7 +84,8 @@ class BlockMap:
             held.popitem(last=False)
         w.events += len(answer["events"])
         w.next = answer["next"]
-        return isinstance(answer.get("last"), int) and answer["last"] > w.next
+        w.cursor = answer.get("cursor") if isinstance(answer.get("cursor"), str) else None
+        return w.cursor is not None or isinstance(answer.get("last"), int) and answer["last"] > w.next
 
     def sent(self, worker: str, keys: Sequence[bytes]) -> None:
         """A request with these keys went to `worker`: believe them held until events say."""
@@ -112,4 +119,5 @@ class BlockMap:
         w = self._workers.get(worker)
         if w is None:
             return None
-        return {"blocks": len(w.held), "events": w.events, "next": w.next, "resets": w.resets}
+        return {"blocks": len(w.held), "events": w.events, "next": w.next, "resets": w.resets,
+                "snapshot": w.cursor is not None}

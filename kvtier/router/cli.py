@@ -3,7 +3,10 @@
     kvtier router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 
 It may start before its workers: GET /health lists them and says 503 until a decode worker
-is ready. Colocated `kvtier serve` workers (--role both) are listed with --decode and no
+is ready. SIGTERM or Ctrl-C stops it: no new connections, answers in flight stream on for up
+to --shutdown-timeout seconds (5) and are then cut (the client sees a broken stream, never a
+second answer), exit 0. It keeps no state a restart needs: a new router reads the workers'
+load and KV events afresh. Colocated `kvtier serve` workers (--role both) are listed with --decode and no
 --prefill. The router holds little: bodies are bounded (--max-body-size) and so are
 connections (--max-connections, uvicorn's limit_concurrency: past it, 503).
 """
@@ -64,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a worker may take to answer")
     p.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
                    help="how often each worker's /kvtier/load is polled")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM, how long answers in flight may stream on before they are cut")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     import asyncio
+    import signal
 
     import uvicorn
 
     from kvtier.router.app import Router, RouterConfig, build_app
     from kvtier.router.workers import Pools, Worker
+    from kvtier.serve.cli import _QuietSignals
 
     pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode])
     router = Router(pools, RouterConfig(policy=args.policy, direct_below=args.direct_below,
@@ -98,12 +105,20 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
                                         prefixes=args.prefixes))
     config = uvicorn.Config(build_app(router), lifespan="off", log_level="warning", access_log=False,
                             http="httptools" if has("httptools") else "h11", limit_concurrency=args.max_connections,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout)
+    # SIGTERM/SIGINT stop it the way uvicorn stops, then it exits 0 (uvicorn's own handler
+    # would re-raise the signal at the end: an exit "by signal" for a clean stop)
+    server = type("RouterUvicorn", (_QuietSignals, uvicorn.Server), {})(config)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
 
     async def main() -> None:
+        def on_signal() -> None:
+            server.force_exit = server.should_exit     # a second signal: stop waiting for answers in flight
+            server.should_exit = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, on_signal)
         await router.start(max_connections=args.max_connections)
         print(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
               f"policy {args.policy}, {args.handoff} hand-over; GET {url}/health lists them)", flush=True)

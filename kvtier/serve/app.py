@@ -343,15 +343,18 @@ def build_app(svc: Service) -> Any:
 
     async def events(request: Request) -> Response:
         svc.check_serving()
+        q = request.query_params
         try:
-            since = int(request.query_params.get("since", "0"))
-            limit = int(request.query_params.get("limit", "4096"))
+            since, limit = int(q.get("since", "0")), int(q.get("limit", "4096"))
         except ValueError:
             raise P.bad("since and limit must be integers", "since") from None
         if svc.kv_events is None:                 # from the first router that asks: idle costs nothing
             from kvtier.serve.events import KvEvents
             svc.kv_events = KvEvents(svc.llm.store)
-        return JSON(svc.kv_events.since(since, limit))
+        try:
+            return JSON(svc.kv_events.since(since, limit, epoch=q.get("epoch"), cursor=q.get("cursor")))
+        except ValueError:
+            raise P.bad("cursor must be the one a snapshot page answered", "cursor") from None
 
     async def load(_request: Request) -> Response:
         from kvtier.serve.disagg import Disagg
