@@ -185,13 +185,15 @@ def test_batched_sequences_equal_each_alone(pair):
     assert (both[11:] - b_alone).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("form", ["absorbed", "up"])
+@pytest.mark.parametrize("form", ["absorbed", "absorbed-torch", "up"])
 def test_both_attention_forms_match_transformers(pair, form, monkeypatch):
     """The model picks the absorbed or the up-projected MLA form per sequence by FLOPs
     (decode absorbed, long chunks up-projected); each form alone must match the oracle for
-    a whole prompt, chunks after a cached context, decode, and several sequences at once."""
+    a whole prompt, chunks after a cached context, decode, and several sequences at once.
+    "absorbed" runs the C kernel kvtier._mla where it is built, "absorbed-torch" the torch ops."""
     from kvtier.engine.model import mla
-    monkeypatch.setattr(mla, "FORCE_FORM", form)
+    monkeypatch.setattr(mla, "FORCE_FORM", form.split("-")[0])
+    monkeypatch.setattr(mla, "PAGED_KERNEL", form != "absorbed-torch")
     model, hf, _ = pair
     tokens, other = prompt(40, seed=5), prompt(23, seed=6)
     pages = Pages(model)
