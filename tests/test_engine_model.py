@@ -295,6 +295,24 @@ def test_router_matches_transformers_with_a_strong_bias():
     assert not torch.equal(unbiased(x)[0].sort(-1).values, ids.sort(-1).values)   # the bias mattered
 
 
+@pytest.mark.parametrize("shared", [1, 2])          # 2: the shared expert is wider, not fused in
+def test_moe_dense_path_equals_grouped_and_loop(shared, monkeypatch):
+    """Few tokens run every expert densely (zero weight where not routed); the result is the
+    sorted grouped path's and the unfused per-expert loop's (transformers' way)."""
+    from kvtier.engine.model import moe as moe_mod
+    cfg = SMALL.replace(n_shared_experts=shared)
+    model = DeepseekV3(cfg, random_weights(cfg, seed=2, std=STD), dtype=torch.float32)
+    block = model.model.layers[cfg.first_k_dense_replace].mlp
+    x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 0)
+    grouped = block(x)
+    monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 10 ** 6)
+    dense = block(x)
+    loop = block._loop(x, *block.gate(x))
+    assert grouped.abs().max() > 0.1
+    assert (dense - grouped).abs().max() < 1e-5 and (dense - loop).abs().max() < 1e-5
+
+
 # -- 5. the KV layout ---------------------------------------------------------------------------------
 def test_kv_layout_variant_tracks_what_the_bytes_mean():
     model, _ = load_model("kimi-tiny")
