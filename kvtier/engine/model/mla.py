@@ -134,7 +134,7 @@ class MLA(nn.Module):
 
         out = x.new_empty(t, self.num_heads * self.v_dim)
         for form, group in self._groups(batch, kv_pool):
-            if form == "absorbed" and use_paged_kernel(x, kv_pool):
+            if form == "absorbed" and use_paged_kernel(x, kv_pool, group, self.num_heads):
                 o = self._absorbed_paged(q, flat, group, batch, self.layer * bt)     # [real queries, H * v]
                 if group.dest is None:
                     out = o
@@ -242,25 +242,34 @@ class MLA(nn.Module):
         return out.transpose(0, 1).reshape(b, n, h * self.v_dim)
 
 
-def use_paged_kernel(x: torch.Tensor, kv_pool: torch.Tensor) -> bool:
-    """Whether the absorbed form runs in kvtier._mla: built, a CPU pool, fp32 throughout."""
+# Speed: the kernel reads each key row once per query and 4 heads, at a fraction of a BLAS
+# matmul's FLOP rate; it wins where the rows are the cost (decode: one query per sequence,
+# few heads: 2x at 4 heads, 1.5x at 16 measured here). Several queries per sequence (a
+# chunk after a cached prefix, speculative verification) or many heads make the torch
+# path's matmuls efficient (a 16-token chunk over 1,008 cached tokens took 1.5x longer
+# in the kernel), so those stay there.
+PAGED_MAX_HEADS = 16
+
+
+def use_paged_kernel(x: torch.Tensor, kv_pool: torch.Tensor, g: AttnGroup, heads: int) -> bool:
+    """Whether the absorbed form runs in kvtier._mla: built, a CPU pool, fp32 throughout, one
+    query per sequence, at most PAGED_MAX_HEADS heads."""
     return (PAGED_KERNEL and _paged_attend is not None and kv_pool.device.type == "cpu"
-            and kv_pool.dtype == torch.float32 and x.dtype == torch.float32)
+            and kv_pool.dtype == torch.float32 and x.dtype == torch.float32
+            and g.tokens.shape[1] == 1 and heads <= PAGED_MAX_HEADS)
 
 
 def paged_inputs(batch: StepBatch, g: AttnGroup) -> tuple[np.ndarray, np.ndarray]:
-    """(rows int64 [N, K], lens int64 [N]) for kvtier._mla: each real query's layer-0 key rows
-    and how many of them it sees (its causal length; the mask is a prefix of each row).
-    Once per step and group (memo), shared by every layer."""
+    """(rows int64 [B, K], lens int64 [B]) for kvtier._mla, one query per sequence: each
+    sequence's layer-0 key rows and how many of them it has. Once per step and group (memo),
+    shared by every layer."""
     key = ("mla_paged", id(g))
     if key not in batch.memo:
-        if g.mask is None:                                   # one query per sequence, every key
-            rows = g.key_rows
+        rows = g.key_rows
+        if g.mask is None:                                   # every sequence has K keys
             lens = torch.full((rows.shape[0],), rows.shape[1], dtype=torch.int64)
-        else:
-            real = g.valid.view(-1)
-            rows = g.key_rows[:, None, :].expand(*g.mask.shape).reshape(-1, g.mask.shape[-1])[real]
-            lens = g.mask.sum(-1).view(-1)[real]
+        else:                                                # [B, 1, K]: a prefix of each row
+            lens = g.mask.sum(-1).view(-1)
         batch.memo[key] = (rows.contiguous().numpy(), lens.numpy())
     return batch.memo[key]
 
