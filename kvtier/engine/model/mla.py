@@ -121,8 +121,7 @@ class MLA(nn.Module):
         # Speed: the heads' rope parts and the shared rope key rotate in one call.
         pe = torch.cat([q[..., self.nope:], compressed[:, None, self.rank:]], dim=1)      # [T, H + 1, rope]
         pe = apply_rope(pe, cos, sin, self.interleaved)
-        q = torch.cat([q[..., :self.nope], pe[:, :-1]], dim=-1)
-        k_pe = pe[:, -1]
+        q_nope, q_pe, k_pe = q[..., :self.nope], pe[:, :-1], pe[:, -1]
         latent = self.kv_a_layernorm(compressed[:, :self.rank])
 
         # Write first, then every form reads all its keys (new and cached) from the pool.
@@ -133,14 +132,17 @@ class MLA(nn.Module):
                          torch.cat([latent, k_pe], dim=-1).to(kv_pool.dtype))
 
         out = x.new_empty(t, self.num_heads * self.v_dim)
+        q = None                                  # [T, H, qk]: joined only for the torch paths
         for form, group in self._groups(batch, kv_pool):
             if form == "absorbed" and use_paged_kernel(x, kv_pool, group, self.num_heads):
-                o = self._absorbed_paged(q, flat, group, batch, self.layer * bt)     # [real queries, H * v]
+                o = self._absorbed_paged(q_nope, q_pe, flat, group, batch, self.layer * bt)   # [sequences, H * v]
                 if group.dest is None:
                     out = o
                 else:
                     out.index_copy_(0, group.dest, o)
                 continue
+            if q is None:
+                q = torch.cat([q_nope, q_pe], dim=-1)
             rows = flat.index_select(0, (group.key_rows + self.layer * bt).view(-1))   # one gather per group
             rows = rows.view(*group.key_rows.shape, width).to(x.dtype)                # [B, K, rank + rope]
             o = self._up_projected(q, rows, group) if form == "up" else self._absorbed(q, rows, group)
@@ -179,9 +181,9 @@ class MLA(nn.Module):
             batch.memo["mla_groups"] = [(f, attn_group(batch, idx, kv_pool)) for f, idx in forms.items() if idx]
         return batch.memo["mla_groups"]
 
-    def _absorbed_paged(self, q: torch.Tensor, flat: torch.Tensor, g: AttnGroup, batch: StepBatch,
-                        offset: int) -> torch.Tensor:
-        """The absorbed form with kvtier._mla: [real queries (g.dest order), H * v].
+    def _absorbed_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, g: AttnGroup,
+                        batch: StepBatch, offset: int) -> torch.Tensor:
+        """The absorbed form with kvtier._mla, one query per sequence: [B, H * v] (g's order).
 
         Speed: the torch path copies every key row of the group into a padded [B, K, 576]
         tensor, then two batched matmuls read that copy twice; the kernel reads each row
@@ -190,12 +192,13 @@ class MLA(nn.Module):
         replaces, and sums in another order (fp32 rounding, well inside 1e-4)."""
         w_uk, w_uv = self._w_uk_uv()
         rows, lens = paged_inputs(batch, g)
-        qg = q if g.dest is None else q[g.dest]                                  # [N, H, qk]
-        n, h = qg.shape[0], self.num_heads
-        q_lat = torch.bmm(qg[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)      # [N, H, rank]
-        query = torch.cat([q_lat, qg[..., self.nope:]], dim=-1)                          # [N, H, rank + rope]
+        if g.dest is not None:                                                    # the group's tokens
+            q_nope, q_pe = q_nope[g.dest], q_pe[g.dest]
+        n, h = q_nope.shape[0], self.num_heads
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)                  # [N, H, rank]
+        query = torch.cat([q_lat, q_pe], dim=-1)                                         # [N, H, rank + rope]
         latent_out = query.new_empty(n, h, self.rank)
-        attend_paged(latent_out, query, flat, rows, lens, offset, self.scale)
+        attend_paged(latent_out, query, batch, flat, rows, lens, offset, self.scale)
         out = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2))              # [H, N, v]
         return out.transpose(0, 1).reshape(n, h * self.v_dim)
 
@@ -274,14 +277,16 @@ def paged_inputs(batch: StepBatch, g: AttnGroup) -> tuple[np.ndarray, np.ndarray
     return batch.memo[key]
 
 
-def attend_paged(out: torch.Tensor, query: torch.Tensor, flat: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
-                 offset: int, scale: float) -> None:
+def attend_paged(out: torch.Tensor, query: torch.Tensor, batch: StepBatch, flat: torch.Tensor, rows: np.ndarray,
+                 lens: np.ndarray, offset: int, scale: float) -> None:
     """kvtier._mla.attend into out [N, H, rank]; with several torch threads, the queries are
     split over that many threads (the kernel releases the GIL)."""
     global _POOL
     n, h, width = query.shape
     rank = out.shape[-1]
-    pool, q, o = flat.view(-1).numpy(), query.numpy(), out.numpy()
+    if "mla_pool" not in batch.memo:                      # the pool's memory as numpy, once per step
+        batch.memo["mla_pool"] = flat.view(-1).numpy()
+    pool, q, o = batch.memo["mla_pool"], query.numpy(), out.numpy()
     threads = min(torch.get_num_threads(), n)
     if threads <= 1:
         _paged_attend(o, q, pool, rows, lens, offset, h, width, rank, scale)
