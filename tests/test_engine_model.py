@@ -295,6 +295,16 @@ def test_router_matches_transformers_with_a_strong_bias():
     assert not torch.equal(unbiased(x)[0].sort(-1).values, ids.sort(-1).values)   # the bias mattered
 
 
+def test_rms_norm_is_torchs_formula_bit_for_bit():
+    """The CPU RMSNorm (5 ops, not F.rms_norm's composite) gives F.rms_norm's bytes."""
+    from kvtier.engine.model.norm import rms_norm
+    g = torch.Generator().manual_seed(0)
+    for t, d in ((1, 256), (16, 512), (300, 1536)):
+        x, w = torch.randn(t, d, generator=g) * 3, torch.randn(d, generator=g)
+        assert torch.equal(rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (d,), w, 1e-6))
+        assert torch.equal(rms_norm(x, None, 1e-5), torch.nn.functional.rms_norm(x, (d,), eps=1e-5))
+
+
 @pytest.mark.parametrize("shared", [1, 2])          # 2: the shared expert is wider, not fused in
 def test_moe_dense_path_equals_grouped_and_loop(shared, monkeypatch):
     """Few tokens run every expert densely (zero weight where not routed); the result is the
