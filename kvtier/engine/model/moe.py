@@ -35,9 +35,10 @@ from kvtier.engine.model.mlp import MLP, swiglu
 
 # Speed: at most this many (token, expert) rows, every expert runs on every token (_dense):
 # ~12 ops instead of ~25 (sort, count, gather, two grouped matmuls, scatter-add). Costs
-# (experts + 1) / (top_k + 1) times the expert FLOPs, which for so few rows is less than the
-# ops saved: batch-16 decode of the benchmark's 8-expert model 0.6 ms a step less, batch 1
-# 0.7 ms; at 32 tokens the two are even, so the bound is 256 rows.
+# (experts + 1) / (top_k + 1) times the expert FLOPs and reads every expert's weights, which
+# for so few rows is less than the ops saved: one MoE layer of the benchmark's 8-expert model
+# 740 against 943 us at 16 tokens; the whole decode forward 2-3% faster at batch 1 and 16.
+# At 32 tokens the two paths were even, so the bound is 256 rows.
 DENSE_MAX_ROWS = 256
 
 
