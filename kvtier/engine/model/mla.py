@@ -68,6 +68,7 @@ except ImportError:
 # Tests set this to False to run the torch path where the kernel is built.
 PAGED_KERNEL = True
 _POOL: ThreadPoolExecutor | None = None       # splits the kernel's queries over torch's threads
+_POOL_SIZE = 0
 
 
 def prefer_up_projected(config: ModelConfig, num_new: int, total: int) -> bool:
@@ -281,7 +282,7 @@ def attend_paged(out: torch.Tensor, query: torch.Tensor, batch: StepBatch, flat:
                  lens: np.ndarray, offset: int, scale: float) -> None:
     """kvtier._mla.attend into out [N, H, rank]; with several torch threads, the queries are
     split over that many threads (the kernel releases the GIL)."""
-    global _POOL
+    global _POOL, _POOL_SIZE
     n, h, width = query.shape
     rank = out.shape[-1]
     if "mla_pool" not in batch.memo:                      # the pool's memory as numpy, once per step
@@ -291,8 +292,10 @@ def attend_paged(out: torch.Tensor, query: torch.Tensor, batch: StepBatch, flat:
     if threads <= 1:
         _paged_attend(o, q, pool, rows, lens, offset, h, width, rank, scale)
         return
-    if _POOL is None or _POOL._max_workers < threads:
-        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-mla")
+    if _POOL_SIZE < threads:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-mla"), threads
     cuts = np.linspace(0, n, threads + 1).astype(int)
     jobs = [_POOL.submit(_paged_attend, o[a:b], q[a:b], pool, rows[a:b], lens[a:b], offset, h, width, rank, scale)
             for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
