@@ -248,7 +248,7 @@ class MLA(nn.Module):
 
 # Speed: the kernel reads each key row once per query and 4 heads, at a fraction of a BLAS
 # matmul's FLOP rate; it wins where the rows are the cost (decode: one query per sequence,
-# few heads: 2x at 4 heads, 1.5x at 16 measured here). Several queries per sequence (a
+# few heads: 2x at 4 heads, 1.3-1.5x at 16 measured here). Several queries per sequence (a
 # chunk after a cached prefix, speculative verification) or many heads make the torch
 # path's matmuls efficient (a 16-token chunk over 1,008 cached tokens took 1.5x longer
 # in the kernel), so those stay there.
