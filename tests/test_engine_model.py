@@ -185,13 +185,15 @@ def test_batched_sequences_equal_each_alone(pair):
     assert (both[11:] - b_alone).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("form", ["absorbed", "up"])
+@pytest.mark.parametrize("form", ["absorbed", "absorbed-torch", "up"])
 def test_both_attention_forms_match_transformers(pair, form, monkeypatch):
     """The model picks the absorbed or the up-projected MLA form per sequence by FLOPs
     (decode absorbed, long chunks up-projected); each form alone must match the oracle for
-    a whole prompt, chunks after a cached context, decode, and several sequences at once."""
+    a whole prompt, chunks after a cached context, decode, and several sequences at once.
+    "absorbed" runs the C kernel kvtier._mla where it is built, "absorbed-torch" the torch ops."""
     from kvtier.engine.model import mla
-    monkeypatch.setattr(mla, "FORCE_FORM", form)
+    monkeypatch.setattr(mla, "FORCE_FORM", form.split("-")[0])
+    monkeypatch.setattr(mla, "PAGED_KERNEL", form != "absorbed-torch")
     model, hf, _ = pair
     tokens, other = prompt(40, seed=5), prompt(23, seed=6)
     pages = Pages(model)
@@ -291,6 +293,34 @@ def test_router_matches_transformers_with_a_strong_bias():
     unbiased = Router(cfg)
     unbiased.weight.data.copy_(weight)
     assert not torch.equal(unbiased(x)[0].sort(-1).values, ids.sort(-1).values)   # the bias mattered
+
+
+def test_rms_norm_is_torchs_formula_bit_for_bit():
+    """The CPU RMSNorm (5 ops, not F.rms_norm's composite) gives F.rms_norm's bytes."""
+    from kvtier.engine.model.norm import rms_norm
+    g = torch.Generator().manual_seed(0)
+    for t, d in ((1, 256), (16, 512), (300, 1536)):
+        x, w = torch.randn(t, d, generator=g) * 3, torch.randn(d, generator=g)
+        assert torch.equal(rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (d,), w, 1e-6))
+        assert torch.equal(rms_norm(x, None, 1e-5), torch.nn.functional.rms_norm(x, (d,), eps=1e-5))
+
+
+@pytest.mark.parametrize("shared", [1, 2])          # 2: the shared expert is wider, not fused in
+def test_moe_dense_path_equals_grouped_and_loop(shared, monkeypatch):
+    """Few tokens run every expert densely (zero weight where not routed); the result is the
+    sorted grouped path's and the unfused per-expert loop's (transformers' way)."""
+    from kvtier.engine.model import moe as moe_mod
+    cfg = SMALL.replace(n_shared_experts=shared)
+    model = DeepseekV3(cfg, random_weights(cfg, seed=2, std=STD), dtype=torch.float32)
+    block = model.model.layers[cfg.first_k_dense_replace].mlp
+    x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 0)
+    grouped = block(x)
+    monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 10 ** 6)
+    dense = block(x)
+    loop = block._loop(x, *block.gate(x))
+    assert grouped.abs().max() > 0.1
+    assert (dense - grouped).abs().max() < 1e-5 and (dense - loop).abs().max() < 1e-5
 
 
 # -- 5. the KV layout ---------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ def softmax_scale(config: ModelConfig) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin ([T, rope_dim/2], fp32) for given positions."""
+    """The rotation tables of given positions, once per step for every layer: (cos, sin), each
+    [T, rope_dim] fp32 in the checkpoint's element order, sin signed for apply_rope."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -80,16 +81,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor    # [T, d/2]
+        # Speed: widened and signed here, once per step, so that apply_rope is two multiplies
+        # and an add per layer (it was ~14 ops per layer: slices, four multiplies, stack).
+        if self.interleaved:                     # pairs (x0, x1): x0' = x0 c - x1 s, x1' = x1 c + x0 s
+            return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)   # halves (x_i, x_i+d/2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [T, ..., d] by per-token angles (cos, sin [T, d/2]), keeping x's element order."""
+    """Rotate x [T, ..., d] by per-token angles (RotaryEmbedding's tables [T, d]), keeping x's
+    element order: x * cos + partner(x) * sin, the partner of each element being the other
+    one of its pair (interleaved) or of its half."""
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)
     if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        partner = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    else:
+        partner = x.roll(x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, partner, sin)
