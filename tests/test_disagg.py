@@ -5,7 +5,6 @@ mid-request, none left, a decode worker that cannot fetch the KV); bad input. Ev
 a test starts is stopped by it (module fixtures stop theirs at the end)."""
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from conftest import assert_one_line_error, run_kvtier  # noqa: E402
 from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
+from fake_http import FakeServer, JsonHandler, ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BT = 16
@@ -293,40 +293,24 @@ def test_short_prompts_go_straight_to_decode_and_bad_requests_pass_through(pd):
 # -- faults ----------------------------------------------------------------------------------
 
 
-class FakePrefill:
+class FakePrefill(FakeServer):
     """A worker that looks ready but dies mid-request: it reads a prefill request and drops
     the connection without answering (as a crashed process does)."""
 
     def __init__(self) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:          # /kvtier/load
-                body = json.dumps({"role": "prefill", "status": "ready", "node": "127.0.0.1:1",
-                                   "block_tokens": BT}).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(ready("prefill", BT))
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 self.close_connection = True
                 self.connection.shutdown(2)
 
-            def log_message(self, *a) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
-class FakeDecode:
+class FakeDecode(FakeServer):
     """A decode worker that looks ready but fails: `mode` "503" answers every generation
     503 (not generating); "die" streams one chunk and drops the connection mid-answer."""
 
@@ -334,17 +318,11 @@ class FakeDecode:
         me = self
         self.posts = 0
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:          # /kvtier/load
-                body = json.dumps({"role": "decode", "status": "ready", "node": "127.0.0.1:1",
-                                   "block_tokens": BT}).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(ready("decode", BT))
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -355,12 +333,7 @@ class FakeDecode:
                     return
                 me.posts += 1
                 if mode == "503":
-                    body = b'{"error": {"message": "draining", "code": "service_unavailable"}}'
-                    self.send_response(503)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self.send_json({"error": {"message": "draining", "code": "service_unavailable"}}, 503)
                     return
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
@@ -372,16 +345,7 @@ class FakeDecode:
                 self.close_connection = True
                 self.connection.shutdown(2)    # dies before the last chunk
 
-            def log_message(self, *a) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

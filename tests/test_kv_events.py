@@ -3,9 +3,7 @@ view of each worker built from them (kvtier/router/blocks.py), and a router that
 what scripted workers report (a worker that evicted a prefix is no longer preferred)."""
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from urllib.parse import parse_qs, urlsplit
 
@@ -16,6 +14,7 @@ import kvtier
 from kvtier.router.blocks import PENDING_S, BlockMap
 from kvtier.serve.events import SNAPSHOT_TTL_S, KvEvents
 from tests.conftest import payload
+from tests.fake_http import FakeServer, JsonHandler, ready
 
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
 NS = kvtier.Namespace("events-test", "r1")
@@ -135,7 +134,7 @@ def test_block_map_follows_events_and_forgets_beliefs():
         m.apply("a", {"events": "nope"})
 
 
-class FakeWorker:
+class FakeWorker(FakeServer):
     """A decode worker that publishes KV events, scripted or from a real `log` (in pages of
     `page`), and says who answered."""
 
@@ -143,50 +142,33 @@ class FakeWorker:
         self.name, self.events, self.served, self.keys = name, [], 0, keys
         me = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _send(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class Handler(JsonHandler):
 
             def do_GET(self) -> None:
                 u = urlsplit(self.path)
                 if u.path == "/kvtier/load":
-                    self._send({"role": "decode", "status": "ready", "node": "127.0.0.1:1", "block_tokens": 16,
-                                "kv_events": True})
+                    self.send_json(ready("decode", 16, kv_events=True))
                 elif log is not None:
                     q = {k: v[0] for k, v in parse_qs(u.query).items()}
-                    self._send(log.since(int(q.get("since", 0)), page, q.get("epoch"), q.get("cursor")))
+                    self.send_json(log.since(int(q.get("since", 0)), page, q.get("epoch"), q.get("cursor")))
                 else:
                     since = int(parse_qs(u.query).get("since", ["0"])[0])
                     ev = list(me.events)
-                    self._send({"epoch": "e", "first": 0, "next": len(ev), "last": len(ev), "reset": False,
+                    self.send_json({"epoch": "e", "first": 0, "next": len(ev), "last": len(ev), "reset": False,
                                 "events": ev[since:]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
                 if self.path == "/kvtier/keys":
-                    self._send({"prompt_tokens": 16 * len(me.keys) + 1, "block_tokens": 16, "keys": me.keys})
+                    self.send_json({"prompt_tokens": 16 * len(me.keys) + 1, "block_tokens": 16, "keys": me.keys})
                 elif self.path == "/tokenize":
-                    self._send({"count": len(body.get("prompt", "")) // 4})
+                    self.send_json({"count": len(body.get("prompt", "")) // 4})
                 else:
                     me.served += 1
-                    self._send({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": me.name}],
+                    self.send_json({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": me.name}],
                                 "usage": {"prompt_tokens": 16 * len(me.keys) + 1, "completion_tokens": 1}})
 
-            def log_message(self, *a) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 def test_routing_follows_what_the_workers_report():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from kvtier.adapter import KVAdapter
 from kvtier.engine.request import Request, Status
@@ -123,14 +123,7 @@ class Scheduler:
 
     def grow(self, req: Request, n: int) -> bool:
         """Give `req` pages for `n` more tokens; False if the device tier has none to spare."""
-        need = -(-(req.computed + n) // self.block_tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        slots = self.adapter.allocate(need)
-        if slots is None:
-            return False
-        req.pages += slots
-        return True
+        return grow_pages(req, n, self.block_tokens, self.adapter.allocate)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -194,6 +187,19 @@ class PagedSequence(Protocol):
     pages: list[int]
 
     def token_range(self, start: int, end: int) -> list[int]: ...
+
+
+def grow_pages(seq: Any, n: int, block_tokens: int, allocate: Callable[[int], list | None]) -> bool:
+    """Give `seq` (anything with `computed` tokens and a list of `pages`: a request, a draft
+    model's sequence) pages for `n` more tokens from `allocate`; False if it has none to spare."""
+    need = -(-(seq.computed + n) // block_tokens) - len(seq.pages)
+    if need <= 0:
+        return True
+    got = allocate(need)
+    if got is None:
+        return False
+    seq.pages += got
+    return True
 
 
 def save_blocks(adapter: KVAdapter, seq: PagedSequence) -> None:

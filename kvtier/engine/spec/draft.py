@@ -32,7 +32,7 @@ from kvtier.adapter import KVAdapter
 from kvtier.config import StoreConfig
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner, build_batch
-from kvtier.engine.scheduler import save_blocks
+from kvtier.engine.scheduler import grow_pages, save_blocks
 from kvtier.engine.spec.verify import target_probs
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKeys
@@ -145,14 +145,7 @@ class DraftModelProposer:
         return s
 
     def _grow(self, s: DraftSeq, n: int) -> bool:
-        need = -(-(s.computed + n) // self.adapter.block_tokens) - len(s.pages)
-        if need <= 0:
-            return True
-        got = self.adapter.allocate(need)
-        if got is None:
-            return False
-        s.pages += got
-        return True
+        return grow_pages(s, n, self.adapter.block_tokens, self.adapter.allocate)
 
 
 def pick_drafts(reqs: Sequence[Request], logits: torch.Tensor, probs: dict[str, list[torch.Tensor]]) -> None:
