@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import kvtier
+from kvtier.argtypes import positive_int
 from kvtier.net import Node
 from kvtier.net.push import Pusher
 
@@ -53,8 +54,8 @@ def raw_server(nbytes: int) -> socket.socket:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=21)
-    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--blocks", type=positive_int, default=21, help="blocks per hand-over (default 21)")
+    p.add_argument("--rounds", type=positive_int, default=200, help="timed hand-overs of each kind (default 200)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvtier.errors import CapacityError, ConfigError, KeyNotCachedError
 from kvtier.ids import TOP_TIER, SlotId, TierId
@@ -24,6 +24,31 @@ from kvtier.ids import IndexKey as Key
 from kvtier.pins import UNPINNED, Pins
 from kvtier.policies import BlockInfo, EvictionPolicy, make_policy
 
+
+class ChangeLog(list):
+    """Changes ("+" | "-", key) not yet taken by a watcher (Store.watch), bounded: past `limit`
+    entries it drops them all and is marked overflowed, and the watcher starts over from
+    Store.cached_keys(). A watcher that stops reading (a router gone) then costs nothing more."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.overflowed = False
+
+    def append(self, change: tuple[str, Key]) -> None:
+        if not self.overflowed:
+            super().append(change)
+            self._bound()
+
+    def extend(self, changes: Iterable[tuple[str, Key]]) -> None:
+        if not self.overflowed:
+            super().extend(changes)
+            self._bound()
+
+    def _bound(self) -> None:
+        if len(self) > self.limit:
+            self.clear()
+            self.overflowed = True
 
 
 class Entry:
@@ -126,7 +151,7 @@ class BlockIndex:
         self._copying: set[tuple[Key, TierId]] = set()   # copies reserved but not committed yet
         # Keys that became readable (+) or left the store (-), for a directory that tells
         # other nodes what this one holds. None: nobody listens, nothing is recorded.
-        self.changes: list[tuple[str, Key]] | None = None
+        self.changes: ChangeLog | None = None
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> tuple[int, list[TierId]]:

@@ -30,7 +30,7 @@ from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
 from kvtier.ids import BlockKey, SlotId, TierId
-from kvtier.index import BlockIndex, Reservation
+from kvtier.index import BlockIndex, ChangeLog, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
@@ -45,6 +45,7 @@ from kvtier.net.remote import Remote
 
 log = logging.getLogger("kvtier.store")
 
+FEED_LIMIT = 1 << 16         # changes a watcher's feed keeps unread before it must start over
 _SPARE_MAX_BYTES = 256 << 20    # the largest disk-read buffer a store keeps between reads
 
 # Everything still open at interpreter exit is closed then, last registered first: every
@@ -175,7 +176,7 @@ class Store:
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
-        self._feeds: dict[str, list[tuple[str, bytes]]] = {}   # watch(): changes not yet taken, per feed
+        self._feeds: dict[str, ChangeLog] = {}   # watch(): changes not yet taken, per feed
         self._closed = False
         self.pages = PagePool(self)     # who holds each top-tier slot, for an engine whose pages they are
         self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
@@ -553,24 +554,33 @@ class Store:
         directory publisher, a server's KV event log) gets every change once."""
         with self._lock:
             if on:
-                self._feeds.setdefault(feed, [])
+                self._feeds.setdefault(feed, ChangeLog(FEED_LIMIT))
             else:
                 self._feeds.pop(feed, None)
-            self.index.changes = ([] if self.index.changes is None else self.index.changes) if self._feeds else None
+            if not self._feeds:
+                self.index.changes = None
+            elif self.index.changes is None:
+                self.index.changes = ChangeLog(FEED_LIMIT)
 
-    def changes(self, feed: str = "directory") -> list[tuple[str, bytes]]:
-        """The ("+" | "-", key) changes recorded for `feed` since its last call, oldest first."""
+    def changes(self, feed: str = "directory") -> list[tuple[str, bytes]] | None:
+        """The ("+" | "-", key) changes recorded for `feed` since its last call, oldest first;
+        None when more changed than a feed keeps (FEED_LIMIT) since then: start over from
+        cached_keys()."""
         with self._lock:
-            new = self.index.changes or []
-            if self.index.changes is not None:
-                self.index.changes = []
-            for pending in self._feeds.values():
-                pending.extend(new)
+            new = self.index.changes
+            if new is not None and (new or new.overflowed):
+                self.index.changes = ChangeLog(FEED_LIMIT)
+                for pending in self._feeds.values():
+                    if new.overflowed:
+                        pending.clear()
+                        pending.overflowed = True
+                    else:
+                        pending.extend(new)
             out = self._feeds.get(feed)
             if out is None:
                 return []
-            self._feeds[feed] = []
-            return out
+            self._feeds[feed] = ChangeLog(FEED_LIMIT)
+            return None if out.overflowed else list(out)
 
     def cached_keys(self) -> list[BlockKey]:
         """Every readable block's key (a snapshot)."""

@@ -64,6 +64,31 @@ def test_the_event_log_numbers_bounds_and_snapshots():
     assert ["+", bytes(fresh[0]).hex()] in log2.since(start["next"], epoch=start["epoch"])["events"]
 
 
+def test_a_feed_nobody_reads_stays_bounded_and_its_reader_starts_over(monkeypatch):
+    """A watcher that stops reading (a router gone) costs at most FEED_LIMIT changes: past it
+    the feed keeps none and says so (None); the event log then takes a new epoch, so its
+    readers get a snapshot, and the directory publisher republishes everything."""
+    import kvtier.store as store_module
+    monkeypatch.setattr(store_module, "FEED_LIMIT", 5)
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS)
+    log = KvEvents(store)
+    start = log.since(0)
+    store.watch(feed="directory")
+    two = _put(store, 0, 2)
+    assert sorted(store.changes("directory")) == sorted(("+", bytes(k)) for k in two)   # within the limit: kept
+    held = _put(store, 100, 6)                                           # 6 more than the feed keeps
+    assert len(store.index.changes or []) == 0 and store.index.changes.overflowed
+    assert store.changes("directory") is None                            # start over from cached_keys()
+    one = _put(store, 300, 1)
+    assert store.changes("directory") == [("+", bytes(one[0]))]          # and then it goes on
+    after = log.since(start["next"], epoch=start["epoch"])               # the log lost its thread:
+    assert after["reset"] is True and after["epoch"] != start["epoch"]   # a snapshot of everything
+    assert sorted(k for _, k in after["events"]) == _hexes(store.cached_keys())
+    assert set(_hexes(held)) <= {k for _, k in after["events"]}
+    log.close()
+    store.close()
+
+
 def _catch_up(m: BlockMap, log: KvEvents, worker: str = "w", page: int = 3, between=None) -> int:
     """Read `log` into `m` as the router does; `between()` runs after each answer. Answers read."""
     answers = 0

@@ -49,6 +49,8 @@ class Publisher:
     def round(self) -> None:
         """Publish what changed (or everything, after a lapse) and renew the lease."""
         batch = self.store.changes()
+        if batch is None:               # more changed than the feed keeps: publish everything
+            self.resync, batch = True, []
         everything = self.store.cached_keys() if self.resync else None
         try:
             if not self.directory.heartbeat(self.address):

@@ -27,7 +27,6 @@ from typing import Any, AsyncIterator
 import httpx
 import orjson
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -39,7 +38,7 @@ from kvtier.router.rules import Ask, Candidate, choose
 from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, EchoAffinity, EventStream, error_response, on_api_error, read_body,
+from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, EchoAffinity, EventStream, read_body,
                               read_json, sse_event)
 
 log = logging.getLogger("kvtier.router")
@@ -453,15 +452,6 @@ def build_app(router: Router) -> Any:
     async def metrics(_request: Request) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def on_http_error(_request: Request, e: Exception) -> Response:
-        assert isinstance(e, HTTPException)
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        return error_response(ApiError(e.status_code, str(e.detail), code=codes.get(e.status_code)))
-
-    async def on_crash(_request: Request, e: Exception) -> Response:
-        log.error("router error: %s: %s", type(e).__name__, e)
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -471,6 +461,5 @@ def build_app(router: Router) -> Any:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_crash})
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     return EchoAffinity(app)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -29,7 +28,7 @@ from kvtier.serve.detok import IncrementalText
 from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EchoAffinity, EventStream, error_response, on_api_error,
+from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
                               read_json, sse_event, wait_disconnect)
 
 MAX_SESSION_ID = 256
@@ -363,19 +362,6 @@ def build_app(svc: Service) -> Any:
     async def metrics(_request: Request) -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def on_http_error(_request: Request, e: Exception) -> Response:
-        assert isinstance(e, HTTPException)
-        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        message = {404: "no such route: see docs/serve.md for the API",
-                   405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
-        resp = error_response(ApiError(e.status_code, message, code=codes.get(e.status_code)))
-        if e.headers:
-            resp.headers.update(e.headers)
-        return resp
-
-    async def on_crash(_request: Request, e: Exception) -> Response:
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -389,6 +375,5 @@ def build_app(svc: Service) -> Any:
         Route("/kvtier/keys", keys, methods=["POST"]),
         Route("/kvtier/events", events, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_crash})
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     return EchoAffinity(app)

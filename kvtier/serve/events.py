@@ -82,7 +82,13 @@ class KvEvents:
         docstring). A cursor that is not `id:offset` raises ValueError."""
         limit = max(1, min(limit, MAX_BATCH))
         with self._lock:
-            self._add(self.store.changes(FEED))
+            changes = self.store.changes(FEED)
+            if changes is None:                # more changed than the store's feed keeps: the log
+                self.epoch = uuid.uuid4().hex[:16]   # cannot go on; every reader takes a snapshot
+                self._log.clear()
+                self._snapshot = None
+            else:
+                self._add(changes)
             snap = self._snapshot
             if snap is not None and (snap.at < self.first or self.clock() - snap.used > SNAPSHOT_TTL_S):
                 self._snapshot = None          # its continuation left the log, or nobody reads it: free it

@@ -8,14 +8,17 @@ while the stream runs and cancels it; then `on_close` aborts the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvtier.serve.protocol import ApiError
 
+log = logging.getLogger("kvtier.serve")
 AFFINITY = "x-session-affinity"
 _AFFINITY_B = AFFINITY.encode()
 Scope = dict[str, Any]
@@ -44,6 +47,28 @@ async def on_api_error(_request: Request, e: Exception) -> Response:
     """Starlette exception handler for ApiError: its JSON error response."""
     assert isinstance(e, ApiError)
     return error_response(e)
+
+
+async def on_http_error(_request: Request, e: Exception) -> Response:
+    """Starlette's own errors (no route, wrong method, too large) as the API's JSON errors."""
+    assert isinstance(e, HTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    message = {404: "no such route: see docs/serve.md for the API",
+               405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
+    resp = error_response(ApiError(e.status_code, message, code=codes.get(e.status_code)))
+    if e.headers:
+        resp.headers.update(e.headers)
+    return resp
+
+
+async def on_crash(_request: Request, e: Exception) -> Response:
+    """A bug: logged, and answered as one 500 JSON error."""
+    log.error("internal error: %s: %s", type(e).__name__, e)
+    return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+
+# The exception handlers of every kvtier HTTP app (kvtier serve, kvtier router).
+EXCEPTION_HANDLERS = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
 
 
 def sse_event(obj: Any) -> bytes:
