@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as hst
 
 import kvtier
 from kvtier.adapter import KVAdapter
-from kvtier.transfer.pages import PagedKV
+from kvtier.transfer.pages import ChunkPlan, PagedKV
 
 LAYOUT = kvtier.KVLayout.mla(num_layers=3, kv_lora_rank=16, rope_dim=8, block_tokens=4, dtype=torch.float32)
 NS = kvtier.Namespace(model="adapter-test", revision="r1")
@@ -176,8 +176,16 @@ def test_load_into_reads_and_copies_off_the_callers_thread(monkeypatch):
             assert layer1.wait(10)
         return real_copy(views, *args, **kw)
 
+    real_layer = ChunkPlan.layer
+
+    def slow_layer(plan, l, to_blocks):     # the path taken where kvtier._copy is built
+        if l == 1:
+            assert layer1.wait(10)
+        return real_layer(plan, l, to_blocks)
+
     monkeypatch.setattr(a.store, "reading", slow_reading)
     monkeypatch.setattr(streams, "copy", slow_copy)
+    monkeypatch.setattr(ChunkPlan, "layer", slow_layer)
     load = a.load_into(keys, paged, [[0], [1], [9]])     # returns while the read is held
     assert load.requested == 3 and not load.handle.done()
     reading.set()

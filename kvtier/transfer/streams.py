@@ -35,7 +35,7 @@ import torch
 
 from kvtier.errors import LayoutError, TransferError
 from kvtier.layout import KVLayout
-from kvtier.transfer.pages import PagedKV, copy
+from kvtier.transfer.pages import PagedKV, copy, native_plan
 from kvtier.transfer.runs import copy_rows
 
 if TYPE_CHECKING:
@@ -251,10 +251,15 @@ class LayerLoader(_Mover):
                 keep = [j for j, i in enumerate(g.positions) if i < n]
                 if keep:
                     groups.append((g.memory, g.rows[keep], ids[[g.positions[j] for j in keep]]))
+            plans = [native_plan(self.kv.views, page_ids, memory, rows) if self.impl == "auto" else None
+                     for memory, rows, page_ids in groups]
             for l in range(self.layout.num_layers):
-                for memory, rows, page_ids in groups:
-                    copy([self.kv.views[l]], page_ids, memory[:, l * lb:(l + 1) * lb], to_blocks=False,
-                         impl=self.impl, rows=rows)
+                for (memory, rows, page_ids), plan in zip(groups, plans):
+                    if plan is not None:             # every chunk's offsets computed once, above
+                        plan.layer(l, to_blocks=False)
+                    else:
+                        copy([self.kv.views[l]], page_ids, memory[:, l * lb:(l + 1) * lb], to_blocks=False,
+                             impl=self.impl, rows=rows)
                 handle._ready(l, True)
 
     def _held_to_gpu(self, handle: LoadHandle, held: HeldBlocks, ids: torch.Tensor) -> None:
