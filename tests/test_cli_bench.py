@@ -123,8 +123,8 @@ TINY = {
 }
 HEADINGS = {
     "tiers": ["op", "block", "GB/s", "raw GB/s", "ratio"],
-    "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "raw copy"],
-    "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio"],
+    "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "90% CI", "raw copy"],
+    "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio", "90% CI"],
     "lookup": ["tokens", "blocks", "keys ms", "lookup ms", "keys+lookup ms", "raw ms", "ratio"],
     "engine": ["prefix in", "cached tokens", "cached blocks from", "cached ms", "scratch ms", "speedup",
                "batch", "tokens/s", "ms per step"],
@@ -168,6 +168,38 @@ def test_engine_json_keeps_the_structure():
     assert ttft["host"]["cached_from"].get("host", 0) > 0
     assert sum(ttft["host"]["cached_from"].values()) * 16 == ttft["host"]["cached_tokens"]
     assert [x["batch"] for x in rows if x["bench"] == "engine-decode"] == [1, 2]
+
+
+def test_paired_ratio_is_the_median_of_round_ratios(monkeypatch):
+    """timeit_pair reports a's speed against b's round by round: a slow spell hitting both
+    ops of one round moves neither the ratio nor, past its rank, the interval."""
+    from kvtier.bench import common
+
+    durations = iter([2, 1] + [2, 1, 1, 2] * 2 + [20, 10])   # warm-up, 4 rounds, then one slow round
+    clock = [0.0]
+
+    def fn() -> None:
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    p = common.timeit_pair(fn, fn, 5)       # a b, b a, a b, b a, a b: a takes 2, b 1, then 20 and 10
+    assert p.ratios == (0.5,) * 5 and p.ratio == 0.5 and p.low == p.high == 0.5
+    assert (p.a, p.b) == (2, 1)
+
+
+@pytest.mark.parametrize("n", [5, 9, 15, 31, 61])
+def test_paired_interval_rank_covers_the_median_at_90_percent(n):
+    """The interval [k-th smallest, k-th largest] misses the median only when at most k of
+    n rounds fall on one side: both binomial tails together stay <= 10 %, and k is the
+    largest such rank."""
+    from math import comb
+
+    from kvtier.bench.common import _rank
+
+    def miss(k: int) -> float:
+        return 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n
+    k = _rank(n)
+    assert miss(k) <= 0.1 < miss(k + 1)
 
 
 def test_print_table_refuses_a_wide_table_when_strict(monkeypatch, capsys):

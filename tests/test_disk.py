@@ -260,6 +260,7 @@ def test_bench_tiers_disk_json(tmp_path):
     assert [x["op"] for x in rows] == ["put", "get"]
     for x in rows:
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 1e-9
+        assert x["ratio_low"] == x["ratio"] == x["ratio_high"]        # one round: its own ratio
     assert rows[1]["cold_pread_gbps"] > 0 and list(tmp_path.iterdir()) == []   # cleaned up
 
 

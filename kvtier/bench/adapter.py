@@ -13,9 +13,12 @@ heads, head_dim 128, bf16: 128 KiB a token); the engine's page is kvtier's block
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier import argtypes
+
+if TYPE_CHECKING:
+    from kvtier.bench.common import Paired
 
 HELP = "time an engine's pages <-> kvtier's tiers (save_from, load_into, load from host and disk) against a raw memcpy"
 
@@ -28,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=argtypes.positive_int, default=32, help="model layers")
     p.add_argument("--kv-heads", type=argtypes.positive_int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=argtypes.positive_int, default=128, help="head dimension")
-    p.add_argument("--repeat", type=argtypes.positive_int, default=5,
-                   help="timed repetitions; the median is reported")
+    p.add_argument("--repeat", type=argtypes.positive_int, default=9,
+                   help="timed rounds, each the operation and its raw baseline: the median of the rounds' "
+                        "ratios is reported, with a 90%% interval (default: 9)")
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="where the load_disk row's disk tier goes (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -48,7 +52,7 @@ def page_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import emit, quiet_threads
+    from kvtier.bench.common import emit, interval_column, quiet_threads
     from kvtier.progress import progress
 
     quiet_threads()
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             rows += _pages_in_kvtier(args, pt)
             bar.advance()
     emit(rows, args.json, "Engine pages <-> kvtier's tiers vs a raw memcpy of the same bytes (higher GB/s is better)",
-         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio"], left=1)
+         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio", interval_column()], left=1)
     return 0
 
 
@@ -79,10 +83,10 @@ def _sizes(args: argparse.Namespace, page_tokens: int) -> tuple[Any, int]:
     return layout, n
 
 
-def _row(op: str, page_tokens: int, n: int, nbytes: int, t_op: float, t_copy: float) -> dict[str, Any]:
-    gbps, base = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
+def _row(op: str, page_tokens: int, n: int, nbytes: int, p: Paired) -> dict[str, Any]:
     return {"bench": "adapter", "op": op, "page_tokens": page_tokens, "blocks": n, "mib": round(nbytes / 2**20, 1),
-            "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3), "ratio": round(gbps / base, 3)}
+            "gbps": round(nbytes / p.a / 1e9, 3), "memcpy_gbps": round(nbytes / p.b / 1e9, 3),
+            **{k: round(v, 3) for k, v in p.fields().items()}}
 
 
 def _memcpy(nbytes: int) -> tuple[Any, Any]:
@@ -136,8 +140,7 @@ def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int) -> list[dict[st
                     assert got.blocks == n, f"only {got.blocks} of {n} blocks loaded"
                     adapter.free(got.pages)
 
-                t_op, t_copy = timeit_pair(load, memcpy, args.repeat)
-                rows.append(_row(op, page_tokens, n, nbytes, t_op, t_copy))
+                rows.append(_row(op, page_tokens, n, nbytes, timeit_pair(load, memcpy, args.repeat)))
             finally:
                 adapter.close()
                 store.close()
@@ -185,8 +188,7 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
     rows = []
     try:
         for op, fn in (("load_into", load), ("save_from", save)):   # loads first: saves evict their blocks
-            t_op, t_copy = timeit_pair(fn, memcpy, args.repeat)
-            rows.append(_row(op, page_tokens, n, nbytes, t_op, t_copy))
+            rows.append(_row(op, page_tokens, n, nbytes, timeit_pair(fn, memcpy, args.repeat)))
     finally:
         adapter.close()
         store.close()

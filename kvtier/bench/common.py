@@ -53,11 +53,59 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """Median seconds of a() and of b(), alternating them, so both see the same conditions
-    (a virtual disk's speed drifts from second to second). Which one goes first swaps every
-    round (a b, b a, a b, ...): each is timed as often right after the other as before it,
-    so neither inherits more of the other's left-over work (a disk still flushing a write)."""
+@dataclass(frozen=True)
+class Paired:
+    """Timings of an operation `a` and its raw baseline `b`, taken in alternation.
+
+    `ratio` is the median over rounds of b's time / a's time in the same round (a's speed as
+    a fraction of the baseline's), not a ratio of two medians: on a shared 2-core VM one
+    copy or send takes 0.6-2x another's time, and a round's two timings share its
+    conditions. `low`/`high` bound that median with >= 90 % confidence from 5 rounds on
+    (order statistics of the rounds, no assumption about their distribution): a ratio is
+    only as sure as that."""
+
+    a: float                        # median seconds of a()
+    b: float                        # median seconds of b()
+    ratios: tuple[float, ...]       # b / a, round by round
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return sorted(self.ratios)[_rank(len(self.ratios))]
+
+    @property
+    def high(self) -> float:
+        return sorted(self.ratios)[len(self.ratios) - 1 - _rank(len(self.ratios))]
+
+    def fields(self) -> dict[str, float]:
+        """The ratio and its interval, as a row's "ratio", "ratio_low" and "ratio_high"."""
+        return {"ratio": self.ratio, "ratio_low": self.low, "ratio_high": self.high}
+
+
+def _rank(n: int) -> int:
+    """The largest k such that the k-th smallest and k-th largest of n samples (0-based)
+    bracket their population's median with probability >= 0.9 (both binomial tails);
+    0 (the whole range of the rounds, a weaker bound) for fewer than 5 rounds."""
+    from math import comb
+
+    best, tail = 0, 0.0
+    for k in range((n - 1) // 2 + 1):
+        tail += comb(n, k) / 2 ** n         # P(at most k samples below the median)
+        if 2 * tail > 0.1:
+            break
+        best = k
+    return best
+
+
+def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> Paired:
+    """Time a() and b() `repeat` times each, alternating them, so both see the same
+    conditions (a virtual disk's or a shared CPU's speed drifts from second to second).
+    Which one goes first swaps every round (a b, b a, a b, ...): each is timed as often
+    right after the other as before it, so neither inherits more of the other's left-over
+    work (a disk still flushing a write)."""
     _check_repeat(repeat)
     a()
     b()
@@ -68,7 +116,13 @@ def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -
             t0 = time.perf_counter()
             fns[k]()
             times[k].append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return Paired(statistics.median(times[0]), statistics.median(times[1]),
+                  tuple(tb / ta for ta, tb in zip(*times)))
+
+
+def fmt_interval(row: dict[str, Any]) -> str:
+    """A row's ratio interval as "0.91-1.03" (for a table column)."""
+    return f"{row['ratio_low']:.2f}-{row['ratio_high']:.2f}"
 
 
 # -- option types -------------------------------------------------------------------------
@@ -164,12 +218,20 @@ class Column:
     key: str
     head: str
     fmt: Callable[[Any], str] | None = None
+    of_row: Callable[[dict[str, Any]], str] | None = None    # shows several fields at once
 
     def show(self, row: dict[str, Any]) -> str:
         v = row.get(self.key)
         if v is None:
             return ""
+        if self.of_row is not None:
+            return self.of_row(row)
         return self.fmt(v) if self.fmt is not None else _fmt(v)
+
+
+def interval_column() -> Column:
+    """The column showing a Paired ratio's interval (rows with "ratio_low"/"ratio_high")."""
+    return Column("ratio_low", "90% CI", of_row=fmt_interval)
 
 
 def emit(rows: Sequence[dict[str, Any]], as_json: bool, title: str, columns: Sequence[str | Column],

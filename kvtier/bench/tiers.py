@@ -29,8 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk: an existing directory for the slab files (default: a temporary directory)")
     p.add_argument("--io-threads", type=positive_int, default=4, metavar="N",
                    help="disk: I/O threads, for the tier and the baseline")
-    p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
-                   help="timed repetitions; the median is reported")
+    p.add_argument("--repeat", type=positive_int, default=9, metavar="N",
+                   help="timed rounds, each the operation and its raw baseline: the median of the rounds' "
+                        "ratios is reported, with a 90%% interval (default: 9)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -43,12 +44,12 @@ MULTIPLE = {"host": 32, "disk": 32, "device": 256}
 # Buffers of --total bytes each run holds at once (tier, source, destination, baselines).
 HOLDS = {"host": 5, "disk": 3, "device": 6}
 # Timed phases per block size, for the progress bar.
-PHASES = {"host": 3, "disk": 3, "device": 4}
+PHASES = {"host": 2, "disk": 3, "device": 4}
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import (Column, check_block_sizes, emit, existing_dir, fmt_float, fmt_size, memory_hint,
-                                     quiet_threads)
+    from kvtier.bench.common import (Column, check_block_sizes, emit, existing_dir, fmt_float, fmt_size,
+                                     interval_column, memory_hint, quiet_threads)
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
 
@@ -75,14 +76,15 @@ def run(args: argparse.Namespace) -> int:
                 rows += _disk(bb, total, args, path, bar) if tier == "disk" else _host(bb, total, args, bar)
     if tier == "device":
         title = f"device tier vs raw copies; {rows[0]['device']}, {rows[0]['impl']}" if rows else "device tier"
-        emit(rows, args.json, title, head + [Column("baseline", "raw copy")], left=1)
+        emit(rows, args.json, title, head + [interval_column(), Column("baseline", "raw copy")], left=1)
     elif tier == "disk":
         title = (f"disk tier vs raw O_DIRECT; {rows[0]['filesystem']}, {rows[0]['io']}, {args.io_threads} threads"
                  if rows else "disk tier")
-        emit(rows, args.json, title, head + [Column("cold_pread_gbps", "cold pread GB/s", gbps)], left=1)
+        emit(rows, args.json, title, head + [interval_column(), Column("cold_pread_gbps", "cold pread GB/s", gbps)],
+             left=1)
     else:
         title = f"host tier vs raw memcpy; {rows[0]['memory']} memory" if rows else "host tier"
-        emit(rows, args.json, title, head, left=1)
+        emit(rows, args.json, title, head + [interval_column()], left=1)
     return 0
 
 
@@ -97,14 +99,14 @@ def _layout(bb: int):
     return KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)   # one layer, one head: exactly bb bytes
 
 
-def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put=None, raw_get=None) -> tuple[float, ...]:
-    """Median seconds of a put of n fresh blocks (evicting the last round) and of a get of n
-    blocks; with raw_put/raw_get, also of those, each alternated with the tier's op. `bar`
-    (a kvtier.progress.Progress) advances by one per timed phase."""
+def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put, raw_get) -> tuple:
+    """A put of n fresh blocks (evicting the last round) alternated with raw_put, and a get of
+    n blocks alternated with raw_get: two Paired. `bar` (a kvtier.progress.Progress)
+    advances by one per timed phase."""
     import numpy as np
     import torch
 
-    from kvtier.bench.common import fmt_size, timeit, timeit_pair
+    from kvtier.bench.common import fmt_size, timeit_pair
     from kvtier.tiers.memory import allocate_host
 
     src = allocate_host(n * bb).tensor[: n * bb].view(n, bb)
@@ -123,29 +125,19 @@ def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put=None, raw_get=Non
 
     what = f"{store.tiers[0].kind} tier, {fmt_size(bb)} blocks"
     bar.describe(f"{what}: put")
-    if raw_put is None:
-        t_put = timeit(put, repeat)
-        bar.advance()
-        bar.describe(f"{what}: get")
-        store.put(keys, src)
-        t_get = timeit(get, repeat)
-        times: tuple[float, ...] = (t_put, t_get)
-    else:
-        t_put, t_raw_put = timeit_pair(put, raw_put, repeat)
-        bar.advance()
-        bar.describe(f"{what}: get")
-        store.put(keys, src)
-        t_get, t_raw_get = timeit_pair(get, raw_get, repeat)
-        times = (t_put, t_get, t_raw_put, t_raw_get)
+    p_put = timeit_pair(put, raw_put, repeat)
+    bar.advance()
+    bar.describe(f"{what}: get")
+    store.put(keys, src)
+    p_get = timeit_pair(get, raw_get, repeat)
     bar.advance()
     assert torch.equal(out, src), "get returned different bytes than put"
-    return times
+    return p_put, p_get
 
 
 def _host(bb: int, total: int, args, bar) -> list[dict]:
     import numpy as np
 
-    from kvtier.bench.common import timeit
     from kvtier.keys import Namespace
     from kvtier.store import Store
     from kvtier.tiers import HostTier
@@ -153,18 +145,18 @@ def _host(bb: int, total: int, args, bar) -> list[dict]:
 
     n = total // bb
     store = Store(_layout(bb), [HostTier(blocks=n)], Namespace("bench"))
-    t_put, t_get = _put_get(store, n, bb, args.repeat, bar)
-    bar.describe(f"raw memcpy, {n * bb >> 20} MiB")
     a = allocate_host(n * bb).array[: n * bb]
     a[:] = 7
     b = allocate_host(n * bb).array[: n * bb]
-    raw = n * bb / timeit(lambda: np.copyto(b, a), args.repeat) / 1e9
-    bar.advance()
+
+    def memcpy() -> None:
+        np.copyto(b, a)
+    p_put, p_get = _put_get(store, n, bb, args.repeat, bar, memcpy, memcpy)
     memory = store.stats().tiers[0].info.get("memory")
     store.close()
-    return [{"tier": "host", "op": op, "block_bytes": bb, "blocks": n, "gbps": n * bb / t / 1e9,
-             "baseline_gbps": raw, "ratio": n * bb / t / 1e9 / raw, "memory": memory}
-            for op, t in (("put", t_put), ("get", t_get))]
+    return [{"tier": "host", "op": op, "block_bytes": bb, "blocks": n, "gbps": n * bb / p.a / 1e9,
+             "baseline_gbps": n * bb / p.b / 1e9, **p.fields(), "memory": memory}
+            for op, p in (("put", p_put), ("get", p_get))]
 
 
 def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
@@ -185,7 +177,7 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
         io = tier.info()["io"]
         raw = RawDisk(root / "raw.bin", n * tier.slot_bytes, chunk, args.io_threads)
         try:
-            t_put, t_get, t_raw_w, t_raw_r = _put_get(store, n, bb, args.repeat, bar, raw.write, raw.read)
+            p_put, p_get = _put_get(store, n, bb, args.repeat, bar, raw.write, raw.read)
             bar.describe("cold buffered pread")
             cold = raw.cold_read_gbps()
             bar.advance()
@@ -196,11 +188,11 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
         shutil.rmtree(root, ignore_errors=True)
     fs = _filesystem(root.parent)
     nbytes = n * bb
-    return [{"tier": "disk", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / t / 1e9,
-             "baseline_gbps": nbytes / t_raw / 1e9, "ratio": t_raw / t,
+    return [{"tier": "disk", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / p.a / 1e9,
+             "baseline_gbps": nbytes / p.b / 1e9, **p.fields(),
              "cold_pread_gbps": cold if op == "get" else None,
              "io": io, "io_threads": args.io_threads, "filesystem": fs}
-            for op, t, t_raw in (("put", t_put, t_raw_w), ("get", t_get, t_raw_r))]
+            for op, p in (("put", p_put), ("get", p_get))]
 
 
 class RawDisk:

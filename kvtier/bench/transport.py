@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated block sizes, multiples of 32 bytes (default 1MiB,4MiB)")
     p.add_argument("--total", type=size, default=256 << 20, metavar="SIZE",
                    help="bytes per GET, at least one block (default 256MiB)")
-    p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
-                   help="timed repetitions; the median is reported")
+    p.add_argument("--repeat", type=positive_int, default=9, metavar="N",
+                   help="timed rounds, each the operation and its raw baseline: the median of the rounds' "
+                        "ratios is reported, with a 90%% interval (default: 9)")
     p.add_argument("--transport", choices=("auto", "tcp", "ucx", "all"), default="auto",
                    help="auto (default: tcp, plus ucx where ucxx is installed), tcp, ucx, or all "
                         "(ucx: node GET over UCX vs raw ucxx; needs kvtier[ucx])")
@@ -83,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from kvtier.bench.common import (Column, check_block_sizes, emit, fmt_float, fmt_size, memory_hint, quiet_threads,
-                                     timeit_pair)
+    from kvtier.bench.common import (Column, check_block_sizes, emit, fmt_float, fmt_size, interval_column, memory_hint,
+                                     quiet_threads, timeit_pair)
     from kvtier.keys import Keyer, Namespace
     from kvtier.layout import KVLayout
     from kvtier.net import PeerClient
@@ -151,17 +152,17 @@ def run(args: argparse.Namespace) -> int:
                         while got < n * bb:
                             got += raw.recv_into(sink[got:])
 
-                    t_get, t_raw = timeit_pair(get, raw_get, args.repeat)
+                    p = timeit_pair(get, raw_get, args.repeat)
                     rows.append({"bench": "transport", "transport": phase, "op": "get", "block_bytes": bb,
-                                 "blocks": n, "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9,
-                                 "ratio": t_raw / t_get, "baseline": "raw socket send of the same bytes, 1 MiB sends"})
+                                 "blocks": n, "gbps": n * bb / p.a / 1e9, "baseline_gbps": n * bb / p.b / 1e9,
+                                 **p.fields(), "baseline": "raw socket send of the same bytes, 1 MiB sends"})
                     client.close()
                     raw.close()
                     bar.advance()
     gbps = fmt_float(2)
     emit(rows, args.json, "node GET vs raw send, loopback",
          [Column("transport", "transport"), Column("block_bytes", "block", fmt_size), Column("gbps", "GET GB/s", gbps),
-          Column("baseline_gbps", "raw GB/s", gbps), Column("ratio", "ratio", fmt_float(2))], left=1)
+          Column("baseline_gbps", "raw GB/s", gbps), Column("ratio", "ratio", fmt_float(2)), interval_column()], left=1)
     return 0
 
 
@@ -232,11 +233,11 @@ def _ucx_row(node_addr: str, raw_port: int, secret: bytes, seed: bytes, keys, ou
     def raw_get() -> None:
         kucx.run(raw_once(), None)
 
-    t_get, t_raw = timeit_pair(get, raw_get, repeat)
+    p = timeit_pair(get, raw_get, repeat)
     client.close()
     kucx.run(ep.close(), None)
     return {"bench": "transport", "transport": "ucx", "op": "get", "block_bytes": bb, "blocks": n,
-            "gbps": n * bb / t_get / 1e9, "baseline_gbps": n * bb / t_raw / 1e9, "ratio": t_raw / t_get,
+            "gbps": n * bb / p.a / 1e9, "baseline_gbps": n * bb / p.b / 1e9, **p.fields(),
             "baseline": "raw ucxx tagged sends of the same bytes, one per block", "ucx_tls": _tls()}
 
 

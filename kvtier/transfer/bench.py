@@ -84,10 +84,10 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     raw_dev = timed(lambda: b.copy_(a))
     what = f"device, {fmt_size(bb)} blocks"
     bar.describe(f"{what}: gather")
-    t_gather, t_dev = timeit_pair(gather, raw_dev, repeat)
+    p_gather = timeit_pair(gather, raw_dev, repeat)
     bar.advance()
     bar.describe(f"{what}: scatter")
-    t_scatter, t_dev2 = timeit_pair(scatter, raw_dev, repeat)
+    p_scatter = timeit_pair(scatter, raw_dev, repeat)
     bar.advance()
 
     host.copy_(blocks.cpu())
@@ -97,10 +97,10 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     raw_h2d = timed(lambda: blocks.view(-1).copy_(host.view(-1), non_blocking=True))
     raw_d2h = timed(lambda: host.view(-1).copy_(blocks.view(-1), non_blocking=True))
     bar.describe(f"{what}: load")
-    t_load, t_h2d = timeit_pair(load, raw_h2d, repeat)
+    p_load = timeit_pair(load, raw_h2d, repeat)
     bar.advance()
     bar.describe(f"{what}: save")
-    t_save, t_d2h = timeit_pair(save, raw_d2h, repeat)
+    p_save = timeit_pair(save, raw_d2h, repeat)
     bar.advance()
 
     # the bytes are right: the last save read exactly what the last load wrote
@@ -109,10 +109,10 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     impl = kernels.status() if cuda else "torch ops (no CUDA)"
     nbytes = n * bb
     out = []
-    for op, t, t_raw, base in (("gather", t_gather, t_dev, "device copy"), ("scatter", t_scatter, t_dev2, "device copy"),
-                               ("load", t_load, t_h2d, "pinned host->device" if cuda else "host memcpy"),
-                               ("save", t_save, t_d2h, "device->pinned host" if cuda else "host memcpy")):
-        out.append({"tier": "device", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / t / 1e9,
-                    "baseline_gbps": nbytes / t_raw / 1e9, "ratio": t_raw / t, "device": name,
+    for op, p, base in (("gather", p_gather, "device copy"), ("scatter", p_scatter, "device copy"),
+                        ("load", p_load, "pinned host->device" if cuda else "host memcpy"),
+                        ("save", p_save, "device->pinned host" if cuda else "host memcpy")):
+        out.append({"tier": "device", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / p.a / 1e9,
+                    "baseline_gbps": nbytes / p.b / 1e9, **p.fields(), "device": name,
                     "impl": impl, "baseline": base})
     return out
