@@ -356,7 +356,16 @@ def test_wait_for_layer_load_waits_for_that_layer_only(pair, monkeypatch):
             assert gate.wait(10)
         return real(v, *a, **k)
 
+    from kvtier.transfer.pages import ChunkPlan
+    real_layer = ChunkPlan.layer
+
+    def slow_layer(plan, l, to_blocks):      # the path taken where kvtier._copy is built
+        if l == 1:
+            assert gate.wait(10)
+        return real_layer(plan, l, to_blocks)
+
     monkeypatch.setattr(smod, "copy", slow_copy)
+    monkeypatch.setattr(ChunkPlan, "layer", slow_layer)
     seen = {}
 
     def between(i):
