@@ -8,6 +8,10 @@ buffered pread of a cold file.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.bench.common import Paired
 
 HELP = "time put and get of blocks through a tier against a raw copy of the same bytes"
 
@@ -99,7 +103,7 @@ def _layout(bb: int):
     return KVLayout.mha(1, 1, bb // 32, 16, torch.uint8)   # one layer, one head: exactly bb bytes
 
 
-def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put, raw_get) -> tuple:
+def _put_get(store, n: int, bb: int, repeat: int, bar, raw_put, raw_get) -> tuple[Paired, Paired]:
     """A put of n fresh blocks (evicting the last round) alternated with raw_put, and a get of
     n blocks alternated with raw_get: two Paired. `bar` (a kvtier.progress.Progress)
     advances by one per timed phase."""

@@ -233,8 +233,7 @@ def copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor,
     if impl not in ("auto", "torch", "cuda"):
         raise LayoutError(f"impl must be 'auto', 'torch' or 'cuda', got {impl!r}")
     if rows is not None:
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
-            raise LayoutError(f"rows name a row outside the {blocks.shape[0]} rows of blocks")
+        _check_rows(rows, blocks)
         if impl == "auto" and not blocks.is_cuda and _native_copy(views, ids, blocks, to_blocks, rows):
             return
         # Elsewhere through a temporary (the kernel and the torch ops address rows 0..n-1).
@@ -326,9 +325,14 @@ def native_plan(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.
     the C module is missing or a tensor is on a GPU (then use copy())."""
     if _copy_chunks is None or blocks.is_cuda or views[0].is_cuda:
         return None
-    if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
-        raise LayoutError(f"rows name a row outside the {blocks.shape[0]} rows of blocks")
+    if rows is not None:
+        _check_rows(rows, blocks)
     return ChunkPlan(views, ids, blocks, rows)
+
+
+def _check_rows(rows: torch.Tensor, blocks: torch.Tensor) -> None:
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
+        raise LayoutError(f"rows name a row outside the {blocks.shape[0]} rows of blocks")
 
 
 def _native_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool,
