@@ -57,7 +57,7 @@ class Pages:
     """A NaN-filled pool and a scrambled slot allocator: reading an unwritten row poisons the logits."""
 
     def __init__(self, model: DeepseekV3, slots: int = 24, seed: int = 0) -> None:
-        self.pool = torch.full((slots, *model.kv_layout(BLOCK).block_shape), float("nan"))
+        self.pool = torch.full((slots, *model.kv_layout(BLOCK).block_shape), float("nan"), device=model.device)
         self.free = [(7 * i + seed) % slots for i in range(slots)]     # pops 17, 10, 3, 20, ... (slots=24)
         self.pages: dict[str, list[int]] = {}
 
@@ -77,7 +77,9 @@ def step(model: DeepseekV3, pages: Pages, chunks: list[tuple[str, list[int], int
         ids += toks
         pos += range(context, context + len(toks))
         start += len(toks)
-    batch = StepBatch(torch.tensor(ids), torch.tensor(pos), seqs, torch.arange(len(ids)), before_layer)
+    dev = pages.pool.device
+    batch = StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), seqs,
+                      torch.arange(len(ids), device=dev), before_layer)
     return model(batch, pages.pool)
 
 
@@ -96,7 +98,7 @@ def pair(request, tmp_path_factory):
     hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not any(info.values()), f"transformers did not load every weight: {info}"
-    return load_model(path)[0], hf.eval(), state
+    return load_model(path, device="cpu")[0], hf.eval(), state      # the oracle runs on the CPU
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -183,6 +185,24 @@ def test_batched_sequences_equal_each_alone(pair):
     both = step(model, mixed, [("a", a, 0), ("b", b[20:], 20)])   # a prefill and a decode together
     assert (both[:11] - a_alone).abs().max() < 1e-5
     assert (both[11:] - b_alone).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+def test_on_a_gpu_the_model_gives_the_cpu_logits(pair):
+    """The same weights on CUDA: a prefill and a mixed prefill + decode step give the CPU's
+    logits (fp32; the CPU model is the one checked against transformers above)."""
+    model, _, state = pair
+    gpu = DeepseekV3(model.config, state, dtype=torch.float32, device="cuda")
+    a, b = prompt(30, seed=8), prompt(19, seed=9)
+    out = {}
+    for name, m in (("cpu", model), ("cuda", gpu)):
+        pages = Pages(m, seed=3)
+        first = step(m, pages, [("a", a[:20], 0)])
+        both = step(m, pages, [("a", a[20:], 20), ("b", b, 0)])
+        out[name] = torch.cat([first, both]).cpu()
+    assert out["cuda"].isfinite().all()
+    assert (out["cuda"] - out["cpu"]).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("form", ["absorbed", "absorbed-torch", "up"])
@@ -444,7 +464,7 @@ def test_random_weights_are_deterministic():
     assert model.random_weights and info.random_weights and info.tokenizer_path is None
     assert info.namespace() == Namespace(model="kimi-tiny", revision="random-seed0")
     assert load_model("kimi-tiny", seed=1)[1].namespace() != info.namespace()     # other weights, other blocks
-    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert model.dtype == torch.float32 and model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ConfigError, match="checkpoint directory"):
         load_model("kimi-k2")                        # its weights come from a checkpoint, not a seed
 

@@ -266,7 +266,7 @@ def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         w = model.model.layers[0].mlp.down_proj.weight
-        w += torch.randn(w.shape, generator=g) * scale
+        w += (torch.randn(w.shape, generator=g) * scale).to(w.device)
 
 
 def test_draft_model_greedy_tokens_equal_batched_chunked_and_cached():
@@ -412,7 +412,7 @@ def mtp_engine(path: str, spec: SpeculativeConfig | None, noise: float = 0.0, **
         g = torch.Generator().manual_seed(11)
         with torch.no_grad():
             w = llm.model.model.layers[1].eh_proj.weight
-            w += torch.randn(w.shape, generator=g) * noise
+            w += (torch.randn(w.shape, generator=g) * noise).to(w.device)
     return llm
 
 
@@ -425,7 +425,7 @@ def test_a_tiny_checkpoint_with_an_mtp_layer_round_trips(mtp_checkpoint, tmp_pat
     assert not any(k.startswith("model.layers.1.") for k in plain)           # skipped unless asked for
     model, _ = load_model(mtp_checkpoint, mtp=True)
     assert model.kv_layout(16).num_layers == 2 and "mtp=1" in model.kv_layout(16).variant
-    assert torch.equal(model.model.layers[1].eh_proj.weight, with_mtp["model.layers.1.eh_proj.weight"])
+    assert torch.equal(model.model.layers[1].eh_proj.weight.cpu(), with_mtp["model.layers.1.eh_proj.weight"])
     with pytest.raises(ConfigError, match="MTP"):
         LLM("kimi-tiny", cache=StoreConfig(device_capacity="4MiB", host_capacity=None), speculative=MTP)
 
