@@ -367,6 +367,8 @@ def main() -> int:
     p.add_argument("--no-contiguous", action="store_true",
                    help="skip LMCache on a contiguous KV tensor (its own memory format)")
     args = p.parse_args()
+    if args.device not in (None, "cpu"):         # add_arguments is kvtier bench adapter's, which has a GPU path
+        p.error(f"--device {args.device}: this comparison runs on the CPU only (LMCache's CPU path)")
     quiet_threads()                                   # torch.set_num_threads(1); all on the CPU
     from kvtier.tiers.memory import allocate_host
 

@@ -3,24 +3,33 @@
     save_from   the engine's pages (vLLM format, scattered page ids) -> the host tier
     load_into   the host tier -> the engine's pages, layer by layer, waited for
     load_host   pages in kvtier (the reference engine): a prefix in the host tier -> the
-                device tier's pages (a CPU tensor here), planned by the page pool
+                device tier's pages, planned by the page pool
     load_disk   the same from the disk tier: read and verified, then copied into pages
 
-Each is timed against a raw memcpy of the same bytes in the same run, alternating the two
-so both see the same machine. The default layout is Llama-3-8B-like (32 layers, 8 KV
-heads, head_dim 128, bf16: 128 KiB a token); the engine's page is kvtier's block.
+Each is timed against the raw copy of the same bytes it stands for, in the same run,
+alternating the two so both see the same machine. `--device cpu`: the engine's pages and
+the device tier are CPU tensors, and the raw copy is a memcpy between two page-aligned host
+buffers. `--device cuda` (the default when CUDA is here): they are on the GPU and the host
+tier is pinned; the loads are timed against one pinned host->device copy, save_from against
+one device->pinned host copy, and every timing ends with a device synchronize. A row's
+`baseline` names its raw copy (its speed stays in `memcpy_gbps`). The default layout is
+Llama-3-8B-like (32 layers, 8 KV heads, head_dim 128, bf16: 128 KiB a token); the engine's
+page is kvtier's block.
 """
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from kvtier import argtypes
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtier.bench.common import Paired
 
-HELP = "time an engine's pages <-> kvtier's tiers (save_from, load_into, load from host and disk) against a raw memcpy"
+HELP = ("time an engine's pages <-> kvtier's tiers (save_from, load_into, load from host and disk) against "
+        "a raw copy of the same bytes (memcpy; pinned host<->device on a GPU)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ratios is reported, with a 90%% interval (default: 9)")
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="where the load_disk row's disk tier goes (default: a temporary directory)")
+    p.add_argument("--device", default=None,
+                   help="where the engine's pages live: cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -51,20 +62,47 @@ def page_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _device(text: str | None) -> torch.device:
+    """--device as a torch.device, checked as `bench engine --device` is (resolve_device:
+    cuda:0 when CUDA is here, else cpu), with errors that name the option."""
+    import torch
+
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.device import resolve_device
+
+    if text is not None and text.strip().startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {text}: torch {torch.__version__} sees no CUDA device here; use --device cpu, "
+                          "or leave --device out (cuda when present, else cpu)")
+    try:
+        return resolve_device(text)
+    except ConfigError as e:
+        raise ConfigError(f"--device: {e}") from None
+
+
+def _device_name(device: torch.device) -> str:
+    """What a row was measured on: "cuda:0 (NVIDIA H100 80GB HBM3)" or "cpu"."""
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.bench.common import emit, interval_column, quiet_threads
     from kvtier.progress import progress
 
-    quiet_threads()
     sizes = page_sizes(args.page_tokens)
+    device = _device(args.device)
+    quiet_threads()
     rows: list[dict[str, Any]] = []
     with progress("bench adapter", len(sizes), enabled=not args.json) as bar:
         for pt in sizes:
             bar.describe(f"{pt}-token pages")
-            rows += _one_size(args, pt)
-            rows += _pages_in_kvtier(args, pt)
+            rows += _one_size(args, pt, device)
+            rows += _pages_in_kvtier(args, pt, device)
             bar.advance()
-    emit(rows, args.json, "Engine pages <-> kvtier's tiers vs a raw memcpy of the same bytes (higher GB/s is better)",
+    raw = "pinned host<->device copy" if device.type == "cuda" else "memcpy"
+    emit(rows, args.json, f"Engine pages ({_device_name(device)}) <-> kvtier's tiers vs a raw {raw} of the same bytes "
+         "(higher GB/s is better)",
          ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio", interval_column()], left=1)
     return 0
 
@@ -83,13 +121,42 @@ def _sizes(args: argparse.Namespace, page_tokens: int) -> tuple[Any, int]:
     return layout, n
 
 
-def _row(op: str, page_tokens: int, n: int, nbytes: int, p: Paired) -> dict[str, Any]:
+class _Raw(NamedTuple):
+    """A raw copy of an op's bytes, timed against it, and its name in the rows."""
+
+    name: str
+    fn: Callable[[], object]
+
+
+def _row(op: str, page_tokens: int, n: int, nbytes: int, p: Paired, device: str, raw: _Raw) -> dict[str, Any]:
+    """`memcpy_gbps` is the baseline's speed whatever it is (`baseline`): the name rows always had."""
     return {"bench": "adapter", "op": op, "page_tokens": page_tokens, "blocks": n, "mib": round(nbytes / 2**20, 1),
             "gbps": round(nbytes / p.a / 1e9, 3), "memcpy_gbps": round(nbytes / p.b / 1e9, 3),
-            **{k: round(v, 3) for k, v in p.fields().items()}}
+            **{k: round(v, 3) for k, v in p.fields().items()}, "device": device, "baseline": raw.name}
 
 
-def _memcpy(nbytes: int) -> tuple[Any, Any]:
+def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """fn, then on a GPU a device synchronize: a timing covers the copies, not only their queueing."""
+    if device.type != "cuda":
+        return fn
+    import torch
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
+def _baselines(device: torch.device, nbytes: int) -> tuple[_Raw, _Raw, Callable[[], None]]:
+    """The raw copies of `nbytes` an op is timed against: (into the engine's pages, out of
+    them, the closer). On a CPU both are one memcpy; on a GPU, the DMA each way."""
+    if device.type == "cuda":
+        return (*_pinned_copies(device, nbytes), lambda: None)
+    memcpy, close = _memcpy(nbytes)
+    return _Raw("memcpy", memcpy), _Raw("memcpy", memcpy), close
+
+
+def _memcpy(nbytes: int) -> tuple[Callable[[], object], Callable[[], None]]:
     """A raw memcpy of `nbytes` between two page-aligned, prefaulted buffers, and its closer."""
     from kvtier.tiers.memory import allocate_host
 
@@ -102,11 +169,23 @@ def _memcpy(nbytes: int) -> tuple[Any, Any]:
     return (lambda: dst.tensor.copy_(src.tensor)), close
 
 
-def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]]:
-    """An engine whose pages are the store's device tier loads a prefix found in the host tier,
-    then one found on disk: adapter.lookup -> adapter.load (planned under the lock once,
-    copied layer by layer into newly allocated pages) -> adapter.free. The blocks are not
-    cache()d, so each round loads from the same tier again."""
+def _pinned_copies(device: torch.device, nbytes: int) -> tuple[_Raw, _Raw]:
+    """One copy of `nbytes` pinned host -> device and one device -> pinned host (the DMA a
+    user compares with), each waited for. Pinned only here: pin_memory raises without CUDA."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)                                   # touched now, not in the first timing
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    return (_Raw("pinned host->device", _synced(lambda: dev.copy_(host, non_blocking=True), device)),
+            _Raw("device->pinned host", _synced(lambda: host.copy_(dev, non_blocking=True), device)))
+
+
+def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int, device: torch.device) -> list[dict[str, Any]]:
+    """An engine whose pages are the store's device tier (on `device`) loads a prefix found in
+    the host tier, then one found on disk: adapter.lookup -> adapter.load (planned under the
+    lock once, copied layer by layer into newly allocated pages) -> adapter.free. The blocks
+    are not cache()d, so each round loads from the same tier again."""
     import shutil
     import tempfile
 
@@ -118,12 +197,13 @@ def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int) -> list[dict[st
 
     layout, n = _sizes(args, page_tokens)
     nbytes = n * layout.block_bytes
-    memcpy, close_memcpy = _memcpy(nbytes)
+    raw, _, close_raw = _baselines(device, nbytes)
+    where = _device_name(device)
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-adapter-", dir=args.disk)
     rows = []
     try:
         for op, lower in (("load_host", kvtier.HostTier(blocks=n)), ("load_disk", kvtier.DiskTier(f"{tmp}/kv", blocks=n))):
-            store = kvtier.Store(layout, [kvtier.DeviceTier(blocks=n, device="cpu"), lower],
+            store = kvtier.Store(layout, [kvtier.DeviceTier(blocks=n, device=device), lower],
                                  kvtier.Namespace("bench-adapter", "r1"), promote=False)
             adapter = KVAdapter(store)
             try:
@@ -140,17 +220,20 @@ def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int) -> list[dict[st
                     assert got.blocks == n, f"only {got.blocks} of {n} blocks loaded"
                     adapter.free(got.pages)
 
-                rows.append(_row(op, page_tokens, n, nbytes, timeit_pair(load, memcpy, args.repeat)))
+                p = timeit_pair(_synced(load, device), raw.fn, args.repeat)
+                rows.append(_row(op, page_tokens, n, nbytes, p, where, raw))
             finally:
                 adapter.close()
                 store.close()
     finally:
-        close_memcpy()
+        close_raw()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
-def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]]:
+def _one_size(args: argparse.Namespace, page_tokens: int, device: torch.device) -> list[dict[str, Any]]:
+    """An engine that owns its pages (on `device`) saves them into the host tier and loads
+    them back: adapter.save_from / adapter.load_into, each waited for."""
     import torch
 
     import kvtier
@@ -163,14 +246,15 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
     # The engine's pages: twice the pages the requests use, the used ones scattered (as in a busy engine).
     g = torch.Generator().manual_seed(0)
     num_pages = 2 * n
-    pages = [torch.randn(2, num_pages, page_tokens, args.kv_heads, args.head_dim, generator=g).to(torch.bfloat16)
-             for _ in range(args.layers)]
+    shape = (2, num_pages, page_tokens, args.kv_heads, args.head_dim)
+    pages = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(args.layers)]
     table = torch.randperm(num_pages, generator=g)[:n].reshape(n, 1)
     paged = PagedKV(pages, layout, "vllm")
     # Room for two rounds of saves, so a timed save evicts (as a full store does) but never fails.
     store = kvtier.Store(layout, [kvtier.HostTier(blocks=2 * n + 1)], kvtier.Namespace("bench-adapter", "r1"))
     adapter = KVAdapter(store)
-    memcpy, close_memcpy = _memcpy(nbytes)
+    load_raw, save_raw, close_raw = _baselines(device, nbytes)
+    where = _device_name(device)
     rounds = [0]
 
     def save() -> None:          # fresh tokens each time: a save of blocks already cached does nothing
@@ -187,10 +271,12 @@ def _one_size(args: argparse.Namespace, page_tokens: int) -> list[dict[str, Any]
 
     rows = []
     try:
-        for op, fn in (("load_into", load), ("save_from", save)):   # loads first: saves evict their blocks
-            rows.append(_row(op, page_tokens, n, nbytes, timeit_pair(fn, memcpy, args.repeat)))
+        # Loads first: saves evict their blocks.
+        for op, fn, raw in (("load_into", load, load_raw), ("save_from", save, save_raw)):
+            p = timeit_pair(_synced(fn, device), raw.fn, args.repeat)
+            rows.append(_row(op, page_tokens, n, nbytes, p, where, raw))
     finally:
         adapter.close()
         store.close()
-        close_memcpy()
+        close_raw()
     return rows
