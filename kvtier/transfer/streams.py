@@ -226,6 +226,8 @@ class LayerLoader(_Mover):
         ids = self.kv.table(block_table, unique=True)
         handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
         handle._keep = (ids,)
+        if self.cuda:      # the ids' copy to the device and every engine op on the pages come first
+            self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         if self._thread is None:
             self._load_held(handle, hold, ids)
         else:
@@ -244,7 +246,7 @@ class LayerLoader(_Mover):
             n = min(held.blocks, ids.shape[0])
             handle._set_rows(n)
             if self.cuda:
-                self._held_to_gpu(handle, held, ids[:n].to(self.kv.device))
+                self._held_to_gpu(handle, held, ids[:n])
                 return
             groups = []                  # (tier memory, its rows, the pages they go to): blocks < n only
             for g in held.groups:
