@@ -11,9 +11,13 @@
 //   engine  = layer_ptrs[l] + table[b * pages_per_block + j] * page_stride + h * part_stride
 //   block   = blocks + b * block_stride + l * layer_bytes + h * part_bytes + j * chunk_bytes
 //
-// One CUDA block copies one chunk at a time (grid-stride over chunks); its threads move
-// VEC-byte words. The host picks VEC as the widest of 16/8/4/2/1 that divides every
-// pointer, stride and size, so loads are 16-byte vectors whenever alignment allows.
+// The grid's unit of work is a piece: 32 x UNROLL words of one chunk, copied by one warp
+// (grid-stride over pieces). Each lane loads its UNROLL words before it stores any, so a
+// warp keeps UNROLL coalesced 512-byte requests in flight (speed: one dependent load at a
+// time left HBM mostly idle); pieces rather than whole chunks keep every SM busy whether a
+// page part is 4 KiB or 256 KiB. VEC is the widest of 16/8/4/2/1 bytes that divides every
+// pointer, stride and size (the host picks it), so loads are 16-byte vectors whenever
+// alignment allows.
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -37,13 +41,23 @@ struct Geometry {
   int64_t part_bytes;    // bytes of K (or V) of one layer inside a block
 };
 
+constexpr int UNROLL = 4;
+constexpr int WARPS_PER_BLOCK = 8;
+
 template <int VEC>
 __global__ void paged_copy_kernel(const uint64_t* __restrict__ layer_ptrs,
                                   const int64_t* __restrict__ table,
                                   uint8_t* __restrict__ blocks, Geometry g, bool to_blocks) {
   using W = typename Word<VEC>::T;
   const int64_t words = g.chunk_bytes / VEC;
-  for (int64_t c = blockIdx.x; c < g.n_chunks; c += gridDim.x) {
+  const int64_t piece_words = 32 * UNROLL;
+  const int64_t pieces = (words + piece_words - 1) / piece_words;
+  const int64_t units = g.n_chunks * pieces;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * WARPS_PER_BLOCK;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * WARPS_PER_BLOCK + (threadIdx.x >> 5); u < units; u += warps) {
+    const int64_t c = u / pieces;
+    const int64_t p = u - c * pieces;
     int64_t t = c;
     const int64_t j = t % g.pages_per_block; t /= g.pages_per_block;
     const int64_t h = t % g.parts;           t /= g.parts;
@@ -54,19 +68,32 @@ __global__ void paged_copy_kernel(const uint64_t* __restrict__ layer_ptrs,
     uint8_t* block = blocks + b * g.block_stride + l * g.layer_bytes + h * g.part_bytes + j * g.chunk_bytes;
     const W* src = reinterpret_cast<const W*>(to_blocks ? engine : block);
     W* dst = reinterpret_cast<W*>(to_blocks ? block : engine);
-    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+    const int64_t first = p * piece_words + lane;
+    W r[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      const int64_t i = first + k * 32;
+      if (i < words) r[k] = src[i];
+    }
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      const int64_t i = first + k * 32;
+      if (i < words) dst[i] = r[k];
+    }
   }
 }
 
 template <int VEC>
 cudaError_t launch(const uint64_t* layer_ptrs, const int64_t* table, uint8_t* blocks,
                    const Geometry& g, bool to_blocks, cudaStream_t stream) {
-  // Enough threads for one chunk's words (a page part is usually 4-128 KiB), capped at 256.
-  int64_t words = g.chunk_bytes / VEC;
-  int threads = words >= 256 ? 256 : (words >= 32 ? static_cast<int>((words + 31) / 32 * 32) : 32);
-  int64_t grid = g.n_chunks < 65535 * 8 ? g.n_chunks : 65535 * 8;
-  paged_copy_kernel<VEC><<<static_cast<unsigned>(grid), threads, 0, stream>>>(layer_ptrs, table, blocks, g,
-                                                                             to_blocks);
+  const int64_t piece_words = 32 * UNROLL;
+  const int64_t units = g.n_chunks * ((g.chunk_bytes / VEC + piece_words - 1) / piece_words);
+  // One warp per piece; past 8192 blocks (64K warps, far more than an H100 holds at once)
+  // warps loop over pieces instead.
+  int64_t grid = (units + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+  grid = grid < 8192 ? grid : 8192;
+  paged_copy_kernel<VEC><<<static_cast<unsigned>(grid), WARPS_PER_BLOCK * 32, 0, stream>>>(layer_ptrs, table,
+                                                                                        blocks, g, to_blocks);
   return cudaGetLastError();
 }
 

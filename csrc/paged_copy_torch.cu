@@ -23,3 +23,23 @@ void paged_copy(torch::Tensor layer_ptrs, torch::Tensor table, torch::Tensor blo
                               c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "kvtier paged copy launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
+
+// height rows of `width` bytes: dst + dst_offset + r * dpitch <- src + src_offset + r * spitch,
+// one cudaMemcpy2DAsync on the current stream (host <-> device or within a device). Moves
+// one layer of many layer-major blocks in one DMA, without packing it on the CPU first.
+void copy_2d(torch::Tensor dst, int64_t dst_offset, int64_t dpitch, torch::Tensor src, int64_t src_offset,
+             int64_t spitch, int64_t width, int64_t height) {
+  TORCH_CHECK(dst.scalar_type() == torch::kUInt8 && src.scalar_type() == torch::kUInt8 && dst.is_contiguous() &&
+                  src.is_contiguous(), "copy_2d takes contiguous uint8 tensors");
+  TORCH_CHECK(dst.is_cuda() || src.is_cuda(), "copy_2d needs a CUDA tensor on one side");
+  TORCH_CHECK(width >= 0 && height >= 0 && dst_offset >= 0 && src_offset >= 0 && width <= dpitch &&
+                  width <= spitch, "copy_2d: bad geometry");
+  if (width == 0 || height == 0) return;
+  TORCH_CHECK(dst_offset + (height - 1) * dpitch + width <= dst.numel() &&
+                  src_offset + (height - 1) * spitch + width <= src.numel(), "copy_2d: range outside a tensor");
+  const c10::cuda::CUDAGuard guard(dst.is_cuda() ? dst.device() : src.device());
+  cudaError_t err = cudaMemcpy2DAsync(dst.data_ptr<uint8_t>() + dst_offset, dpitch, src.data_ptr<uint8_t>() + src_offset,
+                                      spitch, width, height, cudaMemcpyDefault,
+                                      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "kvtier copy_2d failed: ", cudaGetErrorString(err));
+}

@@ -144,6 +144,32 @@ def test_pages_the_engine_owns_round_trip():
     assert miss.loaded == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+@pytest.mark.parametrize("path", ["layer by layer", "whole rows first"])
+def test_on_a_gpu_pages_the_engine_owns_round_trip(path, monkeypatch):
+    """save_from GPU pages -> the pinned host tier -> load_into other GPU pages, byte-exact,
+    by the per-layer 2D DMAs and by the whole-rows fallback (fragmented slots)."""
+    from kvtier.transfer import streams
+    if path == "whole rows first":
+        monkeypatch.setattr(streams, "MAX_LAYER_COPIES", 0)
+    a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS))
+    pages = [torch.randn(10, 4, 24, device="cuda") for _ in range(LAYOUT.num_layers)]
+    keys = a.keys(list(range(12)))
+    assert a.save_from(keys, PagedKV(pages, LAYOUT, "mla"), [[7], [2], [5]]).wait().blocks == 3
+    dst = [torch.zeros(10, 4, 24, device="cuda") for _ in range(LAYOUT.num_layers)]
+    got = a.load_into(keys, PagedKV(dst, LAYOUT, "mla"), [[0], [1], [9]])
+    for l in range(LAYOUT.num_layers):
+        got.wait_for_layer(l)
+    got.wait()
+    assert got.loaded == 3
+    for l in range(LAYOUT.num_layers):
+        for src, d in ((7, 0), (2, 1), (5, 9)):
+            assert torch.equal(dst[l][d], pages[l][src])
+        assert torch.count_nonzero(dst[l][3]) == 0
+    a.close()
+
+
 def _engine_pages_with_cached(n_pages: int = 10) -> tuple[KVAdapter, list[torch.Tensor], kvtier.BlockKeys]:
     """A host-tier adapter holding 3 blocks saved from random engine pages 7, 2, 5."""
     a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS))

@@ -341,6 +341,41 @@ def test_gpu_kernel_matches_torch_fallback(fmt, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_copy_2d_moves_strided_rows_both_ways():
+    from kvtier.transfer import kernels
+    host = torch.randint(0, 256, (8, 512), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(5, 100, dtype=torch.uint8, device="cuda")
+    assert kernels.copy_2d(dev, 100, 100, host, 512 + 37, 512, 100, 4)     # host rows 1-4, bytes 37-136
+    back = torch.zeros(8, 512, dtype=torch.uint8).pin_memory()
+    kernels.copy_2d(back, 2 * 512 + 10, 512, dev, 100, 100, 100, 4)        # -> back rows 2-5, bytes 10-109
+    torch.cuda.synchronize()
+    assert torch.equal(dev[1:].cpu(), host[1:5, 37:137]) and int(dev[0].count_nonzero()) == 0
+    assert torch.equal(back[2:6, 10:110], host[1:5, 37:137])
+    back[2:6, 10:110] = 0
+    assert int(back.count_nonzero()) == 0                                    # nothing else written
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.copy_2d(dev, 0, 100, host, 0, 512, 100, 9)                   # 9 rows do not fit in dev
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("path", ["2d dma", "cpu pack"])
+def test_gpu_loader_paths_write_the_same_pages(path, monkeypatch):
+    from kvtier.transfer import kernels
+    layout = KVLayout.mha(3, 2, 64, 32, torch.float16)
+    pages = random_pages("vllm", layout, 64, 16, 0, "cuda")
+    table = torch.randperm(64)[:20].reshape(10, 2)
+    blocks = torch.randint(0, 256, (10, layout.block_bytes), dtype=torch.uint8).pin_memory()
+    if path == "cpu pack":                     # no extension: the staging thread packs each layer
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    loader = LayerLoader(pages, layout, "vllm")
+    loader.load(blocks, table).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(gather(pages, table, layout, "vllm").cpu(), blocks)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_loader_overlaps_copy_with_compute():
     layout = KVLayout.mha(8, 8, 128, 16, torch.bfloat16)
     pages = random_pages("flashinfer", layout, 4096, 16, 0, "cuda")

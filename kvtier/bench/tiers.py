@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 64KiB,1MiB,4MiB; 1MiB,4MiB for disk)")
     p.add_argument("--total", type=size, default=None, metavar="SIZE",
                    help="bytes moved per timed operation, at least one block "
-                        "(default 256MiB host, 512MiB disk, 64MiB device)")
+                        "(default 256MiB host, 512MiB disk, 1GiB device on a GPU, 64MiB on a CPU)")
     p.add_argument("--path", default=None, metavar="DIR",
                    help="disk: an existing directory for the slab files (default: a temporary directory)")
     p.add_argument("--io-threads", type=positive_int, default=4, metavar="N",

@@ -30,7 +30,9 @@ _ptr_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
 _DECL = ("void paged_copy(torch::Tensor layer_ptrs, torch::Tensor table, torch::Tensor blocks, int64_t layers, "
          "int64_t parts, int64_t pages_per_block, int64_t chunk_bytes, int64_t page_stride, int64_t part_stride, "
-         "int64_t layer_bytes, int64_t part_bytes, bool to_blocks, int64_t vec);")
+         "int64_t layer_bytes, int64_t part_bytes, bool to_blocks, int64_t vec);\n"
+         "void copy_2d(torch::Tensor dst, int64_t dst_offset, int64_t dpitch, torch::Tensor src, "
+         "int64_t src_offset, int64_t spitch, int64_t width, int64_t height);")
 
 
 def load() -> object | None:
@@ -51,7 +53,7 @@ def load() -> object | None:
                 _module = load_inline(
                     name="kvtier_paged_copy", cpp_sources=_DECL,
                     cuda_sources=KERNEL_SOURCE.read_text() + "\n" + BINDING_SOURCE.read_text(),
-                    functions=["paged_copy"], extra_cuda_cflags=["-O3"], verbose=False)
+                    functions=["paged_copy", "copy_2d"], extra_cuda_cflags=["-O3"], verbose=False)
             except Exception as e:   # no nvcc, no ninja, a compiler error: fall back, say why once
                 _error = f"{type(e).__name__}: {e}"
                 log.warning("kvtier: CUDA paged-copy kernel unavailable, using torch ops (%s)", _error)
@@ -83,6 +85,18 @@ def paged_copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.T
                        blocks.data_ptr(), *ptrs)
     m.paged_copy(_pointers(blocks.device, ptrs), ids, blocks, len(views), parts, ppb, chunk,
                  page_stride, part_stride, layer_bytes, ppb * chunk, to_blocks, vec)
+    return True
+
+
+def copy_2d(dst: torch.Tensor, dst_offset: int, dpitch: int, src: torch.Tensor, src_offset: int, spitch: int,
+            width: int, height: int) -> bool:
+    """`height` rows of `width` bytes, row r from src byte src_offset + r * spitch to dst byte
+    dst_offset + r * dpitch, as one DMA queued on the current stream (contiguous uint8
+    tensors, a CUDA one on at least one side). False if the extension is unavailable."""
+    m = load()
+    if m is None:
+        return False
+    m.copy_2d(dst, dst_offset, dpitch, src, src_offset, spitch, width, height)
     return True
 
 

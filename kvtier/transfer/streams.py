@@ -9,11 +9,12 @@
     saved.wait_for_pages()                            # before the engine overwrites those pages
     store.put(keys, saved.wait())                     # pinned host blocks
 
-On a GPU each mover has its own CUDA stream; a load's staging thread packs layer i of
-every block into pinned staging (one contiguous range per layer), copies it to the GPU,
-scatters it into the engine's pages and records an event, layer after layer, so the
-engine computes layer 0 while later layers are in flight (`blocks` must stay unchanged
-until wait() returns). A save waits for the engine's stream (it sees every write queued
+On a GPU each mover has its own CUDA stream; a load's thread queues, layer after layer,
+one 2D DMA of layer i of every block (a strided range of the host rows, on a copy stream
+of its own), the scatter of those bytes into the engine's pages and an event, so the
+engine computes layer 0 while later layers are in flight and the link never waits for a
+scatter (`blocks` must stay unchanged until wait() returns). Without the CUDA extension
+the thread packs each layer into pinned staging on the CPU instead. A save waits for the engine's stream (it sees every write queued
 so far), gathers on its own stream and copies to pinned host memory without blocking
 the engine. On a CPU a save copies synchronously; a load does too (every wait returns at
 once) unless the loader is `threaded`: then a thread copies layer after layer and flags
@@ -35,8 +36,13 @@ import torch
 
 from kvtier.errors import LayoutError, TransferError
 from kvtier.layout import KVLayout
+from kvtier.transfer import kernels
 from kvtier.transfer.pages import PagedKV, copy, native_plan
-from kvtier.transfer.runs import copy_rows
+from kvtier.transfer.runs import copy_rows, runs
+
+# A GPU load moves each layer with one 2D DMA per run of consecutive rows; past this many
+# DMAs (fragmented slots) it copies whole rows per run instead and scatters after.
+MAX_LAYER_COPIES = 512
 
 if TYPE_CHECKING:
     from kvtier.inplace import HeldBlocks
@@ -161,9 +167,8 @@ class _Mover:
 class LayerLoader(_Mover):
     """Host blocks -> engine pages, layer by layer, off the caller's thread.
 
-    On a GPU a staging thread packs layer l of every block into pinned memory and queues
-    its copy and scatter on the loader's stream, so load() returns at once and the engine
-    starts on layer 0 while the thread packs layer 1. On a CPU, `threaded=True` runs the
+    On a GPU a thread queues each layer's DMA and scatter (see the module's docstring), so
+    load() returns at once and the engine starts on layer 0 while later layers arrive. On a CPU, `threaded=True` runs the
     same loop on the thread with plain copies, flagging each layer as it lands; without it
     load() copies every layer before it returns. Loads run one after another, in call order."""
 
@@ -171,6 +176,9 @@ class LayerLoader(_Mover):
         super().__init__(*args, **kwargs)
         self.threaded = self.cuda or threaded
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") if self.threaded else None
+        # Speed: the DMAs run on a stream of their own, so layer l+1 crosses the link while
+        # layer l is scattered into the pages.
+        self.copy_stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
 
     def load(self, blocks: torch.Tensor, block_table: object) -> LoadHandle:
         """Write `blocks` ([n, block_bytes] host rows) into the pages of block_table's n rows."""
@@ -205,7 +213,9 @@ class LayerLoader(_Mover):
                 copy([self.kv.views[l]], ids, src[:, l * lb:(l + 1) * lb], to_blocks=False, impl=self.impl)
                 handle._ready(l, True)
             return
-        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
+        if self._layerwise(handle, ids, [(src, [(0, 0, src.shape[0])])]):
+            return
+        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):   # no extension: pack on the CPU
             staging = torch.empty(L, src.shape[0], lb, dtype=torch.uint8, pin_memory=True)
             dev = torch.empty(staging.shape, dtype=torch.uint8, device=self.kv.device)
             handle._keep += (staging, dev)
@@ -265,11 +275,18 @@ class LayerLoader(_Mover):
                 handle._ready(l, True)
 
     def _held_to_gpu(self, handle: LoadHandle, held: HeldBlocks, ids: torch.Tensor) -> None:
-        """Held host rows -> device rows (DMA per run; the device buffer comes from torch's
-        caching allocator, so nothing is allocated per call after the first) -> pages, layer
-        by layer. Returns after the copies finished: the holds end only then. (Never run on
-        a GPU yet.)"""
+        """Held host rows -> pages, layer by layer (_layerwise); where that cannot run, whole
+        rows go up first (one DMA per run) and are scattered after. The device rows come from
+        torch's caching allocator, so nothing is allocated per call after the first. Returns
+        after the copies finished: the holds end only then."""
         n, lb = ids.shape[0], self.layout.layer_bytes
+        sources = []
+        for g in held.groups:
+            keep = [(r, i) for r, i in zip(g.rows.tolist(), g.positions) if i < n]
+            sources.append((g.memory, runs([r for r, _ in keep], [i for _, i in keep])))
+        if self._layerwise(handle, ids, sources):
+            self.stream.synchronize()      # the held slots may be reused once the holds end
+            return
         with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
             dev = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
             for g in held.groups:
@@ -281,6 +298,36 @@ class LayerLoader(_Mover):
                 ev.record(self.stream)
                 handle._ready(l, ev)
             self.stream.synchronize()      # the held slots may be reused once the holds end
+
+    def _layerwise(self, handle: LoadHandle, ids: torch.Tensor,
+                   sources: list[tuple[torch.Tensor, list[tuple[int, int, int]]]]) -> bool:
+        """Rows -> pages on a GPU, layer by layer: layer l of every row goes up by one 2D DMA per
+        run (sources: a [rows, block_bytes] tensor and its runs (first row, first block, count))
+        on the copy stream, is scattered into the pages on the loader's stream while layer l+1
+        is in flight, and flags layer l. False, with nothing queued, where the extension is
+        missing or the rows are too fragmented: the caller then moves whole rows first."""
+        L, lb, bb = self.layout.num_layers, self.layout.layer_bytes, self.layout.block_bytes
+        if (kernels.load() is None or any(not m.is_contiguous() for m, _ in sources)
+                or L * sum(len(r) for _, r in sources) > MAX_LAYER_COPIES):
+            return False
+        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
+            dev = torch.empty(L, ids.shape[0], lb, dtype=torch.uint8, device=self.kv.device)
+            dev.record_stream(self.copy_stream)
+            handle._keep += (dev,)
+            self.copy_stream.wait_stream(self.stream)        # after the engine's work on the pages
+            for l in range(L):
+                with torch.cuda.stream(self.copy_stream):
+                    for memory, todo in sources:
+                        for s, d, k in todo:
+                            kernels.copy_2d(dev[l], d * lb, lb, memory, s * bb + l * lb, bb, lb, k)
+                    arrived = torch.cuda.Event()
+                    arrived.record(self.copy_stream)
+                self.stream.wait_event(arrived)
+                copy([self.kv.views[l]], ids, dev[l], to_blocks=False, impl=self.impl)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                handle._ready(l, ev)
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Stop the loader's thread (loads already started still finish)."""
