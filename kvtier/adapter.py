@@ -36,7 +36,6 @@ from kvtier.pool import LoadPlan
 from kvtier.store import Store
 from kvtier.tiers.device import DeviceTier
 from kvtier.transfer.pages import PagedKV, copy
-from kvtier.transfer.runs import copy_rows
 from kvtier.transfer.streams import LayerLoader, LoadHandle, SaveHandle, Saver
 
 
@@ -149,12 +148,13 @@ class PagesSave:
 
     def wait(self) -> Transfer:
         if self._put is None:
-            assert self.saved is not None
-            rows = self.saved.wait()
-            if rows.device.type == "cpu":
-                self._put = self.store.put(self.keys, rows)
-            else:                         # device rows: straight into reserved host-tier slots
-                self._put = _write_rows(self.store, self.keys, rows)
+            saved = self.saved
+            assert saved is not None
+            if saved.blocks.device.type == "cpu":
+                self._put = self.store.put(self.keys, saved.wait())
+            else:   # device rows: straight into host-tier slots, reserved while the GPU still gathers
+                self._put = _save_in_place(self.store, self.keys,
+                                           lambda w: saved.copy_to(w.memory, w.positions, w.slots.tolist()))
         return self._put
 
 
@@ -165,11 +165,6 @@ def _save_in_place(store: Store, keys: Sequence[BlockKey], write: Callable[[Writ
         if w.positions:
             write(w)
     return Transfer("put", len(w.positions), len(w.positions) * store.layout.block_bytes, w.present, w.rejected)
-
-
-def _write_rows(store: Store, keys: Sequence[BlockKey], rows: torch.Tensor) -> Transfer:
-    """Rows ([n, block_bytes], on any device) saved in place, one copy per run of consecutive slots."""
-    return _save_in_place(store, keys, lambda w: copy_rows(rows, w.positions, w.memory, w.slots.tolist()))
 
 
 class KVAdapter:
@@ -358,8 +353,8 @@ class KVAdapter:
         if self._saver is None:
             self._saver = Saver(paged, self.layout)
         if paged.device.type == "cuda" and st.tiers[0].memory() is not None:
-            # Pages on a GPU: gathered on the device now; wait() copies the rows straight into
-            # reserved slots of the (pinned) host tier, one DMA per run. (Never run on a GPU yet.)
+            # Pages on a GPU: gathered on the device now, layer by layer; wait() reserves host-tier
+            # slots and DMAs each layer straight into them (the pinned tier is the DMA target).
             return PagesSave(self._saver.gather(table), keys, st)
         return PagesSave(self._saver.save(table), keys, st)   # type: ignore[arg-type]
 

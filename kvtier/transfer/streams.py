@@ -131,9 +131,11 @@ class SaveHandle:
     """A save in flight; `blocks` is the host tensor it fills ([n, block_bytes] uint8)."""
 
     def __init__(self, blocks: torch.Tensor, read: object | None, copied: object | None, keep: tuple,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, layers: Sequence[object] = (),
+                 copy_stream: object | None = None) -> None:
         self.blocks, self.device = blocks, device
         self._read, self._copied, self._keep = read, copied, keep
+        self._layers, self._stream = list(layers), copy_stream     # a gather's per-layer events
 
     def wait_for_pages(self) -> None:
         """The current CUDA stream waits until the pages were read: the engine may reuse them after."""
@@ -150,6 +152,26 @@ class SaveHandle:
         self._keep = ()
         return self.blocks
 
+    def copy_to(self, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+        """Gathered device rows src_rows -> rows dst_rows of dst (host [rows, block_bytes], e.g.
+        a pinned tier's slots); returns when the bytes are in. Each layer crosses the link as
+        soon as its gather is done (one 2D DMA per layer and run, on the saver's copy stream);
+        without the extension, or for fragmented rows, one copy per run after the gather."""
+        todo = runs(src_rows, dst_rows)
+        if (self._stream is None or kernels.load() is None or not dst.is_contiguous()
+                or len(self._layers) * len(todo) > MAX_LAYER_COPIES):
+            copy_rows(self.wait(), src_rows, dst, dst_rows)
+            return
+        src, bb = self.blocks, self.blocks.shape[1]
+        lb = bb // len(self._layers)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            for l, gathered in enumerate(self._layers):
+                self._stream.wait_event(gathered)
+                for s, d, k in todo:
+                    kernels.copy_2d(dst, d * bb + l * lb, bb, src, s * bb + l * lb, bb, lb, k)
+        self._stream.synchronize()
+        self._keep = ()
+
 
 class _Mover:
     """pages_per_layer may also be a ready PagedKV (e.g. PagedKV.of_pool: pages in kvtier's device tier)."""
@@ -161,6 +183,9 @@ class _Mover:
         self.layout, self.impl = layout, impl
         self.cuda = self.kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
+        # Speed: DMAs run on a stream of their own, so one layer crosses the link while the
+        # next is scattered (a load) or gathered (a save).
+        self.copy_stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
 
 
 
@@ -176,9 +201,6 @@ class LayerLoader(_Mover):
         super().__init__(*args, **kwargs)
         self.threaded = self.cuda or threaded
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") if self.threaded else None
-        # Speed: the DMAs run on a stream of their own, so layer l+1 crosses the link while
-        # layer l is scattered into the pages.
-        self.copy_stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
 
     def load(self, blocks: torch.Tensor, block_table: object) -> LoadHandle:
         """Write `blocks` ([n, block_bytes] host rows) into the pages of block_table's n rows."""
@@ -348,12 +370,15 @@ class Saver(_Mover):
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # see every write queued so far
         ids.record_stream(stream)
-        read = torch.cuda.Event()
+        lb, layers = self.layout.layer_bytes, []
         with torch.cuda.stream(stream):
             dev = torch.empty(ids.shape[0], self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
-            copy(self.kv.views, ids, dev, to_blocks=True, impl=self.impl)
-            read.record(stream)
-        return SaveHandle(dev, read, read, (ids,), self.kv.device)
+            for l in range(self.layout.num_layers):      # an event per layer: copy_to starts on layer 0 early
+                copy([self.kv.views[l]], ids, dev[:, l * lb:(l + 1) * lb], to_blocks=True, impl=self.impl)
+                layers.append(torch.cuda.Event())
+                layers[-1].record(stream)
+        dev.record_stream(self.copy_stream)
+        return SaveHandle(dev, layers[-1], layers[-1], (ids,), self.kv.device, layers, self.copy_stream)
 
     def save(self, block_table: object, out: torch.Tensor | None = None) -> SaveHandle:
         ids = self.kv.table(block_table)
