@@ -14,9 +14,9 @@ one 2D DMA of layer i of every block (a strided range of the host rows, on a cop
 of its own), the scatter of those bytes into the engine's pages and an event, so the
 engine computes layer 0 while later layers are in flight and the link never waits for a
 scatter (`blocks` must stay unchanged until wait() returns). Without the CUDA extension
-the thread packs each layer into pinned staging on the CPU instead. A save waits for the engine's stream (it sees every write queued
-so far), gathers on its own stream and copies to pinned host memory without blocking
-the engine. On a CPU a save copies synchronously; a load does too (every wait returns at
+the thread packs each layer into pinned staging on the CPU instead. A save waits for the
+engine's stream (it sees every write queued so far), gathers on its own stream and copies
+to pinned host memory without blocking the engine. On a CPU a save copies synchronously; a load does too (every wait returns at
 once) unless the loader is `threaded`: then a thread copies layer after layer and flags
 each, exactly as the GPU staging thread does, and wait_for_layer(i) waits for layer i only.
 
@@ -40,8 +40,8 @@ from kvtier.transfer import kernels
 from kvtier.transfer.pages import PagedKV, copy, native_plan
 from kvtier.transfer.runs import copy_rows, runs
 
-# A GPU load moves each layer with one 2D DMA per run of consecutive rows; past this many
-# DMAs (fragmented slots) it copies whole rows per run instead and scatters after.
+# A GPU load or save moves each layer with one 2D DMA per run of consecutive rows; past
+# this many DMAs (fragmented slots) it moves whole rows per run instead, in one go.
 MAX_LAYER_COPIES = 512
 
 if TYPE_CHECKING:
@@ -193,9 +193,9 @@ class LayerLoader(_Mover):
     """Host blocks -> engine pages, layer by layer, off the caller's thread.
 
     On a GPU a thread queues each layer's DMA and scatter (see the module's docstring), so
-    load() returns at once and the engine starts on layer 0 while later layers arrive. On a CPU, `threaded=True` runs the
-    same loop on the thread with plain copies, flagging each layer as it lands; without it
-    load() copies every layer before it returns. Loads run one after another, in call order."""
+    load() returns at once and the engine starts on layer 0 while later layers arrive. On a
+    CPU, `threaded=True` runs the same loop on the thread with plain copies, flagging each
+    layer as it lands; without it load() copies every layer before it returns. Loads run one after another, in call order."""
 
     def __init__(self, *args: Any, threaded: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
