@@ -63,15 +63,19 @@ def _drop_cache(path: str) -> None:
 def main() -> int:
     import torch
 
+    from kvtier import argtypes
     from kvtier.bench.common import timeit_pair
-    from kvtier.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="where the test file goes (default: a temporary directory)")
-    p.add_argument("--total", default="1GiB", help="bytes per timed read")
-    p.add_argument("--threads", type=int, default=4, help="I/O threads for both sides")
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--total", type=argtypes.size, default="1GiB", help="bytes per timed read (at least 4MiB)")
+    p.add_argument("--threads", type=argtypes.positive_int, default=4, help="I/O threads for both sides")
+    p.add_argument("--repeat", type=argtypes.positive_int, default=7)
     args = p.parse_args()
+    if args.dir is not None and not os.path.isdir(args.dir):
+        p.error(f"--dir {args.dir}: not an existing directory")
+    if args.total < CHUNK:
+        p.error(f"--total must be at least {CHUNK >> 20}MiB (one read request)")
     if not torch.cuda.is_available():
         print("gds_compare: error: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -82,7 +86,7 @@ def main() -> int:
     except ImportError as e:
         print(f"gds_compare: error: kvikio is not importable ({e}): pip install kvikio-cu13", file=sys.stderr)
         return 2
-    total = parse_bytes(args.total) // CHUNK * CHUNK
+    total = args.total // CHUNK * CHUNK
     try:
         kvikio.defaults.set("num_threads", args.threads)
     except Exception:

@@ -63,20 +63,15 @@ def page_sizes(text: str) -> list[int]:
 
 
 def _device(text: str | None) -> torch.device:
-    """--device as a torch.device, checked as `bench engine --device` is (resolve_device:
-    cuda:0 when CUDA is here, else cpu), with errors that name the option."""
-    import torch
-
+    """--device as a torch.device (resolve_device: cuda:0 when CUDA is here, else cpu), its
+    errors naming the option."""
     from kvtier.errors import ConfigError
     from kvtier.tiers.device import resolve_device
 
-    if text is not None and text.strip().startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {text}: torch {torch.__version__} sees no CUDA device here; use --device cpu, "
-                          "or leave --device out (cuda when present, else cpu)")
     try:
         return resolve_device(text)
     except ConfigError as e:
-        raise ConfigError(f"--device: {e}") from None
+        raise ConfigError(f"--device {text}: {e} (on the command line: --device cpu, or leave --device out)") from None
 
 
 def _device_name(device: torch.device) -> str:
@@ -135,18 +130,6 @@ def _row(op: str, page_tokens: int, n: int, nbytes: int, p: Paired, device: str,
             **{k: round(v, 3) for k, v in p.fields().items()}, "device": device, "baseline": raw.name}
 
 
-def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """fn, then on a GPU a device synchronize: a timing covers the copies, not only their queueing."""
-    if device.type != "cuda":
-        return fn
-    import torch
-
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize(device)
-    return run
-
-
 def _baselines(device: torch.device, nbytes: int) -> tuple[_Raw, _Raw, Callable[[], None]]:
     """The raw copies of `nbytes` an op is timed against: (into the engine's pages, out of
     them, the closer). On a CPU both are one memcpy; on a GPU, the DMA each way."""
@@ -174,11 +157,13 @@ def _pinned_copies(device: torch.device, nbytes: int) -> tuple[_Raw, _Raw]:
     user compares with), each waited for. Pinned only here: pin_memory raises without CUDA."""
     import torch
 
+    from kvtier.bench.common import synced
+
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)                                   # touched now, not in the first timing
     dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    return (_Raw("pinned host->device", _synced(lambda: dev.copy_(host, non_blocking=True), device)),
-            _Raw("device->pinned host", _synced(lambda: host.copy_(dev, non_blocking=True), device)))
+    return (_Raw("pinned host->device", synced(lambda: dev.copy_(host, non_blocking=True), device)),
+            _Raw("device->pinned host", synced(lambda: host.copy_(dev, non_blocking=True), device)))
 
 
 def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int, device: torch.device) -> list[dict[str, Any]]:
@@ -193,7 +178,7 @@ def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int, device: torch.d
 
     import kvtier
     from kvtier.adapter import KVAdapter
-    from kvtier.bench.common import timeit_pair
+    from kvtier.bench.common import synced, timeit_pair
 
     layout, n = _sizes(args, page_tokens)
     nbytes = n * layout.block_bytes
@@ -220,7 +205,7 @@ def _pages_in_kvtier(args: argparse.Namespace, page_tokens: int, device: torch.d
                     assert got.blocks == n, f"only {got.blocks} of {n} blocks loaded"
                     adapter.free(got.pages)
 
-                p = timeit_pair(_synced(load, device), raw.fn, args.repeat)
+                p = timeit_pair(synced(load, device), raw.fn, args.repeat)
                 rows.append(_row(op, page_tokens, n, nbytes, p, where, raw))
             finally:
                 adapter.close()
@@ -238,7 +223,7 @@ def _one_size(args: argparse.Namespace, page_tokens: int, device: torch.device) 
 
     import kvtier
     from kvtier.adapter import KVAdapter
-    from kvtier.bench.common import timeit_pair
+    from kvtier.bench.common import synced, timeit_pair
     from kvtier.transfer.pages import PagedKV
 
     layout, n = _sizes(args, page_tokens)
@@ -273,7 +258,7 @@ def _one_size(args: argparse.Namespace, page_tokens: int, device: torch.device) 
     try:
         # Loads first: saves evict their blocks.
         for op, fn, raw in (("load_into", load, load_raw), ("save_from", save, save_raw)):
-            p = timeit_pair(_synced(fn, device), raw.fn, args.repeat)
+            p = timeit_pair(synced(fn, device), raw.fn, args.repeat)
             rows.append(_row(op, page_tokens, n, nbytes, p, where, raw))
     finally:
         adapter.close()

@@ -100,6 +100,18 @@ def _rank(n: int) -> int:
     return best
 
 
+def synced(fn: Callable[[], object], device: Any) -> Callable[[], object]:
+    """fn, then on a GPU a device synchronize: a timing covers the copies, not only their queueing."""
+    if getattr(device, "type", device) != "cuda":
+        return fn
+    import torch
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
 def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int) -> Paired:
     """Time a() and b() `repeat` times each, alternating them, so both see the same
     conditions (a virtual disk's or a shared CPU's speed drifts from second to second).

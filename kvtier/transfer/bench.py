@@ -48,7 +48,7 @@ def bench_device(args: Any, bar: Progress | None = None) -> list[dict]:
 def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]:
     import torch
 
-    from kvtier.bench.common import fmt_size, timeit_pair
+    from kvtier.bench.common import fmt_size, synced, timeit_pair
     from kvtier.errors import ConfigError
     from kvtier.layout import KVLayout
     from kvtier.transfer import kernels
@@ -72,13 +72,8 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=cuda)
     a = torch.randint(0, 256, (n * bb,), dtype=torch.uint8, generator=g).to(device)
     b = torch.empty_like(a)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
     def timed(fn):
-        def run() -> None:
-            fn()
-            sync()
-        return run
+        return synced(fn, device)
 
     gather = timed(lambda: kv.gather(table, out=blocks))
     scatter = timed(lambda: kv.scatter(blocks, table))

@@ -47,6 +47,23 @@ MAX_LAYER_COPIES = 512
 if TYPE_CHECKING:
     from kvtier.inplace import HeldBlocks
 
+Runs = list[tuple[int, int, int]]       # (first source row, first destination row, rows): runs.runs()
+
+
+def _by_layer(tensors: Sequence[torch.Tensor], layers: int, copies: int) -> bool:
+    """Whether a transfer can go layer by layer by 2D DMA: the extension is built, the host
+    tensors are contiguous, and `copies` runs x `layers` stay within MAX_LAYER_COPIES."""
+    return (kernels.load() is not None and all(t.is_contiguous() for t in tensors)
+            and layers * copies <= MAX_LAYER_COPIES)
+
+
+def _copy_layer(dst: torch.Tensor, dst_base: int, dst_pitch: int, src: torch.Tensor, src_base: int,
+                src_pitch: int, width: int, todo: Runs) -> None:
+    """One layer's bytes (`width` of each row, at the bases) for every run, one 2D DMA per
+    run, queued on the current stream."""
+    for s, d, k in todo:
+        kernels.copy_2d(dst, dst_base + d * dst_pitch, dst_pitch, src, src_base + s * src_pitch, src_pitch, width, k)
+
 
 def _host_blocks(blocks: object, n: int, layout: KVLayout, what: str) -> torch.Tensor:
     if not isinstance(blocks, torch.Tensor) or blocks.device.type != "cpu":
@@ -158,8 +175,7 @@ class SaveHandle:
         soon as its gather is done (one 2D DMA per layer and run, on the saver's copy stream);
         without the extension, or for fragmented rows, one copy per run after the gather."""
         todo = runs(src_rows, dst_rows)
-        if (self._stream is None or kernels.load() is None or not dst.is_contiguous()
-                or len(self._layers) * len(todo) > MAX_LAYER_COPIES):
+        if self._stream is None or not _by_layer([dst], len(self._layers), len(todo)):
             copy_rows(self.wait(), src_rows, dst, dst_rows)
             return
         src, bb = self.blocks, self.blocks.shape[1]
@@ -167,8 +183,7 @@ class SaveHandle:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             for l, gathered in enumerate(self._layers):
                 self._stream.wait_event(gathered)
-                for s, d, k in todo:
-                    kernels.copy_2d(dst, d * bb + l * lb, bb, src, s * bb + l * lb, bb, lb, k)
+                _copy_layer(dst, l * lb, bb, src, l * lb, bb, lb, todo)
         self._stream.synchronize()
         self._keep = ()
 
@@ -321,16 +336,14 @@ class LayerLoader(_Mover):
                 handle._ready(l, ev)
             self.stream.synchronize()      # the held slots may be reused once the holds end
 
-    def _layerwise(self, handle: LoadHandle, ids: torch.Tensor,
-                   sources: list[tuple[torch.Tensor, list[tuple[int, int, int]]]]) -> bool:
+    def _layerwise(self, handle: LoadHandle, ids: torch.Tensor, sources: list[tuple[torch.Tensor, Runs]]) -> bool:
         """Rows -> pages on a GPU, layer by layer: layer l of every row goes up by one 2D DMA per
         run (sources: a [rows, block_bytes] tensor and its runs (first row, first block, count))
         on the copy stream, is scattered into the pages on the loader's stream while layer l+1
         is in flight, and flags layer l. False, with nothing queued, where the extension is
         missing or the rows are too fragmented: the caller then moves whole rows first."""
         L, lb, bb = self.layout.num_layers, self.layout.layer_bytes, self.layout.block_bytes
-        if (kernels.load() is None or any(not m.is_contiguous() for m, _ in sources)
-                or L * sum(len(r) for _, r in sources) > MAX_LAYER_COPIES):
+        if not _by_layer([m for m, _ in sources], L, sum(len(r) for _, r in sources)):
             return False
         with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
             dev = torch.empty(L, ids.shape[0], lb, dtype=torch.uint8, device=self.kv.device)
@@ -340,8 +353,7 @@ class LayerLoader(_Mover):
             for l in range(L):
                 with torch.cuda.stream(self.copy_stream):
                     for memory, todo in sources:
-                        for s, d, k in todo:
-                            kernels.copy_2d(dev[l], d * lb, lb, memory, s * bb + l * lb, bb, lb, k)
+                        _copy_layer(dev[l], 0, lb, memory, l * lb, bb, lb, todo)
                     arrived = torch.cuda.Event()
                     arrived.record(self.copy_stream)
                 self.stream.wait_event(arrived)
