@@ -520,6 +520,8 @@ def test_a_router_restart_loses_only_what_was_in_flight(pd):
 
 
 def test_router_metrics(pd, pd_push):
+    """The router's counters move by exactly the requests this test sends (it depends on no
+    other test's traffic), and its hand-over byte counts match the workers' own."""
     from prometheus_client.parser import text_string_to_metric_families
 
     router, p, d, _, _ = pd
@@ -529,12 +531,23 @@ def test_router_metrics(pd, pd_push):
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
-    m = scrape(router)
     req = "kvtier_router:requests_total"
-    assert m[(req, (("outcome", "disaggregated"), ("route", "completions")))] >= 2
-    assert m[(req, (("outcome", "direct"), ("route", "completions")))] >= 1
-    assert m[(req, (("outcome", "rejected"), ("route", "completions")))] >= 2          # the two 400s
-    assert m[(req, (("outcome", "disaggregated"), ("route", "chat")))] >= 1
+
+    def count(m: dict, outcome: str, route: str) -> float:
+        return m.get((req, (("outcome", outcome), ("route", route))), 0.0)
+
+    before = scrape(router)
+    _complete(router.client(), "[metrics] " + PROMPT)                        # disaggregated
+    _complete(router.client(), "Hi", 4)                                       # direct: a short prompt
+    bad = httpx.post(router.url + "/v1/completions", json={**_body(PROMPT), "temperature": 7}, timeout=60)
+    assert bad.status_code == 400                                             # rejected
+    msgs = [{"role": "system", "content": "[metrics] " + PROMPT}, {"role": "user", "content": "Go."}]
+    router.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    _complete(pd_push.client(), "[metrics, pushed] " + PROMPT)
+    m = scrape(router)
+    for outcome, route in [("disaggregated", "completions"), ("direct", "completions"),
+                           ("rejected", "completions"), ("disaggregated", "chat")]:
+        assert count(m, outcome, route) - count(before, outcome, route) == 1, (outcome, route)
     assert m[("kvtier_router:worker_up", (("pool", "decode"), ("worker", d.url)))] == 1
     assert m[("kvtier_router:worker_prefill_tokens", (("pool", "prefill"), ("worker", p.url)))] == 0
     assert m[("kvtier_router:worker_decode_requests", (("pool", "decode"), ("worker", d.url)))] == 0
