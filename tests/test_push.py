@@ -3,12 +3,14 @@ in one process on loopback: byte-exact arrival, nothing sent twice, and a receiv
 gone or cannot take the blocks ends the push early without raising or hanging."""
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 import torch
 
 import kvtier
-from kvtier.net import Node, PeerClient
+from kvtier.net import Node, PeerClient, PeerError
 from kvtier.net.push import Pusher
 from tests.conftest import payload
 
@@ -70,3 +72,57 @@ def test_a_receiver_that_is_gone_or_too_small_ends_the_push_early():
             assert c.put(keys[:2], rows) == 2 and c.has(keys) == 2
             assert c.put(keys[2:4], rows, sums=[0, 0]) == 0        # blocks that do not match their checksums
             assert c.has(keys) == 2                                  # are never stored
+
+
+class GatedTier(kvtier.HostTier):
+    """A host tier the store reads like a disk (no memory view: each read copies into a
+    buffer), whose reads wait until the test opens its gate."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__(blocks=blocks)
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def memory(self):
+        return None
+
+    def read(self, slots, rows, idx=None, keys=None):
+        self.reading.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().read(slots, rows, idx, keys)
+
+
+def test_a_get_waiting_on_a_slow_tier_leaves_the_node_answering_others():
+    tier = GatedTier(16)
+    st = kvtier.Store(LAYOUT, [tier], NS)
+    keys = st.keys(list(range(8 * 4)))
+    st.put(keys, payload(keys, LAYOUT.block_bytes))
+    got = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    with Node(st, "127.0.0.1:0", SECRET) as node:
+        with PeerClient.for_store(st, node.address, SECRET, timeout=20) as slow, \
+                PeerClient.for_store(st, node.address, SECRET, timeout=2) as quick:
+            done = []
+            t = threading.Thread(target=lambda: done.append(slow.get(keys, got.numpy())))
+            t.start()
+            assert tier.reading.wait(10)
+            # the slow GET is inside the tier's read: the node still answers, and nothing more
+            assert quick.has(keys) == 4 and quick.put(keys[:1], got[:1].numpy()) == 0 and not done
+            tier.gate.set()
+            t.join(20)
+    assert done == [4] and torch.equal(got, payload(keys, LAYOUT.block_bytes))
+
+
+def test_a_get_past_its_deadline_lets_go_of_what_it_held():
+    tier = GatedTier(16)
+    st = kvtier.Store(LAYOUT, [tier], NS)
+    keys = st.keys(list(range(8 * 4)))
+    st.put(keys, payload(keys, LAYOUT.block_bytes))
+    with Node(st, "127.0.0.1:0", SECRET, request_timeout=0.3) as node:
+        with PeerClient.for_store(st, node.address, SECRET, timeout=0.5) as c:
+            with pytest.raises(PeerError):
+                c.get(keys, torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8).numpy())
+        assert tier.reading.is_set()
+        tier.gate.set()                 # the hold is entered only now, after the request is gone
+        deadline = time.monotonic() + 10
+        while any(st.index.entries[k].refs for k in keys):
+            assert time.monotonic() < deadline, "the blocks stayed held"
+            time.sleep(0.02)

@@ -22,7 +22,8 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, AsyncIterator, TypeVar
 
 import numpy as np
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from kvtier.store import Store
 
 log = logging.getLogger("kvtier.node")
+T = TypeVar("T")
 
 
 class Node:
@@ -272,7 +274,7 @@ class Node:
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")
-            with store.hold(req.keys) as (rows, sums):
+            async with _off_loop(store.hold(req.keys)) as (rows, sums):
                 head = Frame("OK", self.seed, n=len(rows), payload=len(rows) * bb, sums=sums, re=re)
                 await conn.send(head.encode(self.secret))
                 await conn.send_rows(rows)          # straight from slot memory
@@ -282,16 +284,46 @@ class Node:
                 raise FrameError(f"PUT of {n} keys must carry {n * bb} bytes and {n} checksums")
             buf = np.empty((n, bb), dtype=np.uint8)
             await conn.recv_rows(buf)
-            good = 0
-            while good < n and block_checksum(buf[good]) == req.sums[good]:
-                good += 1
             try:
-                t = store.put(req.keys[:good], buf[:good]) if good else None
+                stored = await asyncio.get_running_loop().run_in_executor(None, _verified_put, store, req, buf)
             except KvtierError as e:       # more blocks than the top tier holds, a closed store
                 raise FrameError(f"PUT refused: {e}") from None
-            await conn.send(Frame("OK", self.seed, n=t.blocks if t else 0, re=re).encode(self.secret))
+            await conn.send(Frame("OK", self.seed, n=stored, re=re).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")
+
+
+# The store's side of a request (hashing, disk reads and writes, evictions) runs on a worker
+# thread, never on the event loop: one peer's GET from disk or large PUT must not stall the
+# answers every other peer is waiting for (a HAS has a deadline of a fraction of a second).
+def _verified_put(store: Store, req: Frame, buf: np.ndarray) -> int:
+    """Store the blocks of a PUT up to the first whose bytes do not match its checksum;
+    the number newly written."""
+    good = 0
+    while good < len(req.keys) and block_checksum(buf[good]) == req.sums[good]:
+        good += 1
+    return store.put(req.keys[:good], buf[:good]).blocks if good else 0
+
+
+@asynccontextmanager
+async def _off_loop(cm: AbstractContextManager[T]) -> AsyncIterator[T]:
+    """Enter a blocking context manager (a store's hold: disk reads, first checksums) on a
+    worker thread; its exit (letting the hold go) is quick and runs here. If the request
+    is cancelled (its deadline) while the thread is entering, the thread still finishes
+    and the hold is then let go: nothing stays held for a request that is gone."""
+    entering = asyncio.get_running_loop().run_in_executor(None, cm.__enter__)
+    try:
+        value = await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        entering.add_done_callback(lambda f: f.cancelled() or f.exception() or cm.__exit__(None, None, None))
+        raise
+    try:
+        yield value
+    except BaseException as e:
+        if not cm.__exit__(type(e), e, e.__traceback__):
+            raise
+    else:
+        cm.__exit__(None, None, None)
 
 
 def _short(e: BaseException) -> str:
