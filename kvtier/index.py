@@ -96,6 +96,11 @@ class Reservation:
     tier: TierId = TOP_TIER
     copy: bool = False      # copies of cached blocks into `tier` (not new blocks)
 
+    def then(self, later: Reservation) -> Reservation:
+        """This reservation and a later step of the same put, as one (moves already run)."""
+        return Reservation(self.keys + later.keys, self.slots + later.slots, self.positions + later.positions,
+                           [], self.present + later.present, self.rejected + later.rejected, self.tier, self.copy)
+
 
 @dataclass(slots=True)
 class TierCounters:
@@ -209,7 +214,7 @@ class BlockIndex:
     # -- writers ---------------------------------------------------------------------
     def reserve(self, keys: Sequence[Key], *, prefix: Sequence[Key] | None = None,
                 start: int | None = None, parent: Key | None = None,
-                last_tokens: int | None = None) -> Reservation:
+                last_tokens: int | None = None, part: tuple[int, int] | None = None) -> Reservation:
         """Give slots in the top tier to the blocks of `keys` that are not cached yet.
 
         Walks the blocks tail-first: a cached one is refreshed, a new one is offered to
@@ -217,6 +222,10 @@ class BlockIndex:
         `prefix` (default: what `keys` remembers of its chain) is refreshed tail-first,
         so after a put the root is the most recent block. New blocks stay invisible
         until commit().
+
+        `part=(lo, hi)` walks only keys[lo:hi] (positions stay those in `keys`): a put
+        reserved in steps, tail part first, makes the same policy calls in the same order
+        as one call; the chain's prefix is refreshed by the part that reaches the root.
         """
         self.pins.expire()
         top = self.tiers[0]
@@ -231,12 +240,13 @@ class BlockIndex:
         if parent is None:
             parent = getattr(keys, "parent", None)
         n = len(keys)
+        lo, hi = (0, n) if part is None else part
         res = Reservation()
         entries, ready, policy, bt = self.entries, self.ready, top.policy, self.block_tokens
         # Speed: index a plain list, not BlockKeys (its __getitem__ is Python code).
         keys = list(keys)
         run: list[Key] = []          # consecutive cached blocks, refreshed in one call
-        for i in range(n - 1, -1, -1):
+        for i in range(hi - 1, lo - 1, -1):
             k = keys[i]
             if k in entries:
                 res.present += 1
@@ -265,7 +275,7 @@ class BlockIndex:
             res.positions.append(i)
         if run:
             self._touch(run)
-        if prefix:
+        if prefix and lo == 0:
             self._touch([k for k in reversed(prefix) if k in ready])
         return res
 

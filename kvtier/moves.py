@@ -9,6 +9,7 @@ the write fails), and the dropping of copies whose bytes failed verification.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -125,6 +126,41 @@ class Mover:
         """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
         with self.committing(res):
             self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
+
+    def fill_after(self, first: Reservation, started: Future, rest: Reservation,
+                   rows: Sequence[np.ndarray]) -> None:
+        """Finish a put reserved in two steps (Store._store): `first`'s bytes are being
+        written by `started`; write `rest`'s here, then make both readable at once. If
+        either write fails, neither part is readable and all their slots are freed."""
+        error: BaseException | None = None
+        try:
+            if rest.keys:
+                self.tiers[rest.tier].write(rest.slots, rows, rest.positions, rest.keys)
+        except BaseException as e:
+            error = e
+        self.settle(first, started, rest, error)
+
+    def settle(self, first: Reservation, started: Future, rest: Reservation, error: BaseException | None) -> None:
+        """Wait for `first`'s write, then commit `first` and `rest` together; or, if either
+        failed (`error`: rest's), forget both. A part whose bytes did land is released from
+        its tier first (a disk tier drops its records), before its slots can be reused."""
+        rest_ok = error is None
+        try:
+            started.result()
+            first_ok = True
+        except BaseException as e:
+            first_ok, error = False, error or e
+        if error is None:
+            with self._lock:
+                self.index.commit(first.then(rest))
+            return
+        for part, ok in ((first, first_ok), (rest, rest_ok)):
+            if ok and part.keys:
+                self.tiers[part.tier].release(part.slots, part.keys)
+        with self._lock:
+            self.index.abort(first)
+            self.index.abort(rest)
+        raise error
 
     @contextmanager
     def committing(self, res: Reservation) -> Iterator[None]:

@@ -47,6 +47,7 @@ log = logging.getLogger("kvtier.store")
 
 FEED_LIMIT = 1 << 16         # changes a watcher's feed keeps unread before it must start over
 _SPARE_MAX_BYTES = 256 << 20    # the largest disk-read buffer a store keeps between reads
+PIPELINE_HEAD_BYTES = 32 << 20  # a large put's first part, written while the rest is reserved (_store)
 
 # Everything still open at interpreter exit is closed then, last registered first: every
 # Store (so blocks held only in memory are written back to its disk tier even when nobody
@@ -273,25 +274,54 @@ class Store:
 
     def _store(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
         """put() after validation: `rows` are checked one-block uint8 rows."""
-        res = self._reserve(keys)
-        nbytes = len(res.keys) * self.layout.block_bytes
+        n = len(keys)
+        head = max(1, PIPELINE_HEAD_BYTES // self.layout.block_bytes)
+        if n < 2 * head or n > self.index.tiers[0].capacity:
+            res = self._reserve(keys)
+            if not res.keys:
+                return Transfer("put", 0, 0, res.present, res.rejected)
+
+            def save() -> None:
+                self._mover.fill(res, rows, res.positions)
+                self._written(res, rows)
+            return self._run(self._put_transfer(res), save, blocking)
+        # Speed: the index's work for a put (about 5 us a block in Python: 3 ms for 512
+        # blocks) would all come before the first byte moves. A large put reserves its tail
+        # part first (the order the index walks a put anyway: the same policy calls) and
+        # starts writing it on an I/O thread, then reserves the rest meanwhile. All of it
+        # becomes readable at once, as before. Disk tier, 512 x 1 MiB blocks, paired with
+        # raw O_DIRECT over 40 rounds: 0.90 -> 0.92 of raw.
+        first = self._reserve(keys, (n - head, n))
+        top = self.tiers[0]
+        started = self._submit(top.write, first.slots, rows, first.positions, first.keys) if first.keys \
+            else _done()
+        try:
+            rest = self._reserve(keys, (0, n - head))
+        except BaseException as e:
+            self._mover.settle(first, started, Reservation(), e)     # waits, forgets `first`, raises e
+            raise
+        res = first.then(rest)
         if not res.keys:
             return Transfer("put", 0, 0, res.present, res.rejected)
 
-        def save() -> None:
-            self._mover.fill(res, rows, res.positions)
+        def save_rest() -> None:
+            self._mover.fill_after(first, started, rest, rows)
             self._written(res, rows)
+        return self._run(self._put_transfer(res), save_rest, blocking)
 
-        return self._run(Transfer("put", len(res.keys), nbytes, res.present, res.rejected), save, blocking)
+    def _put_transfer(self, res: Reservation) -> Transfer:
+        return Transfer("put", len(res.keys), len(res.keys) * self.layout.block_bytes, res.present, res.rejected)
 
-    def _reserve(self, keys: Sequence[BlockKey]) -> Reservation:
-        """Top-tier slots for a save's new blocks, evictions carried out (counted as a put)."""
+    def _reserve(self, keys: Sequence[BlockKey], part: tuple[int, int] | None = None) -> Reservation:
+        """Top-tier slots for a save's new blocks, evictions carried out. A put counts once:
+        a put reserved in parts (tail part first) counts with the part that reaches its root."""
         with self._lock:
             self._check_open()
-            res = self.index.reserve(keys)
+            res = self.index.reserve(keys, part=part)
             self._mover.apply(res)
             c = self.counters
-            c.puts += 1
+            if part is None or part[0] == 0:
+                c.puts += 1
             c.put_present += res.present
             c.put_rejected += res.rejected
         return res
@@ -314,18 +344,22 @@ class Store:
         if blocking:
             work()
             return transfer
+        transfer._future = self._submit(work)
+        return transfer
+
+    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run fn(*args) on an I/O thread; its future."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-io")
         try:
-            transfer._future = self._executor.submit(work)
+            return self._executor.submit(fn, *args)
         except RuntimeError:     # the interpreter is exiting and shut the pool down: do it here
-            transfer._future = Future()
+            f: Future = Future()
             try:
-                work()
-                transfer._future.set_result(None)
+                f.set_result(fn(*args))
             except BaseException as e:
-                transfer._future.set_exception(e)
-        return transfer
+                f.set_exception(e)
+            return f
 
     @contextmanager
     def writing(self, keys: Sequence[BlockKey]) -> Iterator[WriteSlots]:
@@ -643,6 +677,12 @@ class Store:
         for i, k in enumerate(keys):
             if not isinstance(k, bytes) or len(k) != KEY_BYTES:
                 raise LayoutError(f"keys[{i}] is not a {KEY_BYTES}-byte block key: use store.keys(tokens)")
+
+
+def _done() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
 
 
 def _group(locs: list[tuple[TierId, SlotId]]) -> list[tuple[int, list[int], list[int]]]:

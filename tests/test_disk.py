@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvtier
+import kvtier.store
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.tiers.disk import read_directory
 from tests.conftest import REPO, payload
@@ -393,3 +394,42 @@ def test_an_allocation_that_runs_out_of_space_part_way_gives_the_space_back(tmp_
     assert (tmp_path / "kv" / "slab.bin").stat().st_size == 0
     monkeypatch.undo()
     open_store(tmp_path / "kv").close()         # nothing is left locked
+
+
+class FailingDisk(kvtier.DiskTier):
+    """A disk tier whose write of exactly `fail_len` blocks fails (one part of a pipelined put)."""
+    fail_len = -1
+
+    def write(self, slots, rows, idx=None, keys=None):
+        if len(slots) == self.fail_len:
+            raise kvtier.TransferError("disk tier: write failed: injected")
+        super().write(slots, rows, idx, keys)
+
+
+@pytest.mark.parametrize("fail", ["first", "rest", "none"])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_pipelined_put_becomes_readable_whole_or_not_at_all(tmp_path, monkeypatch, fail, blocking):
+    """A large put reserves and writes its tail part while the rest is reserved (store.py,
+    PIPELINE_HEAD_BYTES, shrunk here to 2 blocks): if either part's write fails, no block of
+    the put is readable, every slot is free again and the disk keeps no record of them."""
+    monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", 2 * LAYOUT.block_bytes)
+    disk = FailingDisk(tmp_path / "kv", blocks=16)
+    disk.fail_len = {"first": 2, "rest": 4, "none": -1}[fail]
+    store = kvtier.Store(LAYOUT, [disk], NS)
+    keys = store.keys(list(range(6 * LAYOUT.block_tokens)))
+    if fail == "none":
+        t = store.put(keys, payload(keys, LAYOUT.block_bytes), blocking=blocking).wait()
+        assert t.blocks == 6 and store.counters.puts == 1
+        loaded, out = read(store, keys)
+        assert loaded == 6 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+        store.close()
+        return
+    with pytest.raises(kvtier.TransferError, match="injected"):
+        store.put(keys, payload(keys, LAYOUT.block_bytes), blocking=blocking).wait()
+    assert store.lookup(keys).blocks == 0 and store.index.tiers[0].used == 0
+    assert disk._records == {} and store.index.entries == {}
+    disk.fail_len = -1
+    assert store.put(keys, payload(keys, LAYOUT.block_bytes)).blocks == 6      # nothing is stuck
+    loaded, out = read(store, keys)
+    assert loaded == 6 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    store.close()

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier
+import kvtier.store
 from kvtier.errors import CapacityError, KeyNotCachedError
 
 torch.set_num_threads(1)
@@ -128,8 +129,13 @@ class StoreMachine(RuleBasedStateMachine):
     # -- setup -----------------------------------------------------------------------
     @initialize(caps=st.one_of(st.tuples(st.integers(4, 12)),
                                st.tuples(st.integers(4, 12), st.integers(2, 8))),
-                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 0.9]), disk=st.booleans())
-    def setup(self, caps, pin_budget, disk) -> None:
+                pin_budget=st.sampled_from([0.25, 0.5, 0.75, 0.9]), disk=st.booleans(),
+                head=st.sampled_from([None, 1, 2]))
+    def setup(self, caps, pin_budget, disk, head) -> None:
+        # head: puts of 2*head+ blocks are reserved and written in two steps (store.py, _store)
+        self.head_bytes = kvtier.store.PIPELINE_HEAD_BYTES
+        if head is not None:
+            kvtier.store.PIPELINE_HEAD_BYTES = head * BB
         self.caps = list(caps)
         self.pin_budget = pin_budget
         tiers = [kvtier.HostTier(blocks=c, name=f"t{i}") for i, c in enumerate(self.caps)]
@@ -141,6 +147,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.chains = [self.store.keys(s) for s in SEQS]
 
     def teardown(self) -> None:
+        kvtier.store.PIPELINE_HEAD_BYTES = getattr(self, "head_bytes", kvtier.store.PIPELINE_HEAD_BYTES)
         if self.store is not None:
             for _, t, _, _ in self.pending:
                 try:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvtier
+import kvtier.store
 from kvtier.sim.replay import replay
 from kvtier.traces.model import Request, Trace
 from kvtier.traces.synthetic import AgenticConfig, generate
@@ -18,7 +19,10 @@ LAYOUT = kvtier.KVLayout.mha(num_layers=1, num_kv_heads=1, head_dim=4, block_tok
 
 @pytest.mark.parametrize("capacity", [48, 160, 2000])
 @pytest.mark.parametrize("policy", ["lru", "recommended"])
-def test_store_and_replay_see_the_same_hits(capacity, policy):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-step", "pipelined"])
+def test_store_and_replay_see_the_same_hits(capacity, policy, pipelined, monkeypatch):
+    if pipelined:   # every put of 8+ blocks is reserved in two steps (store.py, _store)
+        monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", 4 * LAYOUT.block_bytes)
     cfg = AgenticConfig(seed=3, sessions=12, mean_turns=5, max_context=16384, session_rate=2.0,
                         block_tokens=LAYOUT.block_tokens)
     requests = generate(cfg)
