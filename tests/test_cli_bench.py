@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run_kvtier as kvtier
+from conftest import REPO, assert_one_line_error, run_kvtier as kvtier
 
 # Far beyond any machine's memory: must fail at once with one line, never try to allocate.
 HUGE = str(2**50)
@@ -273,3 +273,22 @@ def test_progress_shows_on_a_terminal_and_not_under_json(name):
     assert term.strip() == "", term                     # nothing on the terminal under --json
     for line in out.splitlines():
         json.loads(line)                                # and stdout is JSON lines only
+
+
+def test_disk_contention_script_rows_and_bad_options(tmp_path):
+    """bench/disk_contention.py: one JSON line of setup, then one paired row per step, each
+    with a ratio and its interval; a bad option is one argparse line, no traceback."""
+    script = [sys.executable, "bench/disk_contention.py"]
+    r = subprocess.run([*script, "--dir", str(tmp_path), "--total", "8MiB", "--repeat", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    head, *rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert head["blocks"] == 8 and head["block_bytes"] == 1 << 20
+    assert [row["row"] for row in rows] == ["raw + cpu work", "raw + hash other", "raw + hash same",
+                                            "tier write", "store put"]
+    assert all(row["ratio_low"] <= row["ratio"] <= row["ratio_high"] and row["ms"] > 0 for row in rows)
+    assert list(tmp_path.iterdir()) == []               # its files are gone
+    for bad in (["--block", "1000"], ["--dir", str(tmp_path / "missing")], ["--repeat", "0"]):
+        r = subprocess.run([*script, *bad], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "error:" in r.stderr.strip().splitlines()[-1], r.stderr
