@@ -176,6 +176,7 @@ class Store:
         self._mover = Mover(self.tiers, self.index, self._lock, self.counters)   # runs the index's moves
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
+        self._ahead: ThreadPoolExecutor | None = None   # writes a large put's first part (_store)
         self._spare: torch.Tensor | None = None   # a reused buffer for disk reads (reading())
         self._feeds: dict[str, ChangeLog] = {}   # watch(): changes not yet taken, per feed
         self._closed = False
@@ -292,9 +293,12 @@ class Store:
         # becomes readable at once, as before. Disk tier, 512 x 1 MiB blocks, paired with
         # raw O_DIRECT over 40 rounds: 0.90 -> 0.92 of raw.
         first = self._reserve(keys, (n - head, n))
-        top = self.tiers[0]
-        started = self._submit(top.write, first.slots, rows, first.positions, first.keys) if first.keys \
-            else _done()
+        if self._ahead is None:
+            # Its own thread, not the I/O pool: a put made on an I/O thread (a non-blocking
+            # get keeping what it fetched from peers) must not wait on work queued behind it.
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put-ahead")
+        started = _submit(self._ahead, self.tiers[0].write, first.slots, rows, first.positions, first.keys) \
+            if first.keys else _done()
         try:
             rest = self._reserve(keys, (0, n - head))
         except BaseException as e:
@@ -344,22 +348,10 @@ class Store:
         if blocking:
             work()
             return transfer
-        transfer._future = self._submit(work)
-        return transfer
-
-    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
-        """Run fn(*args) on an I/O thread; its future."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-io")
-        try:
-            return self._executor.submit(fn, *args)
-        except RuntimeError:     # the interpreter is exiting and shut the pool down: do it here
-            f: Future = Future()
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:
-                f.set_exception(e)
-            return f
+        transfer._future = _submit(self._executor, work)
+        return transfer
 
     @contextmanager
     def writing(self, keys: Sequence[BlockKey]) -> Iterator[WriteSlots]:
@@ -639,9 +631,10 @@ class Store:
 
         A store still open at interpreter exit is closed then (see close_at_exit)."""
         forget_at_exit(self._exit_token)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._executor, self._ahead):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._ahead = None
         try:
             if not self._closed:
                 self.flush()
@@ -677,6 +670,20 @@ class Store:
         for i, k in enumerate(keys):
             if not isinstance(k, bytes) or len(k) != KEY_BYTES:
                 raise LayoutError(f"keys[{i}] is not a {KEY_BYTES}-byte block key: use store.keys(tokens)")
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable[..., object], *args: object) -> Future:
+    """pool.submit(fn, *args), or fn run here when the pool was shut down: the interpreter
+    is exiting (Python shuts thread pools down before atexit hooks run)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
 
 
 def _done() -> Future:

@@ -126,3 +126,22 @@ def test_a_get_past_its_deadline_lets_go_of_what_it_held():
         while any(st.index.entries[k].refs for k in keys):
             assert time.monotonic() < deadline, "the blocks stayed held"
             time.sleep(0.02)
+
+
+def test_a_non_blocking_get_keeps_a_large_fetch_without_waiting_on_itself(monkeypatch):
+    """A get on the store's one I/O thread that fetches a prefix from a peer puts it into
+    the store; a put that large is pipelined (PIPELINE_HEAD_BYTES, shrunk to 2 blocks here),
+    and its first part must not queue behind the get that made it."""
+    import kvtier.store
+    monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", 2 * LAYOUT.block_bytes)
+    holder = store()
+    keys = holder.keys(list(range(8 * 8)))
+    holder.put(keys, payload(keys, LAYOUT.block_bytes))
+    with Node(holder, "127.0.0.1:0", SECRET) as node:
+        local = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64)], NS, io_threads=1,
+                             remote=kvtier.Remote([node.address], SECRET, timeout=5))
+        out = torch.zeros(8, LAYOUT.block_bytes, dtype=torch.uint8)
+        t = local.get(keys, out, blocking=False).wait(timeout=30)
+        assert t.loaded == 8 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+        assert local.lookup(keys, local=True).blocks == 8          # kept, from one pipelined put
+        local.close()
