@@ -21,6 +21,11 @@ bytes run just before it, all ops round-robin so all see the same machine:
              [2, layers, tokens, kv_heads*head_dim]: a chunk is one strided torch copy_ in the
              glue. Not an engine layout; it shows LMCache's engine cost without its kernel.
 
+Ratios are paired (as in `kvtier bench`): a row's `ratio` is the median over the rounds of
+(memcpy time / op time) in each round, with a 90% interval (`ratio_low`, `ratio_high`); a
+kvtier row's `vs_lmcache` is the median of (LMCache's time / kvtier's time) for the same
+move in the same round, with its interval (`vs_lmcache_low`, `vs_lmcache_high`).
+
 Each request is its own call (--requests calls per timed op, --prompt-tokens tokens each).
 Every repetition stores fresh tokens (new keys), and checks that every chunk/block was stored;
 both caches hold the loaded set and two rounds of saves, so timed saves/stores evict (LRU).
@@ -47,7 +52,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 from kvtier.bench.adapter import page_sizes, add_arguments  # noqa: E402
-from kvtier.bench.common import emit, quiet_threads  # noqa: E402
+from kvtier.bench.common import Column, Paired, emit, interval_column, quiet_threads  # noqa: E402
 
 CHUNK = 256          # LMCache's default chunk_size
 INSTANCE = "kvtier-lmcache-compare"
@@ -67,12 +72,11 @@ class Op:
     prepare: Callable[[], None] = lambda: None     # untimed, before each run
 
 
-def round_robin(ops: list[Op], memcpy: Callable[[], None], repeat: int) -> list[tuple[float, float]]:
-    """Median seconds of each op and of the memcpy of the same bytes run just before it.
-    Each round runs every op once (a memcpy before each), so all ops and their baselines
-    share the machine's state; one untimed round first."""
-    times: list[list[float]] = [[] for _ in ops]
-    copies: list[list[float]] = [[] for _ in ops]
+def round_robin(ops: list[Op], memcpy: Callable[[], None], repeat: int) -> list[list[tuple[float, float]]]:
+    """Per op, (seconds of the memcpy of the same bytes run just before it, seconds of the op)
+    in each timed round. Each round runs every op once (a memcpy before each), so all ops
+    and their baselines share the machine's state; one untimed round first."""
+    rounds: list[list[tuple[float, float]]] = [[] for _ in ops]
     for rnd in range(repeat + 1):
         for i, op in enumerate(ops):
             op.prepare()
@@ -83,9 +87,14 @@ def round_robin(ops: list[Op], memcpy: Callable[[], None], repeat: int) -> list[
             t2 = time.perf_counter()
             op.check()
             if rnd:
-                copies[i].append(t1 - t0)
-                times[i].append(t2 - t1)
-    return [(statistics.median(t), statistics.median(c)) for t, c in zip(times, copies)]
+                rounds[i].append((t1 - t0, t2 - t1))
+    return rounds
+
+
+def paired(base: list[float], op: list[float]) -> Paired:
+    """The op against a baseline timed in the same rounds: medians, and the ratio of each
+    round (baseline time / op time) whose median and 90% interval the rows report."""
+    return Paired(statistics.median(op), statistics.median(base), tuple(b / a for b, a in zip(base, op)))
 
 
 # -- LMCache -------------------------------------------------------------------------------
@@ -347,15 +356,28 @@ def contiguous_rows(args: argparse.Namespace, engine: Any, memcpy: Callable[[], 
         engine.clear()
 
 
-def _rows(ops: list[Op], timed: list[tuple[float, float]], nbytes: int) -> list[dict[str, Any]]:
+def _rows(ops: list[Op], rounds: list[list[tuple[float, float]]], nbytes: int) -> list[dict[str, Any]]:
+    """One row per op: GB/s, its paired ratio to memcpy with the interval, and for a kvtier op
+    its paired speed-up over the LMCache op doing the same move (same rounds)."""
+    times = {(op.system, op.op): [t for _, t in r] for op, r in zip(ops, rounds)}
     rows = []
-    for op, (t, c) in zip(ops, timed):
-        gbps, base = nbytes / t / 1e9, nbytes / c / 1e9
-        rows.append({"bench": "lmcache_compare", "system": op.system, "op": op.op, "layout": op.layout,
-                     "page_tokens": op.page_tokens, "chunk_tokens": op.chunk_tokens,
-                     "mib": round(nbytes / 2**20, 1), "gbps": round(gbps, 3),
-                     "memcpy_gbps": round(base, 3), "ratio": round(gbps / base, 3)})
+    for op, r in zip(ops, rounds):
+        p = paired([c for c, _ in r], [t for _, t in r])
+        row = {"bench": "lmcache_compare", "system": op.system, "op": op.op, "layout": op.layout,
+               "page_tokens": op.page_tokens, "chunk_tokens": op.chunk_tokens,
+               "mib": round(nbytes / 2**20, 1), "gbps": round(nbytes / p.a / 1e9, 3),
+               "memcpy_gbps": round(nbytes / p.b / 1e9, 3),
+               **{k: round(v, 3) for k, v in p.fields().items()}}
+        rival = times.get(("lmcache", PEER_OP.get(op.op, "")))
+        if op.system == "kvtier" and rival is not None:
+            vs = paired(rival, times[(op.system, op.op)])        # LMCache's time / kvtier's, round by round
+            row.update(vs_lmcache=round(vs.ratio, 3), vs_lmcache_low=round(vs.low, 3),
+                       vs_lmcache_high=round(vs.high, 3))
+        rows.append(row)
     return rows
+
+
+PEER_OP = {"save_from": "store", "load_into": "retrieve"}     # kvtier's op -> LMCache's doing the same move
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -412,7 +434,9 @@ def main() -> int:
 
     emit(rows, args.json, f"LMCache CPU path vs kvtier engine path, {nbytes / 2**20:.0f} MiB a move, vs a raw "
          "memcpy of the same bytes (higher GB/s is better)",
-         ["system", "op", "layout", "page_tokens", "chunk_tokens", "gbps", "memcpy_gbps", "ratio"])
+         ["system", "op", "layout", Column("page_tokens", "page"), Column("chunk_tokens", "chunk"),
+          Column("gbps", "GB/s"), Column("memcpy_gbps", "memcpy"), "ratio", interval_column(),
+          Column("vs_lmcache", "vs LMCache")])
     summary = _summary(rows)
     if args.json:
         import json
@@ -424,19 +448,19 @@ def main() -> int:
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[str]:
-    """kvtier against LMCache (vLLM pages) per op and page size, in GB/s and memcpy ratio."""
+    """kvtier against LMCache (vLLM pages) per op and page size: GB/s, memcpy ratio, and the
+    paired speed-up with its 90% interval."""
     pick = {(r["system"], r["op"], r["layout"], r["page_tokens"]): r for r in rows}
     out = []
-    for kv_op, lmc_op in (("save_from", "store"), ("load_into", "retrieve")):
+    for kv_op, lmc_op in PEER_OP.items():
         for (system, op, layout, pt), k in pick.items():
-            if system != "kvtier" or op != kv_op:
+            if system != "kvtier" or op != kv_op or "vs_lmcache" not in k:
                 continue
-            m = pick.get(("lmcache", lmc_op, "vllm pages", pt))
-            if m is None:
-                continue
+            m = pick[("lmcache", lmc_op, "vllm pages", pt)]
             out.append(f"{kv_op} vs {lmc_op}, {pt}-token pages: kvtier {k['gbps']:.2f} GB/s "
                        f"({k['ratio']:.2f}x memcpy) vs LMCache {m['gbps']:.2f} GB/s ({m['ratio']:.2f}x memcpy): "
-                       f"kvtier {k['gbps'] / m['gbps']:.2f}x LMCache")
+                       f"kvtier {k['vs_lmcache']:.2f}x LMCache "
+                       f"(90% interval {k['vs_lmcache_low']:.2f}-{k['vs_lmcache_high']:.2f})")
     return out
 
 
