@@ -292,3 +292,28 @@ def test_disk_contention_script_rows_and_bad_options(tmp_path):
         r = subprocess.run([*script, *bad], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "error:" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_lmcache_compare_pairs_each_kvtier_move_with_lmcaches_in_the_same_rounds():
+    """bench/lmcache_compare.py's rows (its LMCache run needs its own venv): the memcpy ratio
+    and the speed-up over LMCache are medians of per-round ratios, the right way round."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lmcache_compare", REPO / "bench" / "lmcache_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["lmcache_compare"] = mod          # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["lmcache_compare"]
+    noop = lambda: None  # noqa: E731
+    ops = [mod.Op("lmcache", "store", "vllm pages", 16, 256, noop, noop),
+           mod.Op("kvtier", "save_from", "vllm pages", 16, 16, noop, noop)]
+    # (memcpy s, op s) per round: LMCache takes 3x kvtier's time in every round; kvtier 0.5x memcpy's speed
+    rounds = [[(1.0, 6.0), (2.0, 12.0), (1.0, 6.0)], [(1.0, 2.0), (2.0, 4.0), (1.0, 2.0)]]
+    lmc, kv = mod._rows(ops, rounds, nbytes=10**9)
+    assert kv["ratio"] == 0.5 and kv["vs_lmcache"] == 3.0 and kv["vs_lmcache_low"] <= 3.0 <= kv["vs_lmcache_high"]
+    assert lmc["ratio"] == round(1 / 6, 3) and "vs_lmcache" not in lmc
+    assert kv["gbps"] == 0.5 and kv["memcpy_gbps"] == 1.0
+    (line,) = mod._summary([lmc, kv])
+    assert "kvtier 3.00x LMCache" in line
