@@ -13,6 +13,16 @@
  * a few vectorised ops, and this loop moves them at memcpy speed. torch's indexing ops
  * either go element by element or build an intermediate tensor (a second copy).
  *
+ * check_ids(ids, num_pages, unique) -> (index, kind)
+ *
+ *   ids            int64 buffer of page ids (a block table, flattened)
+ *   returns        (-1, 0) when every id is in [0, num_pages) and, if unique, no id repeats;
+ *                  else the first offending position and 1 (out of range) or 2 (a repeat)
+ *
+ * It is the check every gather and scatter runs before a byte moves: one pass with a
+ * bitmap of num_pages bits, where numpy took three passes and a count array per call
+ * (0.1-0.2 ms for 32K ids: a quarter of the time an H100 needs to scatter 1 GiB).
+ *
  * Every offset is checked against its buffer before a byte moves (a bad call raises
  * ValueError and writes nothing). The copies run with the GIL released, so an engine's
  * thread keeps running while a loader thread copies.
@@ -21,6 +31,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Below this many bytes releasing and re-taking the GIL costs more than it lets others gain. */
@@ -86,7 +97,59 @@ done:
     return result;
 }
 
+static PyObject *
+check_ids(PyObject *self, PyObject *args)
+{
+    Py_buffer ids;
+    long long num_pages;
+    int unique;
+    PyObject *result = NULL;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "y*Lp:check_ids", &ids, &num_pages, &unique))
+        return NULL;
+    if (ids.len % (Py_ssize_t)sizeof(int64_t) || num_pages < 0) {
+        PyErr_SetString(PyExc_ValueError, "ids must be an int64 buffer and num_pages >= 0");
+        goto done;
+    }
+    Py_ssize_t n = ids.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *id = (const int64_t *)ids.buf;
+    Py_ssize_t bad = -1;
+    int kind = 0;
+    uint64_t *seen = NULL;
+    if (unique && n > 1) {
+        seen = (uint64_t *)calloc((size_t)(num_pages / 64 + 1), sizeof(uint64_t));
+        if (seen == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v = id[i];
+        if (v < 0 || v >= num_pages) {
+            bad = i, kind = 1;
+            break;
+        }
+        if (seen != NULL) {
+            uint64_t bit = (uint64_t)1 << (v & 63);
+            if (seen[v >> 6] & bit) {
+                bad = i, kind = 2;
+                break;
+            }
+            seen[v >> 6] |= bit;
+        }
+    }
+    free(seen);
+    result = Py_BuildValue("(ni)", bad, kind);
+done:
+    PyBuffer_Release(&ids);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"check_ids", check_ids, METH_VARARGS,
+     "check_ids(ids, num_pages, unique) -> (index, kind): the first id out of [0, num_pages) "
+     "(kind 1) or, if unique, repeated (kind 2); (-1, 0) when all are fine."},
     {"copy_chunks", copy_chunks, METH_VARARGS,
      "copy_chunks(dst, dst_offsets, src, src_offsets, chunk): dst[dst_offsets[i]:+chunk] = "
      "src[src_offsets[i]:+chunk] for every i, offsets checked first, GIL released."},

@@ -30,7 +30,7 @@ import torch
 from kvtier.errors import ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.ids import BlockKey, SlotId
-from kvtier.inplace import HeldBlocks, WriteSlots
+from kvtier.inplace import HeldBlocks
 from kvtier.keys import BlockKeys
 from kvtier.pool import LoadPlan
 from kvtier.store import Store
@@ -152,19 +152,12 @@ class PagesSave:
             assert saved is not None
             if saved.blocks.device.type == "cpu":
                 self._put = self.store.put(self.keys, saved.wait())
-            else:   # device rows: straight into host-tier slots, reserved while the GPU still gathers
-                self._put = _save_in_place(self.store, self.keys,
-                                           lambda w: saved.copy_to(w.memory, w.positions, w.slots.tolist()))
+            else:   # device rows: DMAs straight into host-tier slots, the first part's queued
+                    # while the rest of the slots are reserved (Store.write_in_place)
+                self._put = self.store.write_in_place(
+                    self.keys, lambda w: saved.copy_to(w.memory, w.positions, w.slots.tolist(), wait=False),
+                    saved.wait_copies)
         return self._put
-
-
-def _save_in_place(store: Store, keys: Sequence[BlockKey], write: Callable[[WriteSlots], None]) -> Transfer:
-    """A save written straight into reserved slots of the store's memory top tier by
-    `write` (called only when some block is new); the blocks are readable when it returns."""
-    with store.writing(keys) as w:
-        if w.positions:
-            write(w)
-    return Transfer("put", len(w.positions), len(w.positions) * store.layout.block_bytes, w.present, w.rejected)
 
 
 class KVAdapter:
@@ -305,14 +298,16 @@ class KVAdapter:
             raise
 
     # -- the engine owns its pages -------------------------------------------------------
-    def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[BlockKey]) -> torch.Tensor:
-        """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked."""
+    def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[BlockKey],
+                      unique: bool = False) -> torch.Tensor:
+        """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked
+        (once: the movers are told so, so no second check and no copy back from a GPU)."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
         if paged.layout != self.layout:
             raise LayoutError(f"paged was built for {paged.layout.describe()} but the store holds "
                               f"{self.layout.describe()}: build the PagedKV with the store's layout")
-        table = paged.table(page_table)
+        table = paged.table(page_table, unique=unique)
         if table.shape[0] != len(keys):
             raise LayoutError(f"page_table has {table.shape[0]} rows for {len(keys)} keys: one row per block")
         if self._paged is not paged:
@@ -327,7 +322,7 @@ class KVAdapter:
         blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
         reads its pages. Blocks past `loaded` (not cached any more, corrupt, or the load
         failed) are not written: the engine recomputes them."""
-        table = self._engine_pages(paged, page_table, keys)
+        table = self._engine_pages(paged, page_table, keys, unique=True)
         if not len(keys):
             return PagesLoad(0, None)
         if self._loader is None:
@@ -336,7 +331,7 @@ class KVAdapter:
         # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
-        return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table))
+        return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table, checked=True))
 
     def save_from(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
@@ -347,16 +342,16 @@ class KVAdapter:
         if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
             # Host pages: gathered straight into reserved top-tier slots (one copy), which
             # become cached blocks when the copy is done.
-            done = _save_in_place(st, keys, lambda w: copy(paged.views, table[w.positions], w.memory,
-                                                             to_blocks=True, rows=w.slots))
+            done = st.write_in_place(keys, lambda w: copy(paged.views, table[w.positions], w.memory,
+                                                          to_blocks=True, rows=w.slots))
             return PagesSave(None, keys, st, done)
         if self._saver is None:
             self._saver = Saver(paged, self.layout)
         if paged.device.type == "cuda" and st.tiers[0].memory() is not None:
             # Pages on a GPU: gathered on the device now, layer by layer; wait() reserves host-tier
             # slots and DMAs each layer straight into them (the pinned tier is the DMA target).
-            return PagesSave(self._saver.gather(table), keys, st)
-        return PagesSave(self._saver.save(table), keys, st)   # type: ignore[arg-type]
+            return PagesSave(self._saver.gather(table, checked=True), keys, st)
+        return PagesSave(self._saver.save(table, checked=True), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[BlockKey], ttl: float, tier: int | str | None = None) -> int:

@@ -68,7 +68,7 @@ class Mover:
         def flush() -> None:
             if batch:
                 src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
-                dst.write([m.dst_slot for m in batch], [src.block(m.src_slot) for m in batch], None,
+                dst.write([m.dst_slot for m in batch], src.blocks([m.src_slot for m in batch]), None,
                           [m.key for m in batch])
                 src.release([m.src_slot for m in batch], [m.key for m in batch])
                 batch.clear()

@@ -353,23 +353,52 @@ class Store:
         transfer._future = _submit(self._executor, work)
         return transfer
 
-    @contextmanager
-    def writing(self, keys: Sequence[BlockKey]) -> Iterator[WriteSlots]:
+    def write_in_place(self, keys: Sequence[BlockKey], write: Callable[[WriteSlots], None],
+                       wait: Callable[[], None] | None = None) -> Transfer:
         """A save written in place: reserve top-tier slots for the blocks of `keys` (prefix
-        order) not cached yet and yield them; the caller writes each block's bytes straight
-        into its slot (e.g. gathers an engine's pages there: one copy, no staging buffer).
-        When the `with` block ends the blocks become readable (and are written through to
-        disk if the store is set so); if it raises, they are forgotten and the slots freed.
-        Needs a memory top tier (host or device memory), not a disk."""
+        order) not cached yet and call `write` with them; it writes each block's bytes
+        straight into its slot (e.g. gathers an engine's pages there: one copy, no staging
+        buffer). `write` may only queue its copies (a GPU's DMAs) if `wait` waits for them.
+        Then the blocks become readable (and are written through to disk if the store is set
+        so); if `write` or `wait` raises, none of them is and the slots are freed.
+        Needs a memory top tier (host or device memory), not a disk.
+
+        Speed: as put() does (_store), a large save reserves its tail part first and calls
+        `write` with it, then reserves the rest while those bytes cross, then calls `write`
+        again: the index's work (3 ms for 512 blocks) no longer comes before the first byte."""
         self._check_keys(keys)
         memory = self.tiers[0].memory()
         if memory is None:
-            raise ConfigError(f"writing() needs a memory top tier; this store's is {self.tiers[0].name}: use put()")
-        res = self._reserve(keys)
-        with self._mover.committing(res):
-            yield WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
-                             res.present, res.rejected)
+            raise ConfigError(f"write_in_place() needs a memory top tier; this store's is {self.tiers[0].name}: "
+                              "use put()")
+        n = len(keys)
+        head = max(1, PIPELINE_HEAD_BYTES // self.layout.block_bytes)
+        cuts = [(n - head, n), (0, n - head)] if 2 * head <= n <= self.index.tiers[0].capacity else [None]
+        parts: list[Reservation] = []
+        try:
+            for cut in cuts:
+                res = self._reserve(keys, cut)
+                parts.append(res)
+                if res.keys:
+                    write(WriteSlots(memory, torch.tensor(res.slots, dtype=torch.int64), list(res.positions),
+                                     res.present, res.rejected))
+            if wait is not None:
+                wait()
+        except BaseException:
+            if wait is not None and any(r.keys for r in parts):
+                try:
+                    wait()           # no copy may still be landing in a slot once it is freed
+                except BaseException:
+                    pass             # the first error is the one raised
+            with self._lock:
+                for res in parts:
+                    self.index.abort(res)
+            raise
+        res = parts[0] if len(parts) == 1 else parts[0].then(parts[1])
+        with self._lock:
+            self.index.commit(res)
         self._written(res)
+        return self._put_transfer(res)
 
     @contextmanager
     def reading(self, keys: Sequence[BlockKey], promote: bool | None = None, *,

@@ -146,13 +146,15 @@ def test_pages_the_engine_owns_round_trip():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
-@pytest.mark.parametrize("path", ["layer by layer", "whole rows first"])
+@pytest.mark.parametrize("path", ["layer by layer", "grouped layers", "whole rows first"])
 def test_on_a_gpu_pages_the_engine_owns_round_trip(path, monkeypatch):
     """save_from GPU pages -> the pinned host tier -> load_into other GPU pages, byte-exact,
-    by the per-layer 2D DMAs and by the whole-rows fallback (fragmented slots)."""
+    by 2D DMAs of one layer or of two (streams.layer_groups) and by the whole-rows fallback
+    (fragmented slots)."""
     from kvtier.transfer import streams
     if path == "whole rows first":
         monkeypatch.setattr(streams, "MAX_LAYER_COPIES", 0)
+    monkeypatch.setattr(streams, "MIN_DMA_ROW", LAYOUT.layer_bytes * (2 if path == "grouped layers" else 1))
     a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS))
     pages = [torch.randn(10, 4, 24, device="cuda") for _ in range(LAYOUT.num_layers)]
     keys = a.keys(list(range(12)))

@@ -528,7 +528,10 @@ def test_config_rejects_what_the_engine_does_not_implement(change, match):
 
 
 def test_presets():
-    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3", "deepseek-tiny"]
+    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3", "deepseek-tiny", "kimi-small"]
+    small = preset("kimi-small")
+    small.validate()
+    assert small.kv_entry_dim == preset("kimi-k2").kv_entry_dim and small.torch_dtype == "bfloat16"
     assert preset("deepseek-tiny").num_nextn_predict_layers == 1
     tiny = preset("kimi-tiny")
     assert tiny.vocab_size >= 258 and tiny.q_lora_rank and tiny.rope_scaling["type"] == "yarn"

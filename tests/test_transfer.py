@@ -303,6 +303,19 @@ def test_vector_width_follows_alignment():
     assert vector_width(4096, 3) == 1
 
 
+def test_layer_groups_cover_every_layer_once_in_rows_at_least_min_wide(monkeypatch):
+    from kvtier.transfer import streams
+    monkeypatch.setattr(streams, "MIN_DMA_ROW", 100)
+    assert streams.layer_groups(7, 30) == [(0, 4), (4, 3)]           # 4 x 30 >= 100; the last may be short
+    assert streams.layer_groups(3, 100) == [(0, 1), (1, 1), (2, 1)]  # a layer is wide enough alone
+    assert streams.layer_groups(3, 1) == [(0, 3)]                    # never more than every layer
+    monkeypatch.setattr(streams, "MIN_DMA_ROW", 256 << 10)
+    for layers, lb in ((61, 18432), (32, 1 << 20), (4, 16384), (1, 7)):
+        groups = streams.layer_groups(layers, lb)
+        assert [l for l0, k in groups for l in range(l0, l0 + k)] == list(range(layers))
+        assert all(k * lb >= 256 << 10 for _, k in groups[:-1])
+
+
 def test_without_cuda_the_fallback_is_used_and_says_why():
     if CUDA:
         pytest.skip("CUDA present: the kernel path is tested by the gpu tests")
@@ -359,24 +372,35 @@ def test_gpu_copy_2d_moves_strided_rows_both_ways():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["2d dma", "cpu pack"])
+@pytest.mark.parametrize("path", ["2d dma by layer", "2d dma by groups", "whole rows"])
 def test_gpu_loader_paths_write_the_same_pages(path, monkeypatch):
-    from kvtier.transfer import kernels
+    from kvtier.transfer import kernels, streams
     layout = KVLayout.mha(3, 2, 64, 32, torch.float16)
     pages = random_pages("vllm", layout, 64, 16, 0, "cuda")
     table = torch.randperm(64)[:20].reshape(10, 2)
     blocks = torch.randint(0, 256, (10, layout.block_bytes), dtype=torch.uint8).pin_memory()
-    if path == "cpu pack":                     # no extension: the staging thread packs each layer
+    if path == "whole rows":                   # no extension: rows go up whole, then are scattered
         monkeypatch.setattr(kernels, "load", lambda: None)
+    # groups of 1 layer, or of 2 (layers 0-1, then 2): each group one DMA and one scatter
+    monkeypatch.setattr(streams, "MIN_DMA_ROW", layout.layer_bytes * (2 if path == "2d dma by groups" else 1))
     loader = LayerLoader(pages, layout, "vllm")
-    loader.load(blocks, table).wait()
+    handle = loader.load(blocks, table)
+    for l in range(layout.num_layers):
+        handle.wait_for_layer(l)
+    handle.wait()
     torch.cuda.synchronize()
     assert torch.equal(gather(pages, table, layout, "vllm").cpu(), blocks)
+    saved = Saver(pages, layout, "vllm").gather(table)        # and back by the same groups
+    back = torch.zeros(12, layout.block_bytes, dtype=torch.uint8).pin_memory()
+    saved.copy_to(back, list(range(10)), [11 - i for i in range(10)])
+    assert torch.equal(back[2:].flip(0), blocks) and int(back[:2].count_nonzero()) == 0
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_loader_overlaps_copy_with_compute():
+def test_gpu_loader_overlaps_copy_with_compute(monkeypatch):
+    from kvtier.transfer import streams
+    monkeypatch.setattr(streams, "MIN_DMA_ROW", 1)           # layer by layer: 8 DMAs, 8 events
     layout = KVLayout.mha(8, 8, 128, 16, torch.bfloat16)
     pages = random_pages("flashinfer", layout, 4096, 16, 0, "cuda")
     table = torch.randperm(4096)[:512].reshape(512, 1)     # 512 blocks of 512 KiB = 256 MiB

@@ -6,7 +6,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import kvtier
-from kvtier.adapter import _save_in_place
 from kvtier.transfer.runs import copy_rows, runs
 from kvtier.transfer.streams import SaveHandle
 
@@ -32,16 +31,18 @@ def test_copy_rows_moves_each_row_to_its_slot(perm, k):
 
 
 def test_rows_from_a_device_are_written_in_place_into_reserved_slots():
-    """The GPU save path after its gather (PagesSave.wait with device rows: SaveHandle.copy_to
-    into reserved slots), run here with CPU rows, so by its one-copy-per-run fallback: blocks
-    land in reserved host-tier slots, readable after, cached ones skipped."""
+    """The GPU save path after its gather (PagesSave.wait with device rows: Store.write_in_place
+    with SaveHandle.copy_to into reserved slots), run here with CPU rows, so by its
+    one-copy-per-run fallback: blocks land in reserved host-tier slots, readable after,
+    cached ones skipped."""
     layout = kvtier.KVLayout.mla(num_layers=2, kv_lora_rank=8, rope_dim=8, block_tokens=4, dtype=torch.float32)
     store = kvtier.Store(layout, [kvtier.HostTier(blocks=8)], kvtier.Namespace("runs", "r1"))
     keys = store.keys(list(range(16)))
     rows = torch.randint(0, 255, (4, layout.block_bytes), dtype=torch.uint8)
     store.put(keys[:1], rows[:1])
     saved = SaveHandle(rows, None, None, ())
-    t = _save_in_place(store, keys, lambda w: saved.copy_to(w.memory, w.positions, w.slots.tolist()))
+    t = store.write_in_place(keys, lambda w: saved.copy_to(w.memory, w.positions, w.slots.tolist(), wait=False),
+                             saved.wait_copies)
     assert (t.blocks, t.present) == (3, 1)
     out = torch.zeros_like(rows)
     assert store.get(keys, out).loaded == 4 and torch.equal(out, rows)

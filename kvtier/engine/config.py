@@ -291,6 +291,23 @@ _KIMI_TINY = dict(
     model_type="kimi_k2",
 )
 
+# kimi-tiny's architecture at GPU size, random weights: ~1.0 B parameters (2 GB in bf16), 8
+# layers (1 dense, 7 MoE of 32 + 1 shared experts, top 4), Kimi K2's MLA widths (kv_lora_rank
+# 512, rope 64: 9.2 KB of KV per token). Small enough to draw its weights on a CPU in seconds
+# (they are drawn in fp32 from a seed), big enough that a GPU's kernels, not Python, set decode speed.
+_KIMI_SMALL = dict(
+    vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+    num_hidden_layers=8, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+    routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
+    rms_norm_eps=1e-6, rope_theta=50000.0,
+    rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
+                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    max_position_embeddings=32768, bos_token_id=256, eos_token_id=257, torch_dtype="bfloat16",
+    model_type="kimi_k2",
+)
+
 # moonshotai/Kimi-K2-Instruct config.json (the 0905 revision has factor 64 and 262144 positions).
 _KIMI_K2 = dict(
     vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -324,11 +341,11 @@ _DEEPSEEK_V3 = dict(
 _DEEPSEEK_TINY = dict(_KIMI_TINY, model_type="deepseek_v3", num_nextn_predict_layers=1)
 
 _PRESETS: dict[str, dict[str, Any]] = {"kimi-tiny": _KIMI_TINY, "kimi-k2": _KIMI_K2, "deepseek-v3": _DEEPSEEK_V3,
-                                       "deepseek-tiny": _DEEPSEEK_TINY}
+                                       "deepseek-tiny": _DEEPSEEK_TINY, "kimi-small": _KIMI_SMALL}
 
 # Presets with no published weights: a model built from one has random weights (load_model
 # makes them from a seed). The real shapes' weights come from a checkpoint directory instead.
-PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny", "deepseek-tiny"})
+PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny", "deepseek-tiny", "kimi-small"})
 
 
 def preset_names() -> list[str]:
@@ -337,7 +354,8 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> ModelConfig:
     """A named configuration: "kimi-tiny" (CPU-sized, random weights), "deepseek-tiny" (the same
-    with an MTP layer), "kimi-k2", "deepseek-v3"."""
+    with an MTP layer), "kimi-small" (GPU-sized, ~1 B parameters, random weights), "kimi-k2",
+    "deepseek-v3"."""
     if name not in _PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)} "
                           "or pass a checkpoint directory")

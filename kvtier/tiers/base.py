@@ -79,6 +79,10 @@ class Tier(ABC):
     def block(self, slot: SlotId) -> np.ndarray:
         """One slot's bytes: a view for memory tiers (valid while the block stays), a copy otherwise."""
 
+    def blocks(self, slots: Sequence[SlotId]) -> Sequence[np.ndarray]:
+        """Several slots' bytes, as block() gives each (a demotion reads its batch with this)."""
+        return [self.block(s) for s in slots]
+
     def memory(self) -> torch.Tensor | None:
         """The slots as one [capacity_blocks, block_bytes] uint8 tensor that callers may read
         and write in place (memory tiers on the host), or None (disk, or GPU memory)."""

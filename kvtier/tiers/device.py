@@ -117,6 +117,20 @@ class DeviceTier(Tier):
             return self._np[slot]
         return self.tensor[slot].cpu().numpy()
 
+    def blocks(self, slots: Sequence[SlotId]) -> Sequence[np.ndarray]:
+        """Views on a CPU; on a GPU one gather on the device and one copy into pinned host
+        memory (from torch's caching allocator: nothing allocated per call after the first).
+
+        Speed: a demotion read its batch one block() at a time, a synchronous copy each: on an
+        H200, 254 blocks cost ~6 ms of a 4K-token request's time to first token."""
+        if self._np is not None or not len(slots):
+            return super().blocks(slots)
+        idx = torch.tensor(list(slots), dtype=torch.int64).to(self.device)
+        rows = self.tensor.index_select(0, idx)
+        out = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        out.copy_(rows)                       # synchronous: the bytes are there on return
+        return out.numpy()
+
     def info(self) -> dict[str, Any]:
         if self.tensor is None:
             return {"memory": "unallocated", "device": str(self.device)}

@@ -170,23 +170,10 @@ class PagedKV:
         if t.device.type != "cpu" and t.device != self.device:
             raise LayoutError(f"block_table is on {t.device} but the pages are on {self.device}: "
                               "pass it on the CPU or on the pages' device")
-        host = t.detach().to("cpu", torch.int64)
+        host = t.detach().to("cpu", torch.int64).contiguous()
         if host.numel():
-            lo, hi = int(host.min()), int(host.max())
-            if lo < 0 or hi >= self.num_pages:
-                bad = lo if lo < 0 else hi
-                raise LayoutError(f"block_table names page {bad} but the engine has pages 0..{self.num_pages - 1}")
-            if unique:
-                # Speed: a count per page id (ids are in range by now) costs ~0.1 ms for 32K ids
-                # where torch.unique's sort cost ~1 ms: more than an H100 needs to scatter 1 GiB.
-                flat = host.reshape(-1).numpy()
-                counts = np.bincount(flat, minlength=hi + 1)
-                if int(counts.max()) > 1:
-                    page = int(np.argmax(counts > 1))
-                    rows = sorted({int(i) // ppb for i in np.flatnonzero(flat == page)})
-                    raise LayoutError(f"block_table writes page {page} more than once (blocks {rows}); scatter "
-                                      "needs distinct destination pages: give each block its own pages")
-        return host.to(self.device, non_blocking=True).contiguous()
+            _check_ids(host.reshape(-1).numpy(), self.num_pages, unique, ppb)
+        return upload(host, self.device)
 
     def blocks_arg(self, blocks: object, n: int, what: str) -> torch.Tensor:
         """`blocks` as uint8 [n, block_bytes] (a view, no copy), checked against this cache."""
@@ -259,9 +246,9 @@ def copy(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.Tensor,
 
 # The optional C loop (kvtier/_copy.c, built by `pip install`): one memcpy per page chunk.
 try:
-    from kvtier._copy import copy_chunks as _copy_chunks
+    from kvtier._copy import check_ids as _check_ids_c, copy_chunks as _copy_chunks
 except ImportError:   # no C compiler at install time: the torch ops below give the same bytes
-    _copy_chunks = None
+    _copy_chunks = _check_ids_c = None
 
 
 def _storage_bytes(t: torch.Tensor) -> np.ndarray:
@@ -330,6 +317,44 @@ def native_plan(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.
     if rows is not None:
         _check_rows(rows, blocks)
     return ChunkPlan(views, ids, blocks, rows)
+
+
+def _check_ids(flat: np.ndarray, num_pages: int, unique: bool, ppb: int) -> None:
+    """LayoutError naming the first page id out of range or, with unique, written twice."""
+    if _check_ids_c is not None:     # one pass in C (kvtier/_copy.c), no per-call arrays
+        i, kind = _check_ids_c(flat, num_pages, unique)
+        if kind == 0:
+            return
+        page = int(flat[i])
+    else:
+        kind, page = 0, -1
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= num_pages:
+            kind, page = 1, (lo if lo < 0 else hi)
+        elif unique:
+            counts = np.bincount(flat, minlength=hi + 1)
+            if int(counts.max()) > 1:
+                kind, page = 2, int(np.argmax(counts > 1))
+        if kind == 0:
+            return
+    if kind == 1:
+        raise LayoutError(f"block_table names page {page} but the engine has pages 0..{num_pages - 1}")
+    rows = sorted({int(i) // ppb for i in np.flatnonzero(flat == page)})
+    raise LayoutError(f"block_table writes page {page} more than once (blocks {rows}); scatter "
+                      "needs distinct destination pages: give each block its own pages")
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`, queued on the current stream without blocking the host.
+
+    Speed: a copy from pageable memory makes the host wait while the driver stages it; this
+    goes through torch's caching pinned allocator instead (a block is reused only once its
+    copy is done), so after the first call nothing is allocated and the copy is async."""
+    if device.type != "cuda":
+        return host
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
 
 
 def _check_rows(rows: torch.Tensor, blocks: torch.Tensor) -> None:

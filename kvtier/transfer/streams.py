@@ -9,12 +9,13 @@
     saved.wait_for_pages()                            # before the engine overwrites those pages
     store.put(keys, saved.wait())                     # pinned host blocks
 
-On a GPU each mover has its own CUDA stream; a load's thread queues, layer after layer,
-one 2D DMA of layer i of every block (a strided range of the host rows, on a copy stream
+On a GPU each mover has its own CUDA stream; a load's thread queues, group of layers after
+group (consecutive layers whose bytes in a block make rows of at least MIN_DMA_ROW), one
+2D DMA of that group of every block (a strided range of the host rows, on a copy stream
 of its own), the scatter of those bytes into the engine's pages and an event, so the
 engine computes layer 0 while later layers are in flight and the link never waits for a
-scatter (`blocks` must stay unchanged until wait() returns). Without the CUDA extension
-the thread packs each layer into pinned staging on the CPU instead. A save waits for the
+scatter (`blocks` must stay unchanged until wait() returns). Without the CUDA extension,
+or for rows too fragmented, whole rows go up first and are scattered after. A save waits for the
 engine's stream (it sees every write queued so far), gathers on its own stream and copies
 to pinned host memory without blocking the engine. On a CPU a save copies synchronously; a load does too (every wait returns at
 once) unless the loader is `threaded`: then a thread copies layer after layer and flags
@@ -40,9 +41,14 @@ from kvtier.transfer import kernels
 from kvtier.transfer.pages import PagedKV, copy, native_plan
 from kvtier.transfer.runs import copy_rows, runs
 
-# A GPU load or save moves each layer with one 2D DMA per run of consecutive rows; past
-# this many DMAs (fragmented slots) it moves whole rows per run instead, in one go.
+# A GPU load or save moves each group of layers with one 2D DMA per run of consecutive rows;
+# past this many DMAs (fragmented slots) it moves whole rows per run instead, in one go.
 MAX_LAYER_COPIES = 512
+# Speed: a 2D DMA of narrow rows crosses the link slower than a flat copy (on an H100, rows
+# of 16 KiB, one layer of a 64 KiB block, went at ~0.6 of a pinned copy; 256 KiB rows at
+# ~0.95). Consecutive layers of a layer-major block are consecutive bytes, so layers move
+# in groups whose rows are at least this wide; the engine waits for a group, not the whole.
+MIN_DMA_ROW = 256 << 10
 
 if TYPE_CHECKING:
     from kvtier.inplace import HeldBlocks
@@ -50,17 +56,24 @@ if TYPE_CHECKING:
 Runs = list[tuple[int, int, int]]       # (first source row, first destination row, rows): runs.runs()
 
 
-def _by_layer(tensors: Sequence[torch.Tensor], layers: int, copies: int) -> bool:
-    """Whether a transfer can go layer by layer by 2D DMA: the extension is built, the host
-    tensors are contiguous, and `copies` runs x `layers` stay within MAX_LAYER_COPIES."""
+def layer_groups(layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """(first layer, count) of each group of consecutive layers that crosses the link as one
+    2D DMA per run: rows of at least MIN_DMA_ROW bytes, or every layer at once."""
+    k = max(1, min(layers, -(-MIN_DMA_ROW // max(1, layer_bytes))))
+    return [(l, min(k, layers - l)) for l in range(0, layers, k)]
+
+
+def _by_layer(tensors: Sequence[torch.Tensor], groups: int, copies: int) -> bool:
+    """Whether a transfer can go group by group by 2D DMA: the extension is built, the host
+    tensors are contiguous, and `copies` runs x `groups` stay within MAX_LAYER_COPIES."""
     return (kernels.load() is not None and all(t.is_contiguous() for t in tensors)
-            and layers * copies <= MAX_LAYER_COPIES)
+            and groups * copies <= MAX_LAYER_COPIES)
 
 
 def _copy_layer(dst: torch.Tensor, dst_base: int, dst_pitch: int, src: torch.Tensor, src_base: int,
                 src_pitch: int, width: int, todo: Runs) -> None:
-    """One layer's bytes (`width` of each row, at the bases) for every run, one 2D DMA per
-    run, queued on the current stream."""
+    """One group of layers' bytes (`width` of each row, at the bases) for every run, one 2D
+    DMA per run, queued on the current stream."""
     for s, d, k in todo:
         kernels.copy_2d(dst, dst_base + d * dst_pitch, dst_pitch, src, src_base + s * src_pitch, src_pitch, width, k)
 
@@ -148,11 +161,12 @@ class SaveHandle:
     """A save in flight; `blocks` is the host tensor it fills ([n, block_bytes] uint8)."""
 
     def __init__(self, blocks: torch.Tensor, read: object | None, copied: object | None, keep: tuple,
-                 device: torch.device | None = None, layers: Sequence[object] = (),
-                 copy_stream: object | None = None) -> None:
+                 device: torch.device | None = None, groups: Sequence[tuple[int, int, object]] = (),
+                 copy_stream: object | None = None, layer_bytes: int = 0) -> None:
         self.blocks, self.device = blocks, device
         self._read, self._copied, self._keep = read, copied, keep
-        self._layers, self._stream = list(layers), copy_stream     # a gather's per-layer events
+        # A gather's (first layer, count, event) per group of layers (layer_groups).
+        self._groups, self._stream, self._lb = list(groups), copy_stream, layer_bytes
 
     def wait_for_pages(self) -> None:
         """The current CUDA stream waits until the pages were read: the engine may reuse them after."""
@@ -169,22 +183,28 @@ class SaveHandle:
         self._keep = ()
         return self.blocks
 
-    def copy_to(self, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+    def copy_to(self, dst: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int], wait: bool = True) -> None:
         """Gathered device rows src_rows -> rows dst_rows of dst (host [rows, block_bytes], e.g.
-        a pinned tier's slots); returns when the bytes are in. Each layer crosses the link as
-        soon as its gather is done (one 2D DMA per layer and run, on the saver's copy stream);
-        without the extension, or for fragmented rows, one copy per run after the gather."""
+        a pinned tier's slots); returns when the bytes are in, or with wait=False once they are
+        queued (then wait_copies() before reading dst). Each group of layers crosses the link
+        as soon as its gather is done (one 2D DMA per group and run, on the saver's copy
+        stream); without the extension, or for fragmented rows, one copy per run after the gather."""
         todo = runs(src_rows, dst_rows)
-        if self._stream is None or not _by_layer([dst], len(self._layers), len(todo)):
+        if self._stream is None or not _by_layer([dst], len(self._groups), len(todo)):
             copy_rows(self.wait(), src_rows, dst, dst_rows)
             return
-        src, bb = self.blocks, self.blocks.shape[1]
-        lb = bb // len(self._layers)
+        src, bb, lb = self.blocks, self.blocks.shape[1], self._lb
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            for l, gathered in enumerate(self._layers):
+            for l0, k, gathered in self._groups:
                 self._stream.wait_event(gathered)
-                _copy_layer(dst, l * lb, bb, src, l * lb, bb, lb, todo)
-        self._stream.synchronize()
+                _copy_layer(dst, l0 * lb, bb, src, l0 * lb, bb, k * lb, todo)
+        if wait:
+            self.wait_copies()
+
+    def wait_copies(self) -> None:
+        """Block the host until every copy_to queued so far has landed."""
+        if self._stream is not None:
+            self._stream.synchronize()
         self._keep = ()
 
 
@@ -250,27 +270,19 @@ class LayerLoader(_Mover):
                 copy([self.kv.views[l]], ids, src[:, l * lb:(l + 1) * lb], to_blocks=False, impl=self.impl)
                 handle._ready(l, True)
             return
-        if self._layerwise(handle, ids, [(src, [(0, 0, src.shape[0])])]):
-            return
-        with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):   # no extension: pack on the CPU
-            staging = torch.empty(L, src.shape[0], lb, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(staging.shape, dtype=torch.uint8, device=self.kv.device)
-            handle._keep += (staging, dev)
-            for l in range(L):
-                staging[l].copy_(src[:, l * lb:(l + 1) * lb])            # CPU: pack layer l contiguously
-                dev[l].copy_(staging[l], non_blocking=True)              # DMA while the CPU packs l+1
-                copy([self.kv.views[l]], ids, dev[l], to_blocks=False, impl=self.impl)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-                handle._ready(l, ev)
+        sources = [(src, [(0, 0, src.shape[0])])]
+        if not self._layerwise(handle, ids, sources):
+            self._rows_then_scatter(handle, ids, sources)
 
-    def load_held(self, hold: Callable[[], ContextManager[HeldBlocks]], block_table: object) -> LoadHandle:
+    def load_held(self, hold: Callable[[], ContextManager[HeldBlocks]], block_table: object,
+                  checked: bool = False) -> LoadHandle:
         """Write blocks straight from where a store holds them into the pages of block_table's
         rows, layer by layer: `hold()` (called on the loader's thread, a Store.reading()) holds
         the leading cached blocks while every layer is copied. Host pages: one copy. Pages on
         a GPU: the held rows go up by DMA straight from the (pinned) slots or read buffer, one
-        copy per run of consecutive rows, then are scattered into the pages layer by layer."""
-        ids = self.kv.table(block_table, unique=True)
+        copy per run of consecutive rows, then are scattered into the pages layer by layer.
+        checked=True: block_table is this cache's own table(unique=True), not checked again."""
+        ids = block_table if checked else self.kv.table(block_table, unique=True)
         handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
         handle._keep = (ids,)
         if self.cuda:      # the ids' copy to the device and every engine op on the pages come first
@@ -316,51 +328,62 @@ class LayerLoader(_Mover):
         rows go up first (one DMA per run) and are scattered after. The device rows come from
         torch's caching allocator, so nothing is allocated per call after the first. Returns
         after the copies finished: the holds end only then."""
-        n, lb = ids.shape[0], self.layout.layer_bytes
+        n = ids.shape[0]
         sources = []
         for g in held.groups:
             keep = [(r, i) for r, i in zip(g.rows.tolist(), g.positions) if i < n]
             sources.append((g.memory, runs([r for r, _ in keep], [i for _, i in keep])))
-        if self._layerwise(handle, ids, sources):
-            self.stream.synchronize()      # the held slots may be reused once the holds end
-            return
+        if not self._layerwise(handle, ids, sources):
+            self._rows_then_scatter(handle, ids, sources)
+        self.stream.synchronize()      # the held slots may be reused once the holds end
+
+    def _rows_then_scatter(self, handle: LoadHandle, ids: torch.Tensor, sources: list[tuple[torch.Tensor, Runs]]) -> None:
+        """Where _layerwise cannot run: whole rows go up first (one copy per run, into device rows
+        from torch's caching allocator), then each group of layers is scattered and flagged."""
+        n, lb = ids.shape[0], self.layout.layer_bytes
         with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
             dev = torch.empty(n, self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
-            for g in held.groups:
-                keep = [(r, i) for r, i in zip(g.rows.tolist(), g.positions) if i < n]
-                copy_rows(g.memory, [r for r, _ in keep], dev, [i for _, i in keep], non_blocking=True)
-            for l in range(self.layout.num_layers):
-                copy([self.kv.views[l]], ids, dev[:, l * lb:(l + 1) * lb], to_blocks=False, impl=self.impl)
+            handle._keep += (dev,)
+            for memory, todo in sources:
+                for s, d, k in todo:
+                    dev[d:d + k].copy_(memory[s:s + k], non_blocking=True)
+            for l0, k in layer_groups(self.layout.num_layers, lb):
+                copy(self.kv.views[l0:l0 + k], ids, dev[:, l0 * lb:(l0 + k) * lb], to_blocks=False, impl=self.impl)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
-                handle._ready(l, ev)
-            self.stream.synchronize()      # the held slots may be reused once the holds end
+                for l in range(l0, l0 + k):
+                    handle._ready(l, ev)
 
     def _layerwise(self, handle: LoadHandle, ids: torch.Tensor, sources: list[tuple[torch.Tensor, Runs]]) -> bool:
-        """Rows -> pages on a GPU, layer by layer: layer l of every row goes up by one 2D DMA per
-        run (sources: a [rows, block_bytes] tensor and its runs (first row, first block, count))
-        on the copy stream, is scattered into the pages on the loader's stream while layer l+1
-        is in flight, and flags layer l. False, with nothing queued, where the extension is
-        missing or the rows are too fragmented: the caller then moves whole rows first."""
-        L, lb, bb = self.layout.num_layers, self.layout.layer_bytes, self.layout.block_bytes
-        if not _by_layer([m for m, _ in sources], L, sum(len(r) for _, r in sources)):
+        """Rows -> pages on a GPU, group of layers by group (layer_groups): a group of every row
+        goes up by one 2D DMA per run (sources: a [rows, block_bytes] tensor and its runs (first
+        row, first block, count)) on the copy stream, is scattered into the pages in one launch
+        on the loader's stream while the next group is in flight, and flags its layers. False,
+        with nothing queued, where the extension is missing or the rows are too fragmented:
+        the caller then moves whole rows first."""
+        L, lb, bb, n = self.layout.num_layers, self.layout.layer_bytes, self.layout.block_bytes, ids.shape[0]
+        groups = layer_groups(L, lb)
+        if not _by_layer([m for m, _ in sources], len(groups), sum(len(r) for _, r in sources)):
             return False
         with torch.cuda.device(self.kv.device), torch.cuda.stream(self.stream):
-            dev = torch.empty(L, ids.shape[0], lb, dtype=torch.uint8, device=self.kv.device)
-            dev.record_stream(self.copy_stream)
-            handle._keep += (dev,)
+            flat = torch.empty(n * bb, dtype=torch.uint8, device=self.kv.device)   # group g: [n, k * lb]
+            flat.record_stream(self.copy_stream)
+            handle._keep += (flat,)
             self.copy_stream.wait_stream(self.stream)        # after the engine's work on the pages
-            for l in range(L):
+            for l0, k in groups:
+                w = k * lb
+                dev = flat[n * l0 * lb:n * (l0 + k) * lb].view(n, w)
                 with torch.cuda.stream(self.copy_stream):
                     for memory, todo in sources:
-                        _copy_layer(dev[l], 0, lb, memory, l * lb, bb, lb, todo)
+                        _copy_layer(dev, 0, w, memory, l0 * lb, bb, w, todo)
                     arrived = torch.cuda.Event()
                     arrived.record(self.copy_stream)
                 self.stream.wait_event(arrived)
-                copy([self.kv.views[l]], ids, dev[l], to_blocks=False, impl=self.impl)
+                copy(self.kv.views[l0:l0 + k], ids, dev, to_blocks=False, impl=self.impl)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
-                handle._ready(l, ev)
+                for l in range(l0, l0 + k):
+                    handle._ready(l, ev)
         return True
 
     def close(self, wait: bool = True) -> None:
@@ -372,28 +395,32 @@ class LayerLoader(_Mover):
 class Saver(_Mover):
     """Engine pages -> host blocks without blocking the engine's stream (sync on a CPU)."""
 
-    def gather(self, block_table: object) -> SaveHandle:
+    def gather(self, block_table: object, checked: bool = False) -> SaveHandle:
         """Pages on a GPU -> device rows [n, block_bytes] on the saver's stream; the handle's
         `blocks` are those device rows (wait() before reading them). The caller copies them
         to the host itself, e.g. straight into a pinned tier's slots (kvtier.transfer.runs)."""
         if not self.cuda:
             raise LayoutError("gather() is for pages on a GPU; host pages are copied with save()")
-        ids = self.kv.table(block_table)
+        ids = block_table if checked else self.kv.table(block_table)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # see every write queued so far
         ids.record_stream(stream)
-        lb, layers = self.layout.layer_bytes, []
+        lb, groups = self.layout.layer_bytes, []
         with torch.cuda.stream(stream):
             dev = torch.empty(ids.shape[0], self.layout.block_bytes, dtype=torch.uint8, device=self.kv.device)
-            for l in range(self.layout.num_layers):      # an event per layer: copy_to starts on layer 0 early
-                copy([self.kv.views[l]], ids, dev[:, l * lb:(l + 1) * lb], to_blocks=True, impl=self.impl)
-                layers.append(torch.cuda.Event())
-                layers[-1].record(stream)
+            for l0, k in layer_groups(self.layout.num_layers, lb):   # an event per group: copy_to starts early
+                copy(self.kv.views[l0:l0 + k], ids, dev[:, l0 * lb:(l0 + k) * lb], to_blocks=True, impl=self.impl)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                groups.append((l0, k, ev))
         dev.record_stream(self.copy_stream)
-        return SaveHandle(dev, layers[-1], layers[-1], (ids,), self.kv.device, layers, self.copy_stream)
+        last = groups[-1][2]
+        return SaveHandle(dev, last, last, (ids,), self.kv.device, groups, self.copy_stream, lb)
 
-    def save(self, block_table: object, out: torch.Tensor | None = None) -> SaveHandle:
-        ids = self.kv.table(block_table)
+    def save(self, block_table: object, out: torch.Tensor | None = None, checked: bool = False) -> SaveHandle:
+        """Pages -> host blocks [n, block_bytes] (`out`, or pinned memory on a GPU); checked=True:
+        block_table is this cache's own table() output, not checked again."""
+        ids = block_table if checked else self.kv.table(block_table)
         n, bb = ids.shape[0], self.layout.block_bytes
         host = (torch.empty(n, bb, dtype=torch.uint8, pin_memory=self.cuda) if out is None
                 else _host_blocks(out, n, self.layout, "out"))
