@@ -19,8 +19,8 @@
  *   returns        (-1, 0) when every id is in [0, num_pages) and, if unique, no id repeats;
  *                  else the first offending position and 1 (out of range) or 2 (a repeat)
  *
- * It is the check every gather and scatter runs before a byte moves: one pass with a
- * bitmap of num_pages bits, where numpy took three passes and a count array per call
+ * It is the check every gather and scatter runs before a byte moves: a range pass, then
+ * a pass with a bitmap of num_pages bits, where numpy took three passes and a count array per call
  * (0.1-0.2 ms for 32K ids: a quarter of the time an H100 needs to scatter 1 GiB).
  *
  * Every offset is checked against its buffer before a byte moves (a bad call raises
@@ -117,27 +117,28 @@ check_ids(PyObject *self, PyObject *args)
     Py_ssize_t bad = -1;
     int kind = 0;
     uint64_t *seen = NULL;
-    if (unique && n > 1) {
+    if (unique && n > 1 && num_pages > 0) {
         seen = (uint64_t *)calloc((size_t)(num_pages / 64 + 1), sizeof(uint64_t));
         if (seen == NULL) {
             PyErr_NoMemory();
             goto done;
         }
     }
+    /* Range first over every id, then repeats: a table with both faults names the range. */
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t v = id[i];
-        if (v < 0 || v >= num_pages) {
+        if (id[i] < 0 || id[i] >= num_pages) {
             bad = i, kind = 1;
             break;
         }
-        if (seen != NULL) {
-            uint64_t bit = (uint64_t)1 << (v & 63);
-            if (seen[v >> 6] & bit) {
-                bad = i, kind = 2;
-                break;
-            }
-            seen[v >> 6] |= bit;
+    }
+    for (Py_ssize_t i = 0; seen != NULL && kind == 0 && i < n; i++) {
+        int64_t v = id[i];
+        uint64_t bit = (uint64_t)1 << (v & 63);
+        if (seen[v >> 6] & bit) {
+            bad = i, kind = 2;
+            break;
         }
+        seen[v >> 6] |= bit;
     }
     free(seen);
     result = Py_BuildValue("(ni)", bad, kind);

@@ -189,6 +189,30 @@ def test_bad_input_raises_before_any_copy(what):
         assert bool((out == 9).all()), "gather wrote into out before refusing"
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 40), min_size=1, max_size=60), st.integers(1, 40), st.booleans())
+def test_table_check_in_c_matches_the_numpy_check(ids, num_pages, unique):
+    """kvtier._copy.check_ids (one pass) refuses exactly what the numpy fallback refuses, and
+    names the same kind of fault (a page out of range, or a page written twice)."""
+    from kvtier.transfer import pages as P
+    if P._check_ids_c is None:
+        pytest.skip("kvtier._copy is not built (no C compiler at install)")
+    flat = np.array(ids, dtype=np.int64)
+
+    def outcome(check_c):
+        saved, P._check_ids_c = P._check_ids_c, check_c
+        try:
+            P._check_ids(flat, num_pages, unique, 1)
+            return "ok"
+        except LayoutError as e:
+            return "range" if "names page" in str(e) else "repeat"
+        finally:
+            P._check_ids_c = saved
+    want = ("range" if flat.min() < 0 or flat.max() >= num_pages
+            else "repeat" if unique and len(set(ids)) < len(ids) else "ok")
+    assert outcome(P._check_ids_c) == outcome(None) == want
+
+
 def test_scatter_refuses_repeated_destination_pages_untouched():
     layout, pages = mha_case()
     snapshot = [as_bytes(t).clone() for t in pages]

@@ -48,7 +48,7 @@ MULTIPLE = {"host": 32, "disk": 32, "device": 256}
 # Buffers of --total bytes each run holds at once (tier, source, destination, baselines).
 HOLDS = {"host": 5, "disk": 3, "device": 6}
 # Timed phases per block size, for the progress bar.
-PHASES = {"host": 2, "disk": 3, "device": 4}
+PHASES = {"host": 2, "disk": 3, "device": 6}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,10 @@
 
     gather / scatter   engine pages (vLLM layout, half the pages unused) <-> blocks,
                        against a plain contiguous copy of the same bytes on the device
+    gather_ids / scatter_ids
+                       the same with the block table already checked and on the device
+                       (pages.copy): the copy alone, without the per-call table check
+                       and upload that gather/scatter do first
     load / save        LayerLoader / Saver, host <-> device, against one raw copy of
                        the same bytes between pinned host memory and the device
 
@@ -52,7 +56,7 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     from kvtier.errors import ConfigError
     from kvtier.layout import KVLayout
     from kvtier.transfer import kernels
-    from kvtier.transfer.pages import PagedKV
+    from kvtier.transfer.pages import PagedKV, copy
     from kvtier.transfer.streams import LayerLoader, Saver
 
     layers, block_tokens, page_tokens = 4, 32, 16
@@ -77,6 +81,9 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
 
     gather = timed(lambda: kv.gather(table, out=blocks))
     scatter = timed(lambda: kv.scatter(blocks, table))
+    ids = kv.table(table, unique=True)
+    gather_ids = timed(lambda: copy(kv.views, ids, blocks, to_blocks=True))
+    scatter_ids = timed(lambda: copy(kv.views, ids, blocks, to_blocks=False))
     raw_dev = timed(lambda: b.copy_(a))
     what = f"device, {fmt_size(bb)} blocks"
     bar.describe(f"{what}: gather")
@@ -84,6 +91,12 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     bar.advance()
     bar.describe(f"{what}: scatter")
     p_scatter = timeit_pair(scatter, raw_dev, repeat)
+    bar.advance()
+    bar.describe(f"{what}: gather, table checked")
+    p_gather_ids = timeit_pair(gather_ids, raw_dev, repeat)
+    bar.advance()
+    bar.describe(f"{what}: scatter, table checked")
+    p_scatter_ids = timeit_pair(scatter_ids, raw_dev, repeat)
     bar.advance()
 
     host.copy_(blocks.cpu())
@@ -106,6 +119,7 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     nbytes = n * bb
     out = []
     for op, p, base in (("gather", p_gather, "device copy"), ("scatter", p_scatter, "device copy"),
+                        ("gather_ids", p_gather_ids, "device copy"), ("scatter_ids", p_scatter_ids, "device copy"),
                         ("load", p_load, "pinned host->device" if cuda else "host memcpy"),
                         ("save", p_save, "device->pinned host" if cuda else "host memcpy")):
         out.append({"tier": "device", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / p.a / 1e9,

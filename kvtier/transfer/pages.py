@@ -321,7 +321,7 @@ def native_plan(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.
 
 def _check_ids(flat: np.ndarray, num_pages: int, unique: bool, ppb: int) -> None:
     """LayoutError naming the first page id out of range or, with unique, written twice."""
-    if _check_ids_c is not None:     # one pass in C (kvtier/_copy.c), no per-call arrays
+    if _check_ids_c is not None:     # in C (kvtier/_copy.c): two passes, no per-call arrays
         i, kind = _check_ids_c(flat, num_pages, unique)
         if kind == 0:
             return
