@@ -393,6 +393,8 @@ class Store:
             with self._lock:
                 for res in parts:
                     self.index.abort(res)
+                if len(parts) == 1 and cuts[0] is not None:
+                    self.counters.puts += 1     # the part that reaches the root (which counts it) never came
             raise
         res = parts[0] if len(parts) == 1 else parts[0].then(parts[1])
         with self._lock:

@@ -288,8 +288,6 @@ class StoreMachine(RuleBasedStateMachine):
 
         def spy(keys, part=None):
             reserved.append(real(keys, part))
-            if part is None or part[0] == 0:      # a save counts once, with the part reaching its root
-                self.c["puts"] += 1
             return reserved[-1]
 
         def write(w) -> None:
@@ -299,7 +297,10 @@ class StoreMachine(RuleBasedStateMachine):
             if fail_in == "write":
                 raise OSError("the engine's copy failed")
 
+        waits = []
+
         def wait() -> None:
+            waits.append(1)
             if fail_in == "wait":
                 raise OSError("the engine's copies failed")
         self.store._reserve = spy
@@ -309,6 +310,9 @@ class StoreMachine(RuleBasedStateMachine):
             pass
         finally:
             del self.store._reserve
+        self.c["puts"] += 1                       # one save, however many parts it was reserved in
+        if any(r.keys for r in reserved):         # copies may have been queued: waited for, even on failure
+            assert waits, "write_in_place freed slots without waiting for the copies into them"
         positions = [p for r in reserved for p in r.positions]
         present, rejected = sum(r.present for r in reserved), sum(r.rejected for r in reserved)
         if not fail:

@@ -213,6 +213,22 @@ def test_table_check_in_c_matches_the_numpy_check(ids, num_pages, unique):
     assert outcome(P._check_ids_c) == outcome(None) == want
 
 
+def test_a_table_handed_on_as_checked_must_be_the_caches_own_form():
+    """checked=True skips the per-id check (the adapter checked the table already), not the
+    form: a raw list, another dtype or another width is refused before a byte moves."""
+    layout, pages = mha_case()
+    kv = PagedKV(pages, layout, "vllm")
+    ids = kv.table([[0, 1], [2, 3]], unique=True)
+    assert kv.checked(ids) is ids
+    for bad in ([[0, 1]], ids.to(torch.int32), ids[:, :1].contiguous(), ids.t()):
+        with pytest.raises(LayoutError, match="checked=True"):
+            Saver(pages, layout, "vllm").save(bad, checked=True)
+    t = torch.tensor([[4, 5]])
+    got = kv.table(t)
+    t[0, 0] = 99                    # the caller changes its table: the checked copy does not
+    assert got.tolist() == [[4, 5]]
+
+
 def test_scatter_refuses_repeated_destination_pages_untouched():
     layout, pages = mha_case()
     snapshot = [as_bytes(t).clone() for t in pages]

@@ -296,16 +296,11 @@ _KIMI_TINY = dict(
 # 512, rope 64: 9.2 KB of KV per token). Small enough to draw its weights on a CPU in seconds
 # (they are drawn in fp32 from a seed), big enough that a GPU's kernels, not Python, set decode speed.
 _KIMI_SMALL = dict(
-    vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+    _KIMI_TINY, vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
     num_hidden_layers=8, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-    routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
-    rms_norm_eps=1e-6, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
-                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    max_position_embeddings=32768, bos_token_id=256, eos_token_id=257, torch_dtype="bfloat16",
-    model_type="kimi_k2",
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=32, num_experts_per_tok=4,
+    rope_scaling=dict(_KIMI_TINY["rope_scaling"], original_max_position_embeddings=2048),
+    max_position_embeddings=32768, torch_dtype="bfloat16",
 )
 
 # moonshotai/Kimi-K2-Instruct config.json (the 0905 revision has factor 64 and 262144 positions).

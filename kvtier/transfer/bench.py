@@ -79,50 +79,34 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     def timed(fn):
         return synced(fn, device)
 
-    gather = timed(lambda: kv.gather(table, out=blocks))
-    scatter = timed(lambda: kv.scatter(blocks, table))
     ids = kv.table(table, unique=True)
-    gather_ids = timed(lambda: copy(kv.views, ids, blocks, to_blocks=True))
-    scatter_ids = timed(lambda: copy(kv.views, ids, blocks, to_blocks=False))
-    raw_dev = timed(lambda: b.copy_(a))
-    what = f"device, {fmt_size(bb)} blocks"
-    bar.describe(f"{what}: gather")
-    p_gather = timeit_pair(gather, raw_dev, repeat)
-    bar.advance()
-    bar.describe(f"{what}: scatter")
-    p_scatter = timeit_pair(scatter, raw_dev, repeat)
-    bar.advance()
-    bar.describe(f"{what}: gather, table checked")
-    p_gather_ids = timeit_pair(gather_ids, raw_dev, repeat)
-    bar.advance()
-    bar.describe(f"{what}: scatter, table checked")
-    p_scatter_ids = timeit_pair(scatter_ids, raw_dev, repeat)
-    bar.advance()
-
     host.copy_(blocks.cpu())
     loader, saver = LayerLoader(pages, layout, "vllm"), Saver(pages, layout, "vllm")
-    load = timed(lambda: loader.load(host, table).wait())
-    save = timed(lambda: saver.save(table, out=host).wait())
-    raw_h2d = timed(lambda: blocks.view(-1).copy_(host.view(-1), non_blocking=True))
-    raw_d2h = timed(lambda: host.view(-1).copy_(blocks.view(-1), non_blocking=True))
-    bar.describe(f"{what}: load")
-    p_load = timeit_pair(load, raw_h2d, repeat)
-    bar.advance()
-    bar.describe(f"{what}: save")
-    p_save = timeit_pair(save, raw_d2h, repeat)
-    bar.advance()
-
-    # the bytes are right: the last save read exactly what the last load wrote
-    assert torch.equal(host.to(device), kv.gather(table)), "device benchmark moved wrong bytes"
+    raw_dev = ("device copy", timed(lambda: b.copy_(a)))
+    raw_h2d = ("pinned host->device" if cuda else "host memcpy",
+               timed(lambda: blocks.view(-1).copy_(host.view(-1), non_blocking=True)))
+    raw_d2h = ("device->pinned host" if cuda else "host memcpy",
+               timed(lambda: host.view(-1).copy_(blocks.view(-1), non_blocking=True)))
+    ops = (  # (row, what the bar says, the operation, its raw baseline)
+        ("gather", "gather", lambda: kv.gather(table, out=blocks), raw_dev),
+        ("scatter", "scatter", lambda: kv.scatter(blocks, table), raw_dev),
+        ("gather_ids", "gather, table checked", lambda: copy(kv.views, ids, blocks, to_blocks=True), raw_dev),
+        ("scatter_ids", "scatter, table checked", lambda: copy(kv.views, ids, blocks, to_blocks=False), raw_dev),
+        ("load", "load", lambda: loader.load(host, table).wait(), raw_h2d),
+        ("save", "save", lambda: saver.save(table, out=host).wait(), raw_d2h),
+    )
+    what = f"device, {fmt_size(bb)} blocks"
     name = f"{device} ({torch.cuda.get_device_name(device)})" if cuda else "cpu"
     impl = kernels.status() if cuda else "torch ops (no CUDA)"
     nbytes = n * bb
     out = []
-    for op, p, base in (("gather", p_gather, "device copy"), ("scatter", p_scatter, "device copy"),
-                        ("gather_ids", p_gather_ids, "device copy"), ("scatter_ids", p_scatter_ids, "device copy"),
-                        ("load", p_load, "pinned host->device" if cuda else "host memcpy"),
-                        ("save", p_save, "device->pinned host" if cuda else "host memcpy")):
+    for op, says, fn, (base, raw) in ops:
+        bar.describe(f"{what}: {says}")
+        p = timeit_pair(timed(fn), raw, repeat)
+        bar.advance()
         out.append({"tier": "device", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / p.a / 1e9,
                     "baseline_gbps": nbytes / p.b / 1e9, **p.fields(), "device": name,
                     "impl": impl, "baseline": base})
+    # the bytes are right: the last save read exactly what the last load wrote
+    assert torch.equal(host.to(device), kv.gather(table)), "device benchmark moved wrong bytes"
     return out

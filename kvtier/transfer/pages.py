@@ -173,7 +173,18 @@ class PagedKV:
         host = t.detach().to("cpu", torch.int64).contiguous()
         if host.numel():
             _check_ids(host.reshape(-1).numpy(), self.num_pages, unique, ppb)
+        if self.device.type == "cpu" and host.data_ptr() == t.data_ptr():
+            host = host.clone()      # a loader thread reads it later: the caller may change its own
         return upload(host, self.device)
+
+    def checked(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` that table() returned for this cache, handed on so they are not checked (and
+        copied back from a GPU) again: only their form is checked here, not each id."""
+        if (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 2
+                or ids.shape[1] != self.pages_per_block or ids.device != self.device or not ids.is_contiguous()):
+            raise LayoutError("checked=True takes what this PagedKV's table() returned (int64 [n, "
+                              f"{self.pages_per_block}] on {self.device}); pass the block table itself otherwise")
+        return ids
 
     def blocks_arg(self, blocks: object, n: int, what: str) -> torch.Tensor:
         """`blocks` as uint8 [n, block_bytes] (a view, no copy), checked against this cache."""
@@ -321,6 +332,7 @@ def native_plan(views: Sequence[torch.Tensor], ids: torch.Tensor, blocks: torch.
 
 def _check_ids(flat: np.ndarray, num_pages: int, unique: bool, ppb: int) -> None:
     """LayoutError naming the first page id out of range or, with unique, written twice."""
+    assert flat.dtype == np.int64, flat.dtype      # the C check reads the buffer as int64
     if _check_ids_c is not None:     # in C (kvtier/_copy.c): two passes, no per-call arrays
         i, kind = _check_ids_c(flat, num_pages, unique)
         if kind == 0:
