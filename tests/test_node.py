@@ -240,10 +240,15 @@ class FakePeer:
                 conn.close()
 
 
+@pytest.mark.parametrize("verify", ["inline", "thread"])
 @pytest.mark.parametrize("mode,expect", [("stall", 1), ("die", 0), ("garbage", 2)])
-def test_a_peer_that_stalls_dies_or_lies_costs_a_miss(mode, expect):
+def test_a_peer_that_stalls_dies_or_lies_costs_a_miss(mode, expect, verify, monkeypatch):
     """Within the deadline: the blocks that arrived verified before the fault (stall: one
-    whole block then nothing; die: half a block; garbage: block 2 corrupted), never more."""
+    whole block then nothing; die: half a block; garbage: block 2 corrupted), never more;
+    verified as they land or on the helper thread."""
+    from kvtier.net import client as peer_client
+    monkeypatch.setattr(peer_client, "INLINE_VERIFY_BYTES", 0)
+    monkeypatch.setattr(peer_client, "VERIFY_THREAD", verify == "thread")
     probe = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
     keys = probe.keys([5] * 32)
     peer = FakePeer(mode, keys, probe.keyer.seed)
@@ -256,9 +261,14 @@ def test_a_peer_that_stalls_dies_or_lies_costs_a_miss(mode, expect):
     assert store.lookup(keys).by_tier()["host"] == expect     # only verified blocks were kept
 
 
-def test_a_peer_dying_mid_get_gives_its_verified_prefix_everywhere():
+@pytest.mark.parametrize("verify", ["inline", "thread"])
+def test_a_peer_dying_mid_get_gives_its_verified_prefix_everywhere(verify, monkeypatch):
     """PeerClient.get, Store.get and Store.reading all see the 3 blocks that arrived verified
-    before the peer died part way through the 4th."""
+    before the peer died part way through the 4th, whether blocks are verified as they land
+    or on the helper thread (client.VERIFY_THREAD: machines with more than two cores)."""
+    from kvtier.net import client as peer_client
+    monkeypatch.setattr(peer_client, "INLINE_VERIFY_BYTES", 0)
+    monkeypatch.setattr(peer_client, "VERIFY_THREAD", verify == "thread")
     probe = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
     keys = probe.keys([6] * 32)
     want = payload(keys, LAYOUT.block_bytes)
