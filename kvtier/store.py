@@ -108,6 +108,20 @@ class Hit:
         return counts
 
 
+
+def pipeline_cuts(n: int, head: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) parts of a save of n blocks, tail first: `head` blocks, then twice as many as
+    the part before, the last one taking what would leave less than `head`. A part's
+    copies run while the next, twice as big, is reserved: the index's work hides behind
+    the copies in a few parts (6 for 512 blocks and a head of 16)."""
+    hi, size = n, head
+    while hi > 0:
+        lo = hi - size
+        if lo < head:
+            lo = 0
+        yield lo, hi
+        hi, size = lo, 2 * size
+
 class Store:
     """A KV-cache store over an ordered list of tiers (fastest first)."""
 
@@ -363,9 +377,11 @@ class Store:
         so); if `write` or `wait` raises, none of them is and the slots are freed.
         Needs a memory top tier (host or device memory), not a disk.
 
-        Speed: as put() does (_store), a large save reserves its tail part first and calls
-        `write` with it, then reserves the rest while those bytes cross, then calls `write`
-        again: the index's work (3 ms for 512 blocks) no longer comes before the first byte."""
+        Speed: with `wait` (a writer that only queues its copies), a large save is reserved
+        in parts, tail first (pipeline_cuts: PIPELINE_HEAD_BYTES, then twice as much each
+        time), and each part's copies are queued before the next part is reserved: the
+        index's work (3 ms for 512 blocks with evictions, on an H200 a seventh of a 1 GiB
+        save's DMA time) runs while earlier parts cross. A synchronous writer gets one part."""
         self._check_keys(keys)
         memory = self.tiers[0].memory()
         if memory is None:
@@ -373,7 +389,9 @@ class Store:
                               "use put()")
         n = len(keys)
         head = max(1, PIPELINE_HEAD_BYTES // self.layout.block_bytes)
-        cuts = [(n - head, n), (0, n - head)] if 2 * head <= n <= self.index.tiers[0].capacity else [None]
+        cuts: list[tuple[int, int] | None] = [None]
+        if wait is not None and 2 * head <= n <= self.index.tiers[0].capacity:
+            cuts = list(pipeline_cuts(n, head))
         parts: list[Reservation] = []
         try:
             for cut in cuts:
@@ -393,10 +411,12 @@ class Store:
             with self._lock:
                 for res in parts:
                     self.index.abort(res)
-                if len(parts) == 1 and cuts[0] is not None:
+                if parts and len(parts) < len(cuts):
                     self.counters.puts += 1     # the part that reaches the root (which counts it) never came
             raise
-        res = parts[0] if len(parts) == 1 else parts[0].then(parts[1])
+        res = parts[0]
+        for later in parts[1:]:
+            res = res.then(later)
         with self._lock:
             self.index.commit(res)
         self._written(res)

@@ -3,6 +3,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as hs
 
 import kvtier
 from kvtier.errors import (CapacityError, ClosedError, ConfigError, KeyNotCachedError, LayoutError)
@@ -449,3 +451,56 @@ def test_disk_reads_reuse_one_buffer_up_to_a_cap(layout, ns, tmp_path, monkeypat
         pass
     assert s._spare is None
     s.close()
+
+
+@given(hs.integers(1, 2000), hs.integers(1, 64))
+def test_pipeline_cuts_cover_a_save_tail_first_each_part_at_most_double(n, head):
+    """Store.write_in_place's parts: every block once, tail first, contiguous, the first of
+    `head` blocks (or all of them), none after it more than twice the one before."""
+    from kvtier.store import pipeline_cuts
+    cuts = list(pipeline_cuts(n, head))
+    assert cuts[0][1] == n and cuts[-1][0] == 0
+    assert all(a[0] == b[1] for a, b in zip(cuts, cuts[1:]))                 # contiguous, descending
+    sizes = [hi - lo for lo, hi in cuts]
+    assert sizes[0] == min(n, head) or len(cuts) == 1
+    assert all(size <= 2 * prev + head for prev, size in zip(sizes, sizes[1:]))
+
+
+@pytest.mark.parametrize("fail_at", [None, 0, 2, "wait"])
+def test_an_in_place_save_in_parts_is_readable_whole_or_not_at_all(layout, ns, monkeypatch, fail_at):
+    """Store.write_in_place with a writer that only queues its copies (like a GPU's DMAs):
+    the save is reserved in parts tail first, each part's copies queued before the next is
+    reserved; if a write or the wait fails, no block of the save is readable, its slots are
+    free again, and it still counts as one put."""
+    import kvtier.store
+    monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", layout.block_bytes)   # parts of 1, 2, 4, ... blocks
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=16)], ns)
+    keys = store.keys(list(range(layout.block_tokens * 8)))
+    rows = payload(list(keys), layout.block_bytes)
+    queued, parts = [], []
+
+    def write(w):                      # "queue" the copies: done for real only in wait()
+        parts.append(list(w.positions))
+        if fail_at == len(parts) - 1:
+            raise OSError("queueing the copies failed")
+        queued.append(w)
+
+    def wait():
+        for w in queued:
+            for slot, pos in zip(w.slots.tolist(), w.positions):
+                w.memory[slot] = rows[pos]
+        if fail_at == "wait":
+            raise OSError("the copies failed")
+    if fail_at is None:
+        t = store.write_in_place(keys, write, wait)
+        assert t.blocks == 8 and store.lookup(keys).blocks == 8
+        out = torch.zeros_like(rows)
+        assert store.get(keys, out).loaded == 8 and torch.equal(out, rows)
+    else:
+        with pytest.raises(OSError):
+            store.write_in_place(keys, write, wait)
+        assert store.lookup(keys).blocks == 0
+        assert store.stats().tiers[0].used_blocks == 0
+    assert parts[0] == [7] and (fail_at in (0,) or parts[1] == [6, 5])      # tail first, then twice as many
+    assert store.stats().counters.puts == 1
+    store.close()
