@@ -126,7 +126,7 @@ HEADINGS = {
     "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "90% CI", "raw copy"],
     "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio", "90% CI"],
     "lookup": ["tokens", "blocks", "keys ms", "lookup ms", "keys+lookup ms", "raw ms", "ratio"],
-    "engine": ["prefix in", "cached tokens", "cached blocks from", "cached ms", "scratch ms", "speedup",
+    "engine": ["prefix in", "cached tokens", "cached blocks from", "cached ms", "sched ms", "scratch ms", "speedup",
                "batch", "tokens/s", "ms per step"],
 }
 
@@ -168,6 +168,8 @@ def test_engine_json_keeps_the_structure():
     assert ttft["host"]["cached_from"].get("host", 0) > 0
     assert sum(ttft["host"]["cached_from"].values()) * 16 == ttft["host"]["cached_tokens"]
     assert [x["batch"] for x in rows if x["bench"] == "engine-decode"] == [1, 2]
+    # the part of a cached request's TTFT spent in the scheduler (admission, load start)
+    assert all(0 < x["schedule_ms"] < x["ttft_cached_ms"] for x in ttft.values()), ttft
 
 
 def test_paired_ratio_is_the_median_of_round_ratios(monkeypatch):

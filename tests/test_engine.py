@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 
+import time
+
 import pytest
 import torch
 
@@ -113,6 +115,13 @@ def test_text_prompts_sampling_and_sessions():
         out = llm.generate([tokens(21, 64)], GREEDY, sessions=["agent-1"])[0]
         st = llm.stats()["store"]
         assert st.pinned_sessions == 1 and sum(t.pinned_blocks for t in st.tiers) == 4
+        # every step's host time lands in one of the loop's four phases, and only there
+        before = dict(llm.phase_seconds)
+        t0 = time.perf_counter()
+        llm.generate([tokens(22, 64)], SamplingParams(max_tokens=4, ignore_eos=True))
+        spent = {k: llm.phase_seconds[k] - before[k] for k in before}
+        assert set(spent) == {"schedule", "prepare", "run", "postprocess"} and all(v > 0 for v in spent.values())
+        assert sum(spent.values()) <= time.perf_counter() - t0
 
 
 def test_bad_requests_say_what_to_do(block_bytes):

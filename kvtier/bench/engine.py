@@ -110,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
         return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=STEP_TOKENS,
                    max_seqs=max(64, seqs))
 
-    def ttft(llm: LLM, p: list[int]) -> tuple[float, dict[str, int], int]:
+    def ttft(llm: LLM, p: list[int]) -> tuple[float, dict[str, int], int, float]:
+        """(TTFT, cached blocks by tier, cached tokens, seconds the request spent in the scheduler)."""
+        before = llm.phase_seconds["schedule"]
         o = llm.generate([p], one)[0]
-        return o.ttft, o.cached_by_tier, o.cached_tokens
+        return o.ttft, o.cached_by_tier, o.cached_tokens, llm.phase_seconds["schedule"] - before
 
     pages = -(-(args.prompt_tokens + 2) // bt)
     ttft_rows, decode_rows = [], []
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                     bar.describe(f"TTFT, prefix in {case}: warm-up")
                     ttft(llm, prompt(vocab))                                  # warm up the code paths
                     bar.advance()
-                    cold, hot, where, cached = [], [], {}, 0
+                    cold, hot, admit, where, cached = [], [], [], {}, 0
                     for i in range(args.repeat):
                         bar.describe(f"TTFT, prefix in {case}: {i + 1} of {args.repeat}")
                         cold.append(ttft(llm, prompt(vocab))[0])              # from scratch
@@ -136,14 +138,16 @@ def run(args: argparse.Namespace) -> int:
                         ttft(llm, p[:-1] + [(p[-1] + 1) % 256])               # caches the shared prefix
                         if case != "device":
                             ttft(llm, prompt(vocab))                          # pushes it down a tier
-                        t, where, cached = ttft(llm, p)
+                        t, where, cached, sched = ttft(llm, p)
                         hot.append(t)
+                        admit.append(sched)
                         bar.advance()
                 finally:
                     llm.close()
             c, h = statistics.median(cold), statistics.median(hot)
             ttft_rows.append({"bench": "engine-ttft", "case": case, "prompt_tokens": args.prompt_tokens,
                               "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
+                              "schedule_ms": round(statistics.median(admit) * 1e3, 2),
                               "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
         for b in batches:
             bar.describe(f"decode, batch {b}: warm-up")
@@ -170,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     emit(ttft_rows, args.json, f"{args.preset}: time to first token, {args.prompt_tokens:,}-token prompt, cached vs from scratch",
          [Column("case", "prefix in"), Column("cached_tokens", "cached tokens", fmt_float(0)),
           Column("cached_from", "cached blocks from", cached_from), Column("ttft_cached_ms", "cached ms", ms),
+          Column("schedule_ms", "sched ms", ms),
           Column("ttft_scratch_ms", "scratch ms", ms), Column("speedup", "speedup", lambda v: f"{v:.1f}x")], left=1)
     emit(decode_rows, args.json, f"{args.preset}: decode, {args.decode_tokens} tokens per request",
          [Column("batch", "batch"), Column("tokens", "tokens", fmt_float(0)),

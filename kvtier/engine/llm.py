@@ -121,6 +121,11 @@ class LLM:
                                            getattr(self.proposer, "close", None))
         self._finalizer.atexit = False
         self._closed = False
+        # Host seconds spent in each step of the loop since the engine started (benchmarks take
+        # differences): "schedule" holds admission (pages, evicting or demoting other blocks,
+        # the prefix lookup, starting a load); on a GPU the model's time shows in "postprocess",
+        # where sampling waits for the logits.
+        self.phase_seconds: dict[str, float] = dict.fromkeys(("schedule", "prepare", "run", "postprocess"), 0.0)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id
@@ -203,17 +208,26 @@ class LLM:
             raise ClosedError("this LLM is closed; create a new one")
         if self.proposer is not None:
             self._propose()                                       # 0. drafts for decoding requests
+        clock, t = self.phase_seconds, time.perf_counter()
         scheduled = self.scheduler.schedule()                     # 1. schedule
+        t1 = time.perf_counter()
+        clock["schedule"] += t1 - t
         if not scheduled:
             return []
         batch = self.runner.prepare(scheduled)                    # 2. prepare
         if any(s.req.draft for s in scheduled):                   # logits at every verified position
             batch.logits_index = _verify_rows(scheduled, batch)
+        t2 = time.perf_counter()
         if getattr(self.proposer, "wants_hidden", False):        # 3. run (the MTP layer reads hidden states)
             logits, hidden = self.runner.run(batch, hidden=True)
         else:
             logits, hidden = self.runner.run(batch), None
-        return self._postprocess(scheduled, logits, batch, hidden)   # 4. postprocess
+        t3 = time.perf_counter()
+        out = self._postprocess(scheduled, logits, batch, hidden)   # 4. postprocess
+        clock["prepare"] += t2 - t1
+        clock["run"] += t3 - t2
+        clock["postprocess"] += time.perf_counter() - t3
+        return out
 
     def _propose(self) -> None:
         """Ask the proposer for up to k tokens after each decoding request's last one (k: the
