@@ -22,16 +22,16 @@ PITCH_LAYERS = 4     # row pitch = 4 x width: one layer of a 4-layer block
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtier.argtypes import positive_int, size
     from kvtier.bench.common import quiet_threads, size_list, synced, timeit_pair
-    from kvtier.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--total", type=parse_bytes, default=parse_bytes("1GiB"), help="bytes per timed copy")
+    p.add_argument("--total", type=size, default=size("1GiB"), help="bytes per timed copy")
     p.add_argument("--widths", type=size_list, default=size_list("4KiB,16KiB,64KiB,256KiB,1MiB"))
-    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--repeat", type=positive_int, default=9)
     args = p.parse_args(argv)
-    if args.repeat < 1 or args.total < max(args.widths):
-        p.error("--repeat must be >= 1 and --total at least the widest row")
+    if args.total < max(args.widths):
+        p.error("--total must be at least the widest row")
 
     import torch
 

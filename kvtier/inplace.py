@@ -1,5 +1,6 @@
 """Where a save writes and a load reads a store's bytes in place: what Store.write_in_place()
-hands its writer and Store.reading() yields, so an engine's pages move to and from tier memory in one copy.
+hands its writer and Store.reading() yields, so an engine's pages move to and from tier
+memory in one copy.
 
 Both describe tier memory as a [slots, block_bytes] uint8 tensor plus the rows (slots)
 that matter, which is what kvtier.transfer.pages.copy(..., rows=) takes.
@@ -19,8 +20,8 @@ class WriteSlots:
     """Top-tier slots reserved for the new blocks among a save's keys: write block
     `positions[j]` of the save into row `slots[j]` of `memory`. Blocks already cached or not
     admitted have no slot (nothing to write). The blocks become readable when
-    Store.write_in_place returns (a large save hands its writer two of these: the tail part,
-    then the rest); an error in the writer frees every slot of the save."""
+    Store.write_in_place returns (a large save with an async writer hands it one of these per
+    part, tail first); an error in the writer frees every slot of the save."""
 
     memory: torch.Tensor          # the top tier's slots, [capacity_blocks, block_bytes] uint8
     slots: torch.Tensor           # int64 [k]

@@ -151,16 +151,28 @@ class Mover:
         except BaseException as e:
             first_ok, error = False, error or e
         if error is None:
-            with self._lock:
-                self.index.commit(first.then(rest))
+            self.commit([first, rest])
             return
         for part, ok in ((first, first_ok), (rest, rest_ok)):
             if ok and part.keys:
                 self.tiers[part.tier].release(part.slots, part.keys)
-        with self._lock:
-            self.index.abort(first)
-            self.index.abort(rest)
+        self.abort([first, rest])
         raise error
+
+    def commit(self, parts: Sequence[Reservation]) -> Reservation:
+        """Make the written parts of one save readable at once; returns them as one reservation."""
+        res = parts[0]
+        for later in parts[1:]:
+            res = res.then(later)
+        with self._lock:
+            self.index.commit(res)
+        return res
+
+    def abort(self, parts: Sequence[Reservation]) -> None:
+        """Forget every part of a save that failed and free their slots."""
+        with self._lock:
+            for res in parts:
+                self.index.abort(res)
 
     @contextmanager
     def committing(self, res: Reservation) -> Iterator[None]:
@@ -169,8 +181,6 @@ class Mover:
         try:
             yield
         except BaseException:
-            with self._lock:
-                self.index.abort(res)
+            self.abort([res])
             raise
-        with self._lock:
-            self.index.commit(res)
+        self.commit([res])

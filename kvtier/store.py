@@ -408,17 +408,12 @@ class Store:
                     wait()           # no copy may still be landing in a slot once it is freed
                 except BaseException:
                     pass             # the first error is the one raised
-            with self._lock:
-                for res in parts:
-                    self.index.abort(res)
-                if parts and len(parts) < len(cuts):
+            self._mover.abort(parts)
+            if parts and len(parts) < len(cuts):
+                with self._lock:
                     self.counters.puts += 1     # the part that reaches the root (which counts it) never came
             raise
-        res = parts[0]
-        for later in parts[1:]:
-            res = res.then(later)
-        with self._lock:
-            self.index.commit(res)
+        res = self._mover.commit(parts)
         self._written(res)
         return self._put_transfer(res)
 

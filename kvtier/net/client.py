@@ -36,7 +36,7 @@ INLINE_VERIFY_BYTES = 256 << 10     # blocks smaller than this are verified on t
 # has cores to spare. With two, it competes with both ends' socket work: `kvtier bench
 # transport` (TCP, 15 rounds, four paired runs each, 2 cores) measured 0.95-0.96 of the raw
 # socket at 1 MiB and 0.92-1.00 at 4 MiB verifying inline, 0.85-0.98 and 0.89-0.95 on the thread.
-VERIFY_THREAD = len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) > 2
+VERIFY_THREAD = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) > 2
 
 
 class PeerError(KvtierError):
@@ -197,8 +197,8 @@ class PeerClient:
         # Speed: a large block is verified on a helper thread while the next one arrives
         # (receiving and hashing both release the GIL), straight in the caller's buffers, on
         # machines with cores to spare (VERIFY_THREAD); a small one right here: hashing 64 KiB
-        # takes microseconds, less than a hand-off to the thread. `landed` is the caller's, so a failure part way still counts the
-        # verified prefix.
+        # takes microseconds, less than a hand-off to the thread. `landed` is the caller's, so
+        # a failure part way still counts the verified prefix.
         landed.extend([None] * n)
         sums = reply.sums
 

@@ -111,6 +111,13 @@ class LoadHandle:
             self._events[layer] = event
             self._cond.notify_all()
 
+    def _ready_group(self, first: int, count: int, stream: object) -> None:
+        """Layers first..first+count-1 are queued on `stream`: one event for all of them."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        for layer in range(first, first + count):
+            self._ready(layer, ev)
+
     def _failed(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
@@ -349,10 +356,7 @@ class LayerLoader(_Mover):
                     dev[d:d + k].copy_(memory[s:s + k], non_blocking=True)
             for l0, k in layer_groups(self.layout.num_layers, lb):
                 copy(self.kv.views[l0:l0 + k], ids, dev[:, l0 * lb:(l0 + k) * lb], to_blocks=False, impl=self.impl)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-                for l in range(l0, l0 + k):
-                    handle._ready(l, ev)
+                handle._ready_group(l0, k, self.stream)
 
     def _layerwise(self, handle: LoadHandle, ids: torch.Tensor, sources: list[tuple[torch.Tensor, Runs]]) -> bool:
         """Rows -> pages on a GPU, group of layers by group (layer_groups): a group of every row
@@ -380,10 +384,7 @@ class LayerLoader(_Mover):
                     arrived.record(self.copy_stream)
                 self.stream.wait_event(arrived)
                 copy(self.kv.views[l0:l0 + k], ids, dev, to_blocks=False, impl=self.impl)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-                for l in range(l0, l0 + k):
-                    handle._ready(l, ev)
+                handle._ready_group(l0, k, self.stream)
         return True
 
     def close(self, wait: bool = True) -> None:
