@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tier = DiskTier(root / "tier", blocks=n, io_threads=4)
         store = Store(_layout(bb), [tier], Namespace("contention"))
-        raw = RawDisk(root / "raw.bin", n * tier.slot_bytes, tier._chunk_slots * tier.slot_bytes, 4)
+        raw = RawDisk(tier.path / "slab.bin", n * tier.slot_bytes, tier._chunk_slots * tier.slot_bytes, 4)
         src = allocate_host(n * bb).tensor[: n * bb].view(n, bb)
         src.random_(0, 255)
         rows = [src[i].numpy() for i in range(n)]

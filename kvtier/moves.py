@@ -9,7 +9,6 @@ the write fails), and the dropping of copies whose bytes failed verification.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -19,7 +18,7 @@ from kvtier.errors import TransferError
 from kvtier.ids import BlockKey, TierId
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import PendingWrite, Tier
 
 
 class Mover:
@@ -127,29 +126,37 @@ class Mover:
         with self.committing(res):
             self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
 
-    def fill_after(self, first: Reservation, started: Future, rest: Reservation,
+    def fill_after(self, first: Reservation, started: PendingWrite, rest: Reservation,
                    rows: Sequence[np.ndarray]) -> None:
         """Finish a put reserved in two steps (Store._store): `first`'s bytes are being
-        written by `started`; write `rest`'s here, then make both readable at once. If
-        either write fails, neither part is readable and all their slots are freed."""
+        written (`started`); write `rest`'s, then make both readable at once. If either
+        write fails, neither part is readable and all their slots are freed."""
         error: BaseException | None = None
+        writing = PendingWrite.done()
         try:
             if rest.keys:
-                self.tiers[rest.tier].write(rest.slots, rows, rest.positions, rest.keys)
+                writing = self.tiers[rest.tier].begin_write(rest.slots, rows, rest.positions, rest.keys)
         except BaseException as e:
             error = e
-        self.settle(first, started, rest, error)
+        self.settle(first, started, rest, error, writing)
 
-    def settle(self, first: Reservation, started: Future, rest: Reservation, error: BaseException | None) -> None:
-        """Wait for `first`'s write, then commit `first` and `rest` together; or, if either
-        failed (`error`: rest's), forget both. A part whose bytes did land is released from
-        its tier first (a disk tier drops its records), before its slots can be reused."""
-        rest_ok = error is None
+    def settle(self, first: Reservation, started: PendingWrite, rest: Reservation, error: BaseException | None,
+               writing: PendingWrite | None = None) -> None:
+        """Finish `first`'s write, then `rest`'s (`writing`), and commit both together; or, if
+        either failed (`error`: rest's start), forget both. A part whose bytes did land is
+        released from its tier first (a disk tier drops its records), before its slots can
+        be reused."""
+        rest_ok = error is None              # its write started, or it has none
         try:
-            started.result()
+            started.wait()
             first_ok = True
         except BaseException as e:
             first_ok, error = False, error or e
+        if writing is not None:
+            try:
+                writing.wait()
+            except BaseException as e:
+                rest_ok, error = False, error or e
         if error is None:
             self.commit([first, rest])
             return

@@ -397,13 +397,14 @@ def test_an_allocation_that_runs_out_of_space_part_way_gives_the_space_back(tmp_
 
 
 class FailingDisk(kvtier.DiskTier):
-    """A disk tier whose write of exactly `fail_len` blocks fails (one part of a pipelined put)."""
+    """A disk tier whose I/O fails in a write of exactly `fail_len` blocks (one part of a
+    pipelined put), on its I/O thread, as a failing device would."""
     fail_len = -1
 
-    def write(self, slots, rows, idx=None, keys=None):
-        if len(slots) == self.fail_len:
-            raise kvtier.TransferError("disk tier: write failed: injected")
-        super().write(slots, rows, idx, keys)
+    def _write_run(self, js, s0, rows, order):
+        if len(order) == self.fail_len:
+            raise OSError(5, "Input/output error: injected")
+        return super()._write_run(js, s0, rows, order)
 
 
 @pytest.mark.parametrize("fail", ["first", "rest", "none"])
@@ -433,3 +434,23 @@ def test_a_pipelined_put_becomes_readable_whole_or_not_at_all(tmp_path, monkeypa
     loaded, out = read(store, keys)
     assert loaded == 6 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
     store.close()
+
+
+def test_a_begun_write_is_recorded_only_once_waited_for(tmp_path):
+    """begin_write starts the bytes on the I/O threads and returns; the blocks' records (what a
+    restart trusts) are committed by wait(), after every byte landed, and then read back exact."""
+    import numpy as np
+
+    disk = kvtier.DiskTier(tmp_path / "kv", blocks=40)
+    disk.bind(8192)
+    rows = np.random.default_rng(1).integers(0, 256, (40, 8192), dtype=np.uint8)
+    keys = [os.urandom(16) for _ in range(40)]
+    slots = list(range(39, -1, -1))
+    pending = disk.begin_write(slots, rows, keys=keys)
+    assert disk._records == {}
+    pending.wait()
+    assert {s: k for s, (k, _) in disk._records.items()} == dict(zip(slots, keys))
+    out = np.zeros_like(rows)
+    assert disk.read(slots, out, keys=keys) == []
+    assert np.array_equal(out, rows)
+    disk.close()

@@ -146,3 +146,16 @@ def test_a_large_host_tier_reports_its_prefault(monkeypatch, caplog):
     assert shown == [] and "prefault_s" in small.info()       # small tiers: no bar, no log line
     t.close()
     small.close()
+
+
+@pytest.mark.parametrize("on_a_thread", [True, False])
+def test_a_memory_tier_begins_a_write_on_the_executor_given_or_here(on_a_thread):
+    from concurrent.futures import ThreadPoolExecutor
+
+    tier = HostTier(blocks=8)
+    tier.bind(BB)
+    src = np.random.default_rng(2).integers(0, 256, (8, BB), dtype=np.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        pending = tier.begin_write(list(range(8)), src, executor=pool if on_a_thread else None)
+        pending.wait()
+    assert np.array_equal(tier.slots, src)

@@ -7,7 +7,9 @@ array of one block per row, or a list of 1-D one-block views (see kvtier/payload
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -16,7 +18,20 @@ if TYPE_CHECKING:
 
 from kvtier.errors import ConfigError, TierSizeError
 from kvtier.ids import BlockKey, SlotId
+from kvtier.submit import submit
 from kvtier.units import format_bytes, parse_bytes
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A write under way (Tier.begin_write). wait() finishes it and raises its error;
+    call it exactly once, and before the slots or the rows are used again."""
+
+    wait: Callable[[], None]
+
+    @staticmethod
+    def done() -> PendingWrite:
+        return PendingWrite(lambda: None)
 
 
 class Tier(ABC):
@@ -66,6 +81,17 @@ class Tier(ABC):
     def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
               idx: Sequence[int] | None = None, keys: Sequence[BlockKey] | None = None) -> None:
         """Copy rows[idx[j]] (rows[j] without idx) into slots[j]; keys[j] is that block's key."""
+
+    def begin_write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
+                    keys: Sequence[BlockKey] | None = None, *, executor: Executor | None = None) -> PendingWrite:
+        """write(), started so the caller can do other work while it goes on (a large put
+        reserves its remaining slots meanwhile: Store._store). Tiers with I/O threads of
+        their own (disk) start it there; by default it runs on `executor`, or here, now,
+        when none is given."""
+        if executor is None:
+            self.write(slots, rows, idx, keys)
+            return PendingWrite.done()
+        return PendingWrite(submit(executor, self.write, slots, rows, idx, keys).result)
 
     @abstractmethod
     def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray],
