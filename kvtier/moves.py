@@ -126,44 +126,45 @@ class Mover:
         with self.committing(res):
             self.tiers[res.tier].write(res.slots, rows, idx, res.keys)
 
-    def fill_after(self, first: Reservation, started: PendingWrite, rest: Reservation,
-                   rows: Sequence[np.ndarray]) -> None:
-        """Finish a put reserved in two steps (Store._store): `first`'s bytes are being
-        written (`started`); write `rest`'s, then make both readable at once. If either
-        write fails, neither part is readable and all their slots are freed."""
+    def fill_parts(self, parts: Sequence[Reservation], started: PendingWrite, rows: Sequence[np.ndarray]) -> None:
+        """Finish a put reserved in parts (Store._store): parts[0]'s bytes are being written
+        (`started`); start the other parts' writes, in order, then make every part readable
+        at once. If any write fails, none is readable and all their slots are freed."""
+        writes: list[PendingWrite | None] = [started]
         error: BaseException | None = None
-        writing = PendingWrite.done()
-        try:
-            if rest.keys:
-                writing = self.tiers[rest.tier].begin_write(rest.slots, rows, rest.positions, rest.keys)
-        except BaseException as e:
-            error = e
-        self.settle(first, started, rest, error, writing)
-
-    def settle(self, first: Reservation, started: PendingWrite, rest: Reservation, error: BaseException | None,
-               writing: PendingWrite | None = None) -> None:
-        """Finish `first`'s write, then `rest`'s (`writing`), and commit both together; or, if
-        either failed (`error`: rest's start), forget both. A part whose bytes did land is
-        released from its tier first (a disk tier drops its records), before its slots can
-        be reused."""
-        rest_ok = error is None              # its write started, or it has none
-        try:
-            started.wait()
-            first_ok = True
-        except BaseException as e:
-            first_ok, error = False, error or e
-        if writing is not None:
+        for res in parts[1:]:
+            if error is not None or not res.keys:
+                writes.append(None if error is not None else PendingWrite.done())
+                continue
             try:
-                writing.wait()
+                writes.append(self.tiers[res.tier].begin_write(res.slots, rows, res.positions, res.keys))
             except BaseException as e:
-                rest_ok, error = False, error or e
+                error = e
+                writes.append(None)
+        self.settle(parts, writes, error)
+
+    def settle(self, parts: Sequence[Reservation], writes: Sequence[PendingWrite | None],
+               error: BaseException | None = None) -> None:
+        """Finish each part's write (None: never started) in order and commit them together;
+        or, if one failed (or `error`: starting one, or reserving a later part), forget them
+        all. A part whose bytes did land is released from its tier first (a disk tier drops
+        its records), before its slots can be reused."""
+        landed: list[Reservation] = []
+        for res, w in zip(parts, writes):
+            if w is None:
+                continue
+            try:
+                w.wait()
+                landed.append(res)
+            except BaseException as e:
+                error = error or e
         if error is None:
-            self.commit([first, rest])
+            self.commit(parts)
             return
-        for part, ok in ((first, first_ok), (rest, rest_ok)):
-            if ok and part.keys:
-                self.tiers[part.tier].release(part.slots, part.keys)
-        self.abort([first, rest])
+        for res in landed:
+            if res.keys:
+                self.tiers[res.tier].release(res.slots, res.keys)
+        self.abort(parts)
         raise error
 
     def commit(self, parts: Sequence[Reservation]) -> Reservation:

@@ -397,25 +397,27 @@ def test_an_allocation_that_runs_out_of_space_part_way_gives_the_space_back(tmp_
 
 
 class FailingDisk(kvtier.DiskTier):
-    """A disk tier whose I/O fails in a write of exactly `fail_len` blocks (one part of a
-    pipelined put), on its I/O thread, as a failing device would."""
-    fail_len = -1
+    """A disk tier whose I/O fails in the write whose first block is block `fail_at` of the
+    put (one part of a pipelined put), on its I/O thread, as a failing device would."""
+    fail_at = -1
 
     def _write_run(self, js, s0, rows, order):
-        if len(order) == self.fail_len:
+        if min(order) == self.fail_at:
             raise OSError(5, "Input/output error: injected")
         return super()._write_run(js, s0, rows, order)
 
 
-@pytest.mark.parametrize("fail", ["first", "rest", "none"])
+@pytest.mark.parametrize("fail", ["tail", "middle", "head", "none"])
 @pytest.mark.parametrize("blocking", [True, False])
 def test_a_pipelined_put_becomes_readable_whole_or_not_at_all(tmp_path, monkeypatch, fail, blocking):
-    """A large put reserves and writes its tail part while the rest is reserved (store.py,
-    PIPELINE_HEAD_BYTES, shrunk here to 2 blocks): if either part's write fails, no block of
-    the put is readable, every slot is free again and the disk keeps no record of them."""
+    """A large put reserves and writes its tail part while the rest is reserved, then the
+    middle and the head apart (store.py, put_cuts; PIPELINE_HEAD_BYTES shrunk here to 2
+    blocks): if any part's write fails, no block of the put is readable, every slot is free
+    again and the disk keeps no record of them."""
     monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", 2 * LAYOUT.block_bytes)
+    assert kvtier.store.put_cuts(6, 2) == [(4, 6), (2, 4), (0, 2)]
     disk = FailingDisk(tmp_path / "kv", blocks=16)
-    disk.fail_len = {"first": 2, "rest": 4, "none": -1}[fail]
+    disk.fail_at = {"tail": 4, "middle": 2, "head": 0, "none": -1}[fail]
     store = kvtier.Store(LAYOUT, [disk], NS)
     keys = store.keys(list(range(6 * LAYOUT.block_tokens)))
     if fail == "none":
@@ -429,7 +431,7 @@ def test_a_pipelined_put_becomes_readable_whole_or_not_at_all(tmp_path, monkeypa
         store.put(keys, payload(keys, LAYOUT.block_bytes), blocking=blocking).wait()
     assert store.lookup(keys).blocks == 0 and store.index.tiers[0].used == 0
     assert disk._records == {} and store.index.entries == {}
-    disk.fail_len = -1
+    disk.fail_at = -1
     assert store.put(keys, payload(keys, LAYOUT.block_bytes)).blocks == 6      # nothing is stuck
     loaded, out = read(store, keys)
     assert loaded == 6 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
