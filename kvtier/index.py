@@ -96,10 +96,15 @@ class Reservation:
     tier: TierId = TOP_TIER
     copy: bool = False      # copies of cached blocks into `tier` (not new blocks)
 
-    def then(self, later: Reservation) -> Reservation:
-        """This reservation and a later step of the same put, as one (moves already run)."""
-        return Reservation(self.keys + later.keys, self.slots + later.slots, self.positions + later.positions,
-                           [], self.present + later.present, self.rejected + later.rejected, self.tier, self.copy)
+    @staticmethod
+    def joined(parts: Sequence[Reservation]) -> Reservation:
+        """The parts of one put (reserved in steps, their moves already run) as one."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        return Reservation([k for p in parts for k in p.keys], [s for p in parts for s in p.slots],
+                           [i for p in parts for i in p.positions], [], sum(p.present for p in parts),
+                           sum(p.rejected for p in parts), first.tier, first.copy)
 
 
 @dataclass(slots=True)

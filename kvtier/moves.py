@@ -169,9 +169,7 @@ class Mover:
 
     def commit(self, parts: Sequence[Reservation]) -> Reservation:
         """Make the written parts of one save readable at once; returns them as one reservation."""
-        res = parts[0]
-        for later in parts[1:]:
-            res = res.then(later)
+        res = Reservation.joined(parts)
         with self._lock:
             self.index.commit(res)
         return res

@@ -336,9 +336,7 @@ class Store:
         except BaseException as e:
             self._mover.settle(parts, [started] + [None] * (len(parts) - 1), e)   # waits, forgets all, raises e
             raise
-        res = first
-        for later in parts[1:]:
-            res = res.then(later)
+        res = Reservation.joined(parts)
         if not res.keys:
             return Transfer("put", 0, 0, res.present, res.rejected)
 
