@@ -22,9 +22,3 @@ def submit(pool: Executor, fn: Callable[..., object], *args: object) -> Future:
             f.set_exception(e)
         return f
 
-
-def done(result: object = None) -> Future:
-    """A future that has finished with `result`."""
-    f: Future = Future()
-    f.set_result(result)
-    return f

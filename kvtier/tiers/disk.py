@@ -371,18 +371,19 @@ class DiskTier(Tier):
                 runs.append((js[c:c + self._chunk_slots], s + c))
         with self._busy_lock:
             idle = self.io_threads - self._busy
-        begun = threading.Semaphore(0)
+        begun = threading.Semaphore(0) if until_started else None
         futures = [submit(self._pool, self._run, fn, begun, js, s0, rows, order) for js, s0 in runs]
-        if until_started:
+        if begun is not None:
             for _ in range(min(idle, len(runs))):
                 begun.acquire()
         return futures
 
-    def _run(self, fn, begun: threading.Semaphore, *args: Any) -> Any:
-        """One run on an I/O thread, counted busy while it lasts."""
+    def _run(self, fn, begun: threading.Semaphore | None, *args: Any) -> Any:
+        """One run on an I/O thread, counted busy while it lasts; `begun` is released as it starts."""
         with self._busy_lock:
             self._busy += 1
-        begun.release()            # this thread keeps the GIL until its syscall lets it go
+        if begun is not None:
+            begun.release()        # this thread keeps the GIL until its syscall lets it go
         try:
             return fn(*args)
         finally:

@@ -152,8 +152,11 @@ class PagedKV:
         return self
 
     # -- checks --------------------------------------------------------------------
-    def table(self, block_table: object, unique: bool = False) -> torch.Tensor:
-        """block_table as int64 [n, pages_per_block] on the pages' device, checked."""
+    def table(self, block_table: object, unique: bool = False, checked: bool = False) -> torch.Tensor:
+        """block_table as int64 [n, pages_per_block] on the pages' device, checked; with
+        checked=True, block_table is what table() returned for this cache before (checked())."""
+        if checked:
+            return self.checked(block_table)
         ppb = self.pages_per_block
         if isinstance(block_table, torch.Tensor):
             if block_table.dtype.is_floating_point or block_table.dtype in (torch.bool, torch.complex64, torch.complex128):
@@ -177,7 +180,7 @@ class PagedKV:
             host = host.clone()      # a loader thread reads it later: the caller may change its own
         return upload(host, self.device)
 
-    def checked(self, ids: torch.Tensor) -> torch.Tensor:
+    def checked(self, ids: object) -> torch.Tensor:
         """`ids` that table() returned for this cache, handed on so they are not checked (and
         copied back from a GPU) again: only their form is checked here, not each id."""
         if (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 2

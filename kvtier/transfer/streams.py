@@ -289,7 +289,7 @@ class LayerLoader(_Mover):
         a GPU: the held rows go up by DMA straight from the (pinned) slots or read buffer, one
         copy per run of consecutive rows, then are scattered into the pages layer by layer.
         checked=True: block_table is this cache's own table(unique=True), not checked again."""
-        ids = self.kv.checked(block_table) if checked else self.kv.table(block_table, unique=True)
+        ids = self.kv.table(block_table, unique=True, checked=checked)
         handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
         handle._keep = (ids,)
         if self.cuda:      # the ids' copy to the device and every engine op on the pages come first
@@ -402,7 +402,7 @@ class Saver(_Mover):
         to the host itself, e.g. straight into a pinned tier's slots (kvtier.transfer.runs)."""
         if not self.cuda:
             raise LayoutError("gather() is for pages on a GPU; host pages are copied with save()")
-        ids = self.kv.checked(block_table) if checked else self.kv.table(block_table)
+        ids = self.kv.table(block_table, checked=checked)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))   # see every write queued so far
         ids.record_stream(stream)
@@ -421,7 +421,7 @@ class Saver(_Mover):
     def save(self, block_table: object, out: torch.Tensor | None = None, checked: bool = False) -> SaveHandle:
         """Pages -> host blocks [n, block_bytes] (`out`, or pinned memory on a GPU); checked=True:
         block_table is this cache's own table() output, not checked again."""
-        ids = self.kv.checked(block_table) if checked else self.kv.table(block_table)
+        ids = self.kv.table(block_table, checked=checked)
         n, bb = ids.shape[0], self.layout.block_bytes
         host = (torch.empty(n, bb, dtype=torch.uint8, pin_memory=self.cuda) if out is None
                 else _host_blocks(out, n, self.layout, "out"))
