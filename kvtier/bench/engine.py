@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-HELP = "engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16"
+HELP = ("engine TTFT with a cached prefix (device, host, disk) vs from scratch; decode tokens/s at batch 1 and 16 "
+        "(on a GPU with CUDA graphs and without)")
 
 CASES = ("device", "host", "disk")
 STEP_TOKENS = 1024  # the engine's default token budget per step (LLM max_batched_tokens)
@@ -104,11 +105,16 @@ def run(args: argparse.Namespace) -> int:
     def prompt(vocab: int) -> list[int]:
         return rng.integers(0, min(vocab, 256), args.prompt_tokens).tolist()
 
-    def engine(kv_blocks: int, host: bool, disk: str | None, seqs: int = 64) -> LLM:
+    def engine(kv_blocks: int, host: bool, disk: str | None, seqs: int = 64, graphs: bool | None = None) -> LLM:
         cache = StoreConfig(block_tokens=bt, device_capacity=kv_blocks * bb, host_capacity=8 * kv_blocks * bb if host else None,
                             disk_path=disk, disk_capacity=8 * kv_blocks * bb)
         return LLM(args.preset, dtype=args.dtype, device=args.device, cache=cache, max_batched_tokens=STEP_TOKENS,
-                   max_seqs=max(64, seqs))
+                   max_seqs=max(64, seqs), cuda_graphs=graphs)
+
+    # On a GPU each decode batch runs twice: decode steps replayed as CUDA graphs, and eagerly.
+    import torch
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    modes = [True, False] if on_gpu else [None]
 
     def ttft(llm: LLM, p: list[int]) -> tuple[float, dict[str, int], int, float]:
         """(TTFT, cached blocks by tier, cached tokens, seconds the request spent in the scheduler)."""
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
     pages = -(-(args.prompt_tokens + 2) // bt)
     ttft_rows, decode_rows = [], []
-    with progress("engine", len(cases) * (args.repeat + 1) + 2 * len(batches), enabled=not args.json) as bar:
+    with progress("engine", len(cases) * (args.repeat + 1) + 2 * len(batches) * len(modes),
+                  enabled=not args.json) as bar:
         for case in cases:
             # The device tier holds one prompt and a bit: a second prompt pushes the first one
             # down to host memory or disk, where the timed request then finds it.
@@ -149,9 +156,9 @@ def run(args: argparse.Namespace) -> int:
                               "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
                               "schedule_ms": round(statistics.median(admit) * 1e3, 2),
                               "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
-        for b in batches:
+        for b, graphs in ((b, g) for b in batches for g in modes):
             bar.describe(f"decode, batch {b}: warm-up")
-            llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None, seqs=b)
+            llm = engine(b * (-(-(64 + args.decode_tokens) // bt)) + 64, False, None, seqs=b, graphs=graphs)
             try:
                 params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
                 prompts = [rng.integers(0, 256, 64).tolist() for _ in range(b)]
@@ -164,10 +171,12 @@ def run(args: argparse.Namespace) -> int:
                 wall = time.perf_counter() - t0
                 first = max(o.ttft for o in outs)
                 n = sum(len(o.token_ids) - 1 for o in outs)
+                info = llm.stats().get("cuda_graphs")
                 bar.advance()
             finally:
                 llm.close()
             decode_rows.append({"bench": "engine-decode", "batch": b, "tokens": n,
+                                "cuda_graphs": "off" if info is None else "failed" if info["failed"] else "on",
                                 "decode_tokens_per_s": round(n / (wall - first), 1) if wall > first else None,
                                 "ms_per_step": round((wall - first) / max(1, args.decode_tokens - 1) * 1e3, 2)})
     ms = fmt_float(1)
@@ -177,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
           Column("schedule_ms", "sched ms", ms),
           Column("ttft_scratch_ms", "scratch ms", ms), Column("speedup", "speedup", lambda v: f"{v:.1f}x")], left=1)
     emit(decode_rows, args.json, f"{args.preset}: decode, {args.decode_tokens} tokens per request",
-         [Column("batch", "batch"), Column("tokens", "tokens", fmt_float(0)),
+         [Column("batch", "batch"), Column("cuda_graphs", "CUDA graphs"), Column("tokens", "tokens", fmt_float(0)),
           Column("decode_tokens_per_s", "tokens/s", fmt_float(1)), Column("ms_per_step", "ms per step", ms)])
     return 0
 

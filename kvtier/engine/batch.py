@@ -41,6 +41,9 @@ class StepBatch:
     # Called with layer i before layer i reads the pool: waits for a layer-wise load from a
     # lower tier (kvtier.transfer.LayerLoader) so layer 0 computes while later layers arrive.
     before_layer: Callable[[int], None] | None = None
+    # The attention groups, fixed by whoever built the batch (decode_batch: one absorbed group
+    # of static shape); None: the attention splits the sequences by form itself.
+    groups: list[tuple[str, AttnGroup]] | None = None
     # Per-step values every layer shares (page indices, masks, the attention groups): built
     # by the first layer that needs them, reused by the others. Speed: once per step, not per layer.
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -74,6 +77,26 @@ class AttnGroup:
                                  # positions; a padded key is past every real query of its row), no mask
     dest: torch.Tensor | None    # int64 [N]: flat rows of the real queries (None: the group is rows 0..T-1 as [B*Q])
     src: torch.Tensor | None     # int64 [N]: their index in the padded [B * Q]
+
+
+def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor,
+                 kv_pool: torch.Tensor) -> StepBatch:
+    """A step of one new token per sequence, built from tensors alone: no Python per sequence
+    and no read back to the host, so its shapes are fixed by the inputs' and it can be
+    captured as a CUDA graph (kvtier.engine.graphs). input_ids and positions [B], pages
+    [B, P] (each row the sequence's pages, padded with any page: only pages up to the one
+    holding its position are read); every sequence attends to keys 0..position."""
+    dev, bt, layers = kv_pool.device, kv_pool.shape[2], kv_pool.shape[1]
+    b, keys = input_ids.shape[0], pages.shape[1] * bt
+    kpos = torch.arange(keys, device=dev)
+    kp = torch.minimum(kpos[None, :], positions[:, None])                            # [B, K]
+    key_rows = pages.gather(1, kp // bt) * (layers * bt) + kp % bt
+    mask = (kpos[None, :] <= positions[:, None])[:, None, :]                          # [B, 1, K]
+    write = pages.gather(1, (positions // bt)[:, None]).view(-1) * (layers * bt) + positions % bt
+    rows = torch.arange(b, device=dev)
+    group = AttnGroup(list(range(b)), rows[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev), key_rows, mask,
+                      False, None, None)
+    return StepBatch(input_ids, positions, [], rows, groups=[("absorbed", group)], memo={"write_rows": write})
 
 
 def page_table(seqs: list[SeqSlice], device: torch.device) -> torch.Tensor:

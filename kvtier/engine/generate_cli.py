@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--dtype", type=dtype_arg, default=None,
                    help=f"compute dtype: {', '.join(DTYPES)} (default: the model's; float32 for kimi-tiny)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying them as CUDA graphs")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
                         "(default: the defaults of kvtier.StoreConfig)")
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):
         llm = LLM(source, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
-                  speculative=spec)
+                  speculative=spec, cuda_graphs=False if args.enforce_eager else None)
     with llm:
         if not args.json:
             print(f"model: {llm.info.describe()}")

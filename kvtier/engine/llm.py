@@ -31,6 +31,7 @@ from kvtier.adapter import KVAdapter
 from kvtier.config import StoreConfig
 from kvtier.engine.model import load_model
 from kvtier.engine.batch import StepBatch
+from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, make_generator, sample
@@ -69,13 +70,15 @@ class LLM:
     passed in as `store` (its first tier must be a DeviceTier with this model's layout).
     `remote` (a kvtier.Remote) lets the store it builds fetch blocks other nodes hold.
     `speculative` (a SpeculativeConfig) turns on speculative decoding (n-gram prompt lookup, a
-    draft model, or the checkpoint's MTP layer).
+    draft model, or the checkpoint's MTP layer). `cuda_graphs` replays decode steps as CUDA
+    graphs (kvtier.engine.graphs; None: on when the model is on a GPU, except with MTP
+    speculation, whose steps need every token's hidden state).
     """
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
                  max_batched_tokens: int = 1024, max_seqs: int = 64, remote: Remote | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, cuda_graphs: bool | None = None) -> None:
         if cache is not None and not isinstance(cache, StoreConfig):
             raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -86,6 +89,12 @@ class LLM:
         mtp = speculative is not None and speculative.method == "mtp"   # build the checkpoint's MTP layer too
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed, mtp=mtp)
         self.config = self.model.config
+        on_gpu = self.model.device.type == "cuda"
+        if cuda_graphs and not on_gpu:
+            raise ConfigError("cuda_graphs=True needs the model on a CUDA device (device='cuda')")
+        if cuda_graphs and mtp:
+            raise ConfigError("cuda_graphs=True does not go with MTP speculation (its steps read every token's "
+                              "hidden state): leave cuda_graphs unset")
         cache = cache or StoreConfig()
         layout = self.model.kv_layout(cache.block_tokens)
         if store is not None and remote is not None:
@@ -108,17 +117,21 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    pin_ttl=cache.pin_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
+        self._max_seqs = max_seqs
+        self._lent: list[int] = []                # pages the engine itself holds (the graphs' scratch page)
         try:
+            if cuda_graphs or (cuda_graphs is None and on_gpu and not mtp):
+                self._start_graphs(capture=True)
             self.proposer = make_proposer(speculative, self, seed) if speculative is not None else None
         except BaseException:                     # e.g. a draft with another vocabulary: close what was built
-            _close(self.adapter, self.store if self._own_store else None)
+            _close(self.adapter, self.store if self._own_store else None, lent=self._lent)
             raise
         release = getattr(self.proposer, "release", None)
         self.scheduler.on_release = release       # a draft model frees its own pages with the request's
         # A store this engine built is closed (flushed down to disk) when the engine is
         # garbage collected without close(); at interpreter exit every open store closes itself.
         self._finalizer = weakref.finalize(self, _close, self.adapter, self.store if self._own_store else None,
-                                           getattr(self.proposer, "close", None))
+                                           getattr(self.proposer, "close", None), self._lent)
         self._finalizer.atexit = False
         self._closed = False
         # Host seconds spent in each step of the loop since the engine started (benchmarks take
@@ -129,6 +142,15 @@ class LLM:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id
+
+    def _start_graphs(self, capture: bool) -> None:
+        """Decode steps through kvtier.engine.graphs (capture=False: the same padded steps run
+        eagerly, what tests on a CPU check); the graphs' scratch page is lent until close()."""
+        page = self.adapter.allocate(1)
+        if page is None:
+            raise ConfigError("no free KV page for the CUDA graphs' scratch page: give the engine a larger kv_cache")
+        self._lent += page
+        self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_pool, page[0], self._max_seqs, capture)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -337,6 +359,8 @@ class LLM:
         (drafts, draft_tokens, accepted_tokens, accepted_per_position, mean_acceptance_length)
         when it is on."""
         out = {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
+        if self.runner.graphs is not None:
+            out["cuda_graphs"] = self.runner.graphs.info()
         if self.speculative is not None:
             out["spec"] = self.spec_stats.as_dict()
         return out
@@ -364,9 +388,13 @@ def _verify_rows(scheduled: Sequence[Scheduled], batch) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=batch.logits_index.device)
 
 
-def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None) -> None:
+def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None,
+           lent: list[int] | None = None) -> None:
     if close_proposer is not None:
         close_proposer()
+    if lent:                                   # a store passed in outlives the engine: its pages go back
+        adapter.free(lent)
+        lent.clear()
     adapter.close()
     if store is not None:
         store.close()

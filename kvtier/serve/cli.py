@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of a preset's random weights")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--dtype", type=dtype_arg, default=None, help="compute dtype (default: the model's)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying them as CUDA graphs")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it")
     p.add_argument("--kv-cache", type=size, default=None, metavar="SIZE",
@@ -183,7 +185,7 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
                 disagg.pusher = Pusher(cluster["secret"])
         llm = LLM(args.model, seed=args.weights_seed, dtype=args.dtype, device=args.device, cache=cache,
                   max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, remote=remote,
-                  speculative=getattr(args, "speculative", None))
+                  speculative=getattr(args, "speculative", None), cuda_graphs=False if args.enforce_eager else None)
         if cluster is not None:
             from kvtier.net import Node
             try:

@@ -173,7 +173,10 @@ class MLA(nn.Module):
         self.qkv_a = fuse_weights(first, self.kv_a_proj_with_mqa)
 
     def _groups(self, batch: StepBatch, kv_pool: torch.Tensor) -> list[tuple[str, AttnGroup]]:
-        """The step's sequences split by form, each group padded once per step (memoised)."""
+        """The step's sequences split by form, each group padded once per step (memoised);
+        the batch's own groups where it fixed them (a static decode step)."""
+        if batch.groups is not None:
+            return batch.groups
         if "mla_groups" not in batch.memo:
             c = self.config
             forms: dict[str, list[int]] = {"absorbed": [], "up": []}

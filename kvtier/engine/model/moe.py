@@ -113,7 +113,9 @@ class MoE(nn.Module):
         if self.w_gate_up is None:
             return self._loop(x, ids, weights)
         t, k = ids.shape
-        if t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS:
+        if t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS or (not _GROUPED_MM and _capturing(x)):
+            # (while a CUDA graph is captured, the per-expert loop's read of the counts back to
+            # the host cannot run: every expert on every token instead, as for few rows)
             return self._dense(x, ids, weights)
         if self.shared_fused:                   # the shared expert: id E, weight 1, for every token
             shared = torch.full((t, 1), len(self.experts), dtype=ids.dtype, device=ids.device)
@@ -122,7 +124,9 @@ class MoE(nn.Module):
             k += 1
         flat = ids.flatten()
         order = flat.argsort(stable=True)                    # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.w_gate_up.shape[0])
+        # Not torch.bincount: on a GPU it reads the largest id back to size its output, a
+        # host sync that a CUDA graph cannot hold (kvtier.engine.graphs).
+        counts = flat.new_zeros(self.w_gate_up.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
         rows = x[order // k]                                 # [t * k, H], sorted by expert
         h = swiglu(grouped_linear(rows, self.w_gate_up, counts))
         y = grouped_linear(h, self.w_down, counts) * weights.flatten()[order, None].to(x.dtype)
@@ -156,6 +160,11 @@ class MoE(nn.Module):
 
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether x's device is recording a CUDA graph (kvtier.engine.graphs)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Decode steps of static shape (kvtier.engine.graphs, kvtier.engine.batch.decode_batch): what
+a CUDA graph captures, run eagerly on the CPU against the engine's usual step; and, on a
+GPU, the captured graphs against eager decoding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import StoreConfig
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.batch import SeqSlice, StepBatch, decode_batch
+from kvtier.engine.config import preset
+from kvtier.engine.graphs import bucket_size
+from kvtier.engine.model import DeepseekV3, load_model, mla
+from kvtier.engine.weights import random_weights
+from kvtier.errors import ConfigError
+
+
+@pytest.mark.parametrize("paged_kernel", [True, False])
+def test_a_padded_decode_step_gives_the_steps_logits_and_writes_only_its_scratch_page(paged_kernel, monkeypatch):
+    """Three decodes (contexts 37, 5, 70) padded to a batch of 4 and 8 pages: the same logits as
+    the unpadded step, and the same pool but for the scratch page the padding row wrote."""
+    monkeypatch.setattr(mla, "PAGED_KERNEL", paged_kernel)
+    config = preset("kimi-tiny").replace(num_hidden_layers=2)
+    model = DeepseekV3(config, random_weights(config, seed=3, std=0.15), dtype=torch.float32)
+    bt, scratch = 16, 39
+    pool = torch.randn(40, *model.kv_layout(bt).block_shape) * 0.5
+    contexts = [37, 5, 70]
+    ids = [(7 * c) % 256 for c in contexts]
+    pages, seqs, at = [], [], 0
+    for i, ctx in enumerate(contexts):
+        n = ctx // bt + 1
+        pages.append(list(range(at + n - 1, at - 1, -1)))             # pages out of order
+        seqs.append(SeqSlice(i, 1, ctx, torch.tensor(pages[-1])))
+        at += n
+    dynamic = pool.clone()
+    want = model(StepBatch(torch.tensor(ids), torch.tensor(contexts), seqs, torch.arange(3)), dynamic)
+
+    b, p = bucket_size(4), bucket_size(max(len(x) for x in pages) + 2)
+    table = torch.full((b, p), scratch)
+    for i, row in enumerate(pages):
+        table[i, :len(row)] = torch.tensor(row)
+    padded = pool.clone()
+    got = model(decode_batch(torch.tensor(ids + [0]), torch.tensor(contexts + [0]), table, padded), padded)
+
+    assert got.shape[0] == 4 and want.std() > 0.1
+    assert (got[:3] - want).abs().max() < 1e-4
+    assert (padded[:at] - dynamic[:at]).abs().max() < 1e-4            # the sequences' pages as the step wrote them
+    assert torch.equal(padded[at:scratch], pool[at:scratch])           # pages no sequence has: untouched
+    assert not torch.equal(padded[scratch], pool[scratch])             # the padding row wrote its page
+    assert torch.equal(dynamic[scratch], pool[scratch])
+
+
+def _prompts() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 17, 40, 3, 64)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 12, 25, 40, 7)]
+    return prompts, params
+
+
+def test_the_engine_with_static_decode_steps_gives_the_same_tokens():
+    """Five requests finishing at different steps (the batch shrinks through buckets 8, 4, 2,
+    1), then again with their prompts cached: every token as the usual step gives it."""
+    prompts, params = _prompts()
+    outs, infos = {}, {}
+    for static in (False, True):
+        with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None)) as llm:
+            if static:
+                llm._start_graphs(capture=False)
+            first = llm.generate(prompts, params)
+            again = llm.generate(prompts, params)            # the prompts' blocks are cached now
+            outs[static] = [o.token_ids for o in first + again]
+            assert sum(o.cached_tokens for o in again) > 0
+            infos[static] = llm.stats().get("cuda_graphs")
+    assert outs[True] == outs[False]
+    assert infos[False] is None
+    buckets = {bsz for bsz, _ in infos[True]["buckets"]}
+    assert {8, 4, 1} <= buckets and infos[True]["failed"] is None
+
+
+def test_the_scratch_page_goes_back_to_a_store_passed_in():
+    model, info = load_model("kimi-tiny")
+    store = StoreConfig(host_capacity=None).build(model.kv_layout(16), info.namespace(), device=model.device)
+    try:
+        llm = LLM("kimi-tiny", store=store)
+        llm._start_graphs(capture=False)
+        scratch = llm._lent[0]
+        assert scratch in store.pages.owned()
+        llm.close()
+        assert scratch not in store.pages.owned() and not store.pages.owned()
+    finally:
+        store.close()
+
+
+def test_cuda_graphs_need_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for CPU-only machines")
+    with pytest.raises(ConfigError, match="CUDA device"):
+        LLM("kimi-tiny", cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+@pytest.mark.parametrize("dtype, requests", [(None, 5), ("bfloat16", 5), (None, 33)])
+def test_on_a_gpu_decode_graphs_give_the_eager_tokens(dtype, requests):
+    """Five requests (every MoE layer runs each expert on every token), and 33 (the sorted,
+    grouped experts: batch bucket 64)."""
+    prompts, params = _prompts()
+    prompts, params = (prompts * 7)[:requests], (params * 7)[:requests]
+    outs = {}
+    for graphs in (False, True):
+        with LLM("kimi-tiny", device="cuda", dtype=dtype, cuda_graphs=graphs,
+                 cache=StoreConfig(host_capacity=None)) as llm:
+            outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+            info = llm.stats().get("cuda_graphs")
+            if graphs:
+                assert info["failed"] is None and info["replays"] > 0, info
+    assert outs[True] == outs[False]
