@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvtier import StoreConfig
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.batch import SeqSlice, StepBatch, decode_batch
 from kvtier.engine.config import preset
 from kvtier.engine.graphs import bucket_size
-from kvtier.engine.model import DeepseekV3, load_model, mla
+from kvtier.engine.model import DeepseekV3, load_model, mla, moe
 from kvtier.engine.weights import random_weights
 from kvtier.errors import ConfigError
 
@@ -50,6 +51,43 @@ def test_a_padded_decode_step_gives_the_steps_logits_and_writes_only_its_scratch
     assert torch.equal(padded[at:scratch], pool[at:scratch])           # pages no sequence has: untouched
     assert not torch.equal(padded[scratch], pool[scratch])             # the padding row wrote its page
     assert torch.equal(dynamic[scratch], pool[scratch])
+
+
+class _NoHostReads(TorchFunctionMode):
+    """Fails any torch call that reads a tensor back to the host (what a CUDA graph cannot
+    capture): on a CPU, the same calls a GPU would sync on."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "bincount", "unique",
+             "masked_select", "numpy", "cpu"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name == "__getitem__" else ()
+        if name in self.READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                     for i in (index if isinstance(index, tuple) else (index,))):
+            raise AssertionError(f"a host read in the decode step: {name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch, grouped_mm", [(4, True), (64, True), (64, False)])
+def test_a_padded_decode_step_reads_nothing_back_to_the_host(batch, grouped_mm, monkeypatch):
+    """What a capture needs: no .item(), .tolist(), bool(tensor), bincount, boolean indexing in
+    the step. Batch 4 runs every expert on every token; 64 sorts tokens by expert (with
+    torch._grouped_mm, or, while capturing without it, every expert on every token)."""
+    monkeypatch.setattr(mla, "PAGED_KERNEL", False)          # the CPU kernel: numpy, not for a GPU
+    monkeypatch.setattr(moe, "_GROUPED_MM", grouped_mm and moe._GROUPED_MM)
+    monkeypatch.setattr(moe, "_capturing", lambda x: True)
+    config = preset("kimi-tiny").replace(num_hidden_layers=2)
+    model = DeepseekV3(config, random_weights(config, seed=3, std=0.15), dtype=torch.float32)
+    pool = torch.randn(40, *model.kv_layout(16).block_shape) * 0.5
+    pos = torch.arange(batch) % 50
+    table = torch.arange(batch * 4).view(batch, 4) % 39
+    with _NoHostReads():
+        logits = model(decode_batch(pos % 256, pos, table, pool), pool)
+    assert logits.shape == (batch, config.vocab_size) and torch.isfinite(logits).all()
+    seqs = [SeqSlice(0, 1, 10, torch.tensor([0]))]
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads():   # the usual step does read back
+        model(StepBatch(torch.tensor([1]), torch.tensor([10]), seqs, torch.arange(1)), pool)
 
 
 def _prompts() -> tuple[list[list[int]], list[SamplingParams]]:
