@@ -48,6 +48,8 @@ TAILN=14 step adapter 120 python3 -m kvtier.cli bench adapter --device cuda
 [ "$MODE" = quick ] && exit 0
 TAILN=18 step engine 150 sh -c "python3 -m kvtier.cli bench engine --device cuda --preset kimi-tiny && \
     python3 -m kvtier.cli bench engine --device cuda --preset kimi-small --tiers device,host --repeat 3"
+TAILN=12 step engine_medium 120 python3 -m kvtier.cli bench engine --device cuda --preset kimi-medium --tiers device,host \
+    --repeat 2 --prompt-tokens 2048
 TAILN=12 step profile 60 ncu --clock-control none -k regex:paged_copy --launch-count 2 --section SpeedOfLight \
     python3 -m kvtier.cli bench tiers --tier device --block-bytes 64KiB --repeat 1
 TAILN=25 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --tb=line -rfE \

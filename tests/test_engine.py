@@ -209,6 +209,21 @@ def test_on_a_gpu_cached_prefixes_from_each_tier_give_the_same_tokens(tmp_path):
             assert out.cached_by_tier.get(tier, 0) > 0 and out.token_ids == want, (tier, out.cached_by_tier)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < 64 << 30,
+                    reason="needs a CUDA device with 64 GiB free (kimi-medium: 27.4 GiB of weights, more while "
+                           "they are stacked): run on a GPU machine, see docs/gpu.md")
+def test_on_a_gpu_kimi_medium_runs_and_its_cached_prefix_gives_the_same_tokens():
+    shared = tokens(1, 100)
+    with LLM("kimi-medium", device="cuda", cache=StoreConfig(host_capacity=None)) as llm:
+        assert llm.info.revision == "random-seed0-cuda"
+        assert 26 << 30 < torch.cuda.memory_allocated() < 40 << 30
+        cold = llm.generate([shared + tokens(3, 20)], GREEDY)[0]
+        llm.generate([shared + tokens(2, 20)], GREEDY)
+        hot = llm.generate([shared + tokens(3, 20)], GREEDY)[0]
+    assert hot.cached_tokens >= 96 and hot.token_ids == cold.token_ids
+
+
 def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_cannot_fit(block_bytes):
     with LLM("kimi-tiny", cache=StoreConfig(device_capacity=10 * block_bytes, host_capacity=None)) as llm:
         with pytest.raises(ConfigError, match="other weights"):

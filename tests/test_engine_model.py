@@ -8,6 +8,7 @@ on at positions past its original context; plus config, loader and layout checks
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -527,11 +528,34 @@ def test_config_rejects_what_the_engine_does_not_implement(change, match):
         ModelConfig.from_hf({**KIMI_K2_CONFIG_JSON, **change})
 
 
+def test_gpu_sized_random_weights_are_drawn_on_the_device_and_refused_on_a_cpu():
+    with pytest.raises(ConfigError, match="for a GPU"):
+        load_model("kimi-medium", device="cpu")
+    config = preset("kimi-tiny")
+    a = random_weights(config, seed=5, dtype=torch.bfloat16, device="cpu")
+    b = random_weights(config, seed=5, dtype=torch.bfloat16, device="cpu")
+    assert a.keys() == random_weights(config, seed=5).keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)                                # the seed fixes them
+    assert not torch.equal(a["lm_head.weight"], random_weights(config, seed=6, dtype=torch.bfloat16,
+                                                               device="cpu")["lm_head.weight"])
+    bias = next(k for k in a if k.endswith("e_score_correction_bias"))
+    assert a[bias].dtype == torch.float32 and a["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
+    assert 0.08 < a["lm_head.weight"].float().std() < 0.12
+    model = DeepseekV3(config, a, dtype=torch.bfloat16)                            # a model takes them
+    assert model.dtype == torch.bfloat16
+
+
 def test_presets():
-    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3", "deepseek-tiny", "kimi-small"]
+    assert preset_names() == ["kimi-tiny", "kimi-k2", "deepseek-v3", "deepseek-tiny", "kimi-small", "kimi-medium"]
     small = preset("kimi-small")
     small.validate()
     assert small.kv_entry_dim == preset("kimi-k2").kv_entry_dim and small.torch_dtype == "bfloat16"
+    medium, k2 = preset("kimi-medium"), preset("kimi-k2")
+    medium.validate()
+    assert medium.replace(num_hidden_layers=61, n_routed_experts=384) == k2       # K2's widths, fewer of them
+    params = sum(math.prod(s) for s in DeepseekV3.skeleton(medium).values())
+    assert 14.0e9 < params < 15.5e9                                               # what docs/engine.md says
     assert preset("deepseek-tiny").num_nextn_predict_layers == 1
     tiny = preset("kimi-tiny")
     assert tiny.vocab_size >= 258 and tiny.q_lora_rank and tiny.rope_scaling["type"] == "yarn"

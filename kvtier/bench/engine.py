@@ -25,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.engine.generate_cli import DTYPES, dtype_arg
 
     p.add_argument("--preset", default="kimi-tiny", metavar="PRESET_OR_DIR",
-                   help=f"model: a preset ({', '.join(preset_names())}; kimi-tiny, deepseek-tiny and kimi-small "
-                        "have random weights, the others need a checkpoint) or a Hugging Face checkpoint folder "
-                        "(default kimi-tiny; kimi-small, ~1 B parameters, for a GPU)")
+                   help=f"model: a preset ({', '.join(preset_names())}; kimi-tiny, deepseek-tiny, kimi-small and "
+                        "kimi-medium have random weights, the others need a checkpoint) or a Hugging Face checkpoint "
+                        "folder (default kimi-tiny; kimi-small, ~1 B parameters, and kimi-medium, ~14.7 B, for a GPU)")
     p.add_argument("--prompt-tokens", type=positive_int, default=4096, metavar="N",
                    help="prompt length, at least two blocks; all but the last block is the shared prefix "
                         "(default 4096)")

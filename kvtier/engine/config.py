@@ -7,9 +7,11 @@ reference engine does not implement (softmax routing, another rope scaling, atte
 biases, ...) is a ConfigError here rather than wrong numbers later.
 
 Presets: `kimi-tiny` (a 4-layer model that runs on a CPU, random weights), `deepseek-tiny`
-(the same with DeepSeek-V3's next-token-prediction layer, for speculative MTP), and the real
+(the same with DeepSeek-V3's next-token-prediction layer, for speculative MTP), `kimi-small`
+and `kimi-medium` (random weights at GPU sizes: ~1 B and ~14.7 B parameters), and the real
 `kimi-k2` and `deepseek-v3` shapes (values from their published config.json) for real
-hardware. `PRESET_RANDOM_WEIGHTS` says which presets exist only with random weights.
+hardware. `PRESET_RANDOM_WEIGHTS` says which presets exist only with random weights,
+`PRESET_GPU_ONLY` which of those are drawn on (and only run on) a GPU.
 """
 from __future__ import annotations
 
@@ -317,6 +319,14 @@ _KIMI_K2 = dict(
     model_type="kimi_k2",
 )
 
+# Kimi K2's layers at their real widths (hidden 7168, 64 heads, MLA 1536 / 512 / 64, experts
+# of 2048, top 8, its 163,840-token vocabulary), 5 of them (1 dense, 4 MoE of 64 routed + 1
+# shared experts) instead of 61 and 384: ~14.7 B parameters, 27.4 GiB in bf16, random
+# weights. A quarter of an H100 or a fifth of an H200, with the kernel shapes of the real
+# model, so a GPU's decode speed is measured where memory bandwidth, not launches, sets it.
+# Its weights are drawn on the GPU (60 GB in fp32 would take minutes on a CPU).
+_KIMI_MEDIUM = dict(_KIMI_K2, num_hidden_layers=5, n_routed_experts=64)
+
 # deepseek-ai/DeepSeek-V3 config.json (its one MTP layer is stored as layer 61 and ignored).
 _DEEPSEEK_V3 = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -336,11 +346,14 @@ _DEEPSEEK_V3 = dict(
 _DEEPSEEK_TINY = dict(_KIMI_TINY, model_type="deepseek_v3", num_nextn_predict_layers=1)
 
 _PRESETS: dict[str, dict[str, Any]] = {"kimi-tiny": _KIMI_TINY, "kimi-k2": _KIMI_K2, "deepseek-v3": _DEEPSEEK_V3,
-                                       "deepseek-tiny": _DEEPSEEK_TINY, "kimi-small": _KIMI_SMALL}
+                                       "deepseek-tiny": _DEEPSEEK_TINY, "kimi-small": _KIMI_SMALL,
+                                       "kimi-medium": _KIMI_MEDIUM}
 
 # Presets with no published weights: a model built from one has random weights (load_model
 # makes them from a seed). The real shapes' weights come from a checkpoint directory instead.
-PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny", "deepseek-tiny", "kimi-small"})
+PRESET_RANDOM_WEIGHTS = frozenset({"kimi-tiny", "deepseek-tiny", "kimi-small", "kimi-medium"})
+# Random-weight presets too large to draw on a CPU: drawn on the GPU, in the compute dtype.
+PRESET_GPU_ONLY = frozenset({"kimi-medium"})
 
 
 def preset_names() -> list[str]:
@@ -349,8 +362,9 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> ModelConfig:
     """A named configuration: "kimi-tiny" (CPU-sized, random weights), "deepseek-tiny" (the same
-    with an MTP layer), "kimi-small" (GPU-sized, ~1 B parameters, random weights), "kimi-k2",
-    "deepseek-v3"."""
+    with an MTP layer), "kimi-small" (GPU-sized, ~1 B parameters, random weights), "kimi-medium"
+    (Kimi K2's layer widths, 5 layers, ~14.7 B parameters, random weights drawn on a GPU),
+    "kimi-k2", "deepseek-v3"."""
     if name not in _PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)} "
                           "or pass a checkpoint directory")

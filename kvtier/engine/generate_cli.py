@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, choices=preset_names(),
                      help=f"a preset: kimi-tiny has random weights and runs on a CPU (the default); kimi-small "
-                          "has random weights too, ~1 B parameters, for a GPU; "
+                          "and kimi-medium have random weights too, ~1 B and ~14.7 B parameters, for a GPU; "
                           f"{' and '.join(real)} ship no weights: pass their checkpoint with --model")
     src.add_argument("--model", default=None, metavar="DIR",
                      help="a Hugging Face checkpoint folder (config.json + safetensors)")

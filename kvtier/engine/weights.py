@@ -148,7 +148,8 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None, *, dtyp
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   std: float = 0.1, bias_std: float = 0.05, mtp: bool | None = None) -> dict[str, torch.Tensor]:
+                   std: float = 0.1, bias_std: float = 0.05, mtp: bool | None = None,
+                   device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights from `seed`: matrices N(0, std), norms 1, router correction
     bias N(0, bias_std) (non-zero so it visibly steers expert selection). std is wider than
     HF's 0.02 init: at 0.02 a random kimi-tiny's attention is nearly uniform and greedy decoding
@@ -156,7 +157,13 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
     Drawn in fp32 in model order, then cast: the same seed gives the same model in any dtype.
     With an MTP layer (mtp, default: when config.num_nextn_predict_layers >= 1) its tensors are
     drawn after the model's, so the model is the same with or without it; its embed_tokens and
-    shared_head.head copy the model's, as DeepSeek-V3 shares them."""
+    shared_head.head copy the model's, as DeepSeek-V3 shares them.
+
+    With `device` (a GPU, for presets too large to draw on a CPU: kimi-medium) the weights are
+    drawn there by its generator, straight in `dtype`: the same seed gives the same weights on
+    that kind of device, not the CPU's."""
+    if device is not None:
+        return _random_on(torch.device(device), config, seed, dtype, std, bias_std)
     g = torch.Generator().manual_seed(seed)
     state = {}
     shapes = hub_shapes(config)
@@ -178,6 +185,21 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
         else:
             t = torch.randn(shape, generator=g) * std
         state[name] = t if name.endswith("e_score_correction_bias") else t.to(dtype)
+    return state
+
+
+def _random_on(device: torch.device, config: ModelConfig, seed: int, dtype: torch.dtype, std: float,
+               bias_std: float) -> dict[str, torch.Tensor]:
+    """random_weights drawn on `device` in `dtype` (no MTP layer), in model order."""
+    g = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for name, shape in hub_shapes(config).items():
+        if name.endswith(("layernorm.weight", "norm.weight")) or name == "model.norm.weight":
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith("e_score_correction_bias"):       # fp32, as the model keeps it
+            state[name] = torch.randn(shape, generator=g, device=device).mul_(bias_std)
+        else:
+            state[name] = torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(std)
     return state
 
 

@@ -6,15 +6,16 @@ never share blocks), and where its tokenizer lives.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, ModelConfig, preset, preset_names
+from kvtier.engine.config import PRESET_GPU_ONLY, PRESET_RANDOM_WEIGHTS, ModelConfig, preset, preset_names
 from kvtier.engine.model.model import DeepseekV3
 from kvtier.errors import ConfigError
-from kvtier.layout import dtype_from_name
+from kvtier.layout import dtype_from_name, dtype_name
 from kvtier.keys import Namespace, checkpoint_revision
 
 
@@ -46,6 +47,12 @@ def compute_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     return dtype_from_name(dtype, ("float32", "bfloat16", "float16"))
 
 
+def _gib(config: ModelConfig, dtype: torch.dtype) -> float:
+    """The model's weights in GiB at `dtype`."""
+    n = sum(math.prod(shape) for shape in DeepseekV3.skeleton(config).values())
+    return n * torch.empty(0, dtype=dtype).element_size() / 2**30
+
+
 def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, seed: int = 0,
                mtp: bool = False) -> tuple[DeepseekV3, ModelInfo]:
@@ -67,9 +74,21 @@ def load_model(source: str | Path | ModelConfig, *, dtype: torch.dtype | str | N
         config = preset(source) if isinstance(source, str) else source
         name = source if isinstance(source, str) else f"random-{config.model_type}"
         dt = compute_dtype(dtype, config)
-        model = DeepseekV3(config, weights.random_weights(config, seed=seed, mtp=mtp), dtype=dt, device=device,
-                           random_weights=True, source=f"random(seed={seed})", mtp=mtp)
-        info = ModelInfo(name, f"preset {name}", f"random-seed{seed}", True, None, dt)
+        revision = f"random-seed{seed}"
+        if name in PRESET_GPU_ONLY:
+            if device.type != "cuda":
+                raise ConfigError(f"preset {name!r} is for a GPU (its random weights are drawn there: "
+                                  f"{_gib(config, dt):.1f} GiB in {dtype_name(dt)}); on a CPU use kimi-tiny")
+            if mtp:
+                raise ConfigError(f"preset {name!r} has no MTP layer: use method \"ngram\" or \"draft_model\"")
+            state = weights.random_weights(config, seed=seed, dtype=dt, device=device)
+            revision += f"-{device.type}"         # another generator, other weights: never the CPU's blocks
+        else:
+            state = weights.random_weights(config, seed=seed, mtp=mtp)
+        model = DeepseekV3(config, state, dtype=dt, device=device, random_weights=True,
+                           source=f"random(seed={seed})", mtp=mtp)
+        del state
+        info = ModelInfo(name, f"preset {name}", revision, True, None, dt)
     else:
         path = Path(source)
         if not path.is_dir():
