@@ -69,14 +69,19 @@ class _NoHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("batch, grouped_mm", [(4, True), (64, True), (64, False)])
-def test_a_padded_decode_step_reads_nothing_back_to_the_host(batch, grouped_mm, monkeypatch):
+dense = moe.MoE._dense
+
+
+@pytest.mark.parametrize("batch, capturing", [(4, False), (64, False), (64, True)])
+def test_a_padded_decode_step_reads_nothing_back_to_the_host(batch, capturing, monkeypatch):
     """What a capture needs: no .item(), .tolist(), bool(tensor), bincount, boolean indexing in
-    the step. Batch 4 runs every expert on every token; 64 sorts tokens by expert (with
-    torch._grouped_mm, or, while capturing without it, every expert on every token)."""
+    the step (calls from Python; a GPU test below catches waits inside torch's ops). Batch 4
+    runs every expert on every token; 64 sorts tokens by expert for torch._grouped_mm, or,
+    as while capturing an fp32 model, runs every expert on every token."""
     monkeypatch.setattr(mla, "PAGED_KERNEL", False)          # the CPU kernel: numpy, not for a GPU
-    monkeypatch.setattr(moe, "_GROUPED_MM", grouped_mm and moe._GROUPED_MM)
-    monkeypatch.setattr(moe, "_capturing", lambda x: True)
+    monkeypatch.setattr(moe, "_capturing", lambda x: capturing)
+    calls = []
+    monkeypatch.setattr(moe.MoE, "_dense", lambda self, *a: (calls.append(len(a[0])), dense(self, *a))[1])
     config = preset("kimi-tiny").replace(num_hidden_layers=2)
     model = DeepseekV3(config, random_weights(config, seed=3, std=0.15), dtype=torch.float32)
     pool = torch.randn(40, *model.kv_layout(16).block_shape) * 0.5
@@ -85,6 +90,7 @@ def test_a_padded_decode_step_reads_nothing_back_to_the_host(batch, grouped_mm, 
     with _NoHostReads():
         logits = model(decode_batch(pos % 256, pos, table, pool), pool)
     assert logits.shape == (batch, config.vocab_size) and torch.isfinite(logits).all()
+    assert calls == ([batch] if batch == 4 or capturing else [])       # layer 1 is the MoE one
     seqs = [SeqSlice(0, 1, 10, torch.tensor([0]))]
     with pytest.raises(AssertionError, match="host read"), _NoHostReads():   # the usual step does read back
         model(StepBatch(torch.tensor([1]), torch.tensor([10]), seqs, torch.arange(1)), pool)
@@ -140,18 +146,42 @@ def test_cuda_graphs_need_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
-@pytest.mark.parametrize("dtype, requests", [(None, 5), ("bfloat16", 5), (None, 33)])
-def test_on_a_gpu_decode_graphs_give_the_eager_tokens(dtype, requests):
-    """Five requests (every MoE layer runs each expert on every token), and 33 (the sorted,
-    grouped experts: batch bucket 64)."""
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 4), (torch.float32, 64), (torch.bfloat16, 64)])
+def test_on_a_gpu_the_padded_step_never_waits_for_the_device(dtype, batch, monkeypatch):
+    """torch's sync debug mode raises at any op that waits for the GPU (what a capture cannot
+    hold), inside C++ ops too; the MoE makes the choices it makes while capturing."""
+    monkeypatch.setattr(moe, "_capturing", lambda x: True)
+    config = preset("kimi-tiny").replace(num_hidden_layers=2)
+    model = DeepseekV3(config, random_weights(config, seed=3, std=0.15), dtype=dtype, device="cuda")
+    pool = (torch.randn(40, *model.kv_layout(16).block_shape) * 0.5).to(device="cuda", dtype=dtype)
+    pos = (torch.arange(batch) % 50).cuda()
+    table = (torch.arange(batch * 4).view(batch, 4) % 39).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = model(decode_batch(pos % 256, pos, table, pool), pool)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (batch, config.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+@pytest.mark.parametrize("dtype, requests", [(None, 5), ("bfloat16", 5), (None, 33), ("bfloat16", 33)])
+def test_on_a_gpu_decode_graphs_replay_the_padded_steps(dtype, requests):
+    """Graphs (on by default on a GPU) against the same padded steps run eagerly: the same
+    tokens. Five requests (every MoE layer runs each expert on every token), and 33 (batch
+    bucket 64: sorted, grouped experts in bf16 on a 9.x/10.x GPU, every expert otherwise).
+    That padded steps give the usual steps' tokens is checked on the CPU above."""
     prompts, params = _prompts()
     prompts, params = (prompts * 7)[:requests], (params * 7)[:requests]
     outs = {}
-    for graphs in (False, True):
-        with LLM("kimi-tiny", device="cuda", dtype=dtype, cuda_graphs=graphs,
+    for capture in (False, True):
+        with LLM("kimi-tiny", device="cuda", dtype=dtype, cuda_graphs=None if capture else False,
                  cache=StoreConfig(host_capacity=None)) as llm:
-            outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
-            info = llm.stats().get("cuda_graphs")
-            if graphs:
-                assert info["failed"] is None and info["replays"] > 0, info
+            if not capture:
+                llm._start_graphs(capture=False)
+            outs[capture] = [o.token_ids for o in llm.generate(prompts, params)]
+            info = llm.stats()["cuda_graphs"]
+            assert info["capture"] is capture and info["failed"] is None and (info["replays"] > 0) is capture, info
     assert outs[True] == outs[False]

@@ -12,9 +12,10 @@ go into the bucket's static tensors; key rows, the mask and the rows the new KV 
 to are computed inside the graph from them (kvtier.engine.batch.decode_batch).
 
 A bucket is captured the first time a step needs it (two warm-up runs on a side stream,
-then the capture: a few forward passes), and kept. A capture that fails (an op that reads
-back to the host, an op this torch cannot capture) turns graphs off for the engine, with
-one warning, and every step runs eagerly from then on.
+then the capture: a few forward passes, and torch's device-wide synchronize and cache
+flush before a capture: that first step takes longer), and kept until the engine closes.
+A capture that fails (an op that reads back to the host, an op this torch cannot capture)
+turns graphs off for the engine, with one warning, and every step runs eagerly from then on.
 
 With `capture=False` (a CPU, or tests) the same padded step runs eagerly: what a graph
 would replay, checkable without a GPU.
@@ -81,6 +82,17 @@ class DecodeGraphs:
     def run(self, step: DecodeStep) -> torch.Tensor | None:
         """Logits [len(step.token_ids), vocab] (fp32), or None if the step's bucket could not
         be captured (graphs are off from then on: run the step eagerly)."""
+        if self.capture:
+            with torch.cuda.device(self.kv_pool.device):     # the pool's GPU, whichever is current
+                return self._run(step)
+        return self._run(step)
+
+    def close(self) -> None:
+        """Drop the graphs and their memory (the engine closes)."""
+        self._buckets.clear()
+        self.failed = self.failed or "closed"
+
+    def _run(self, step: DecodeStep) -> torch.Tensor | None:
         n = len(step.token_ids)
         need = max(len(p) for p in step.pages)
         key = (bucket_size(n), bucket_size(need))
@@ -130,23 +142,39 @@ class DecodeGraphs:
             try:
                 self._capture(b)
             except Exception as e:          # noqa: BLE001 - any capture failure means: run eagerly
-                self.failed = f"capturing a decode step of batch {batch} and {pages} pages failed: {e}"
+                cause = f" (after: {e.__context__})" if e.__context__ is not None else ""
+                self.failed = f"capturing a decode step of batch {batch} and {pages} pages failed: {e}{cause}"
                 log.warning("kvtier: CUDA graphs are off for this engine: %s", self.failed)
                 return None
         self._buckets[(batch, pages)] = b
         return b
 
     def _capture(self, b: _Bucket) -> None:
-        main = torch.cuda.current_stream(self.kv_pool.device)
-        side = torch.cuda.Stream(self.kv_pool.device)
+        dev = self.kv_pool.device
+        main = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):      # warm-up off the graph: lazy init, library handles
             for _ in range(2):
                 b.forward()
         main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the store's threads (a layer-wise load, a demotion's copies) go on
-        # with their own CUDA calls while this thread captures; only its own are recorded.
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits = b.forward()
+        try:
+            # thread_local: the store's threads (a layer-wise load, a demotion's copies) go on
+            # with their own CUDA calls while this thread captures; only its own are recorded.
+            with torch.cuda.graph(graph, pool=self._mempool, stream=torch.cuda.Stream(dev),
+                                  capture_error_mode="thread_local"):
+                logits = b.forward()
+        except BaseException:
+            # A capture that fails ends before torch gives back the stream and the allocator's
+            # pool (CUDAGraph::capture_end raises first): hand both back, or every later
+            # allocation and empty_cache() behaves as if a capture were still under way.
+            torch.cuda.set_stream(main)
+            end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+            if end_pool is not None:
+                try:
+                    end_pool(dev.index if dev.index is not None else torch.cuda.current_device(), self._mempool)
+                except Exception:          # noqa: BLE001 - the pool was already closed
+                    pass
+            raise
         b.graph, b.logits, b.copied = graph, logits, torch.cuda.Event()

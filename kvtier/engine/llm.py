@@ -174,9 +174,10 @@ class LLM:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                               f"model's {limit} positions")
         pages = -(-(len(ids) + params.max_tokens) // self.adapter.block_tokens)
-        if pages > self.adapter.device_tier.capacity_blocks:
-            raise ConfigError(f"this request needs {pages} KV pages but the device tier has "
-                              f"{self.adapter.device_tier.capacity_blocks}: give the engine a larger kv_cache")
+        room = self.adapter.device_tier.capacity_blocks - len(self._lent)   # less the graphs' scratch page
+        if pages > room:
+            raise ConfigError(f"this request needs {pages} KV pages but the device tier has {room} for "
+                              "requests: give the engine a larger kv_cache")
         if session is not None and (not isinstance(session, str) or not session):
             raise ConfigError("session must be a non-empty string (e.g. the x-session-affinity header)")
         req = Request(f"req-{next(self._ids)}", ids, params, session, generator=make_generator(params, self.model.device))
@@ -368,6 +369,8 @@ class LLM:
     def close(self) -> None:
         """Finish, flush the cache's blocks down to its persistent tiers, release everything."""
         self._closed = True
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
         self._finalizer()
 
     def __enter__(self) -> LLM:

@@ -113,9 +113,9 @@ class MoE(nn.Module):
         if self.w_gate_up is None:
             return self._loop(x, ids, weights)
         t, k = ids.shape
-        if t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS or (not _GROUPED_MM and _capturing(x)):
-            # (while a CUDA graph is captured, the per-expert loop's read of the counts back to
-            # the host cannot run: every expert on every token instead, as for few rows)
+        if t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS or (_capturing(x) and not _graph_grouped_mm(x)):
+            # (while a CUDA graph is captured, only a grouped matmul that reads nothing back to
+            # the host can run: else every expert on every token, as for few rows)
             return self._dense(x, ids, weights)
         if self.shared_fused:                   # the shared expert: id E, weight 1, for every token
             shared = torch.full((t, 1), len(self.experts), dtype=ids.dtype, device=ids.device)
@@ -167,6 +167,13 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _graph_grouped_mm(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm can run inside a CUDA graph for x: only its fast path (bf16 on
+    compute capability 9.x or 10.x) reads nothing back to the host; its fallback copies the
+    offsets to the CPU (torch's GroupedBlas.cpp / GroupedMMUtils.h)."""
+    return _GROUPED_MM and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [N, in] sorted by expert, counts [E] rows per expert, weight [E, out, in] -> [N, out].
 
@@ -177,6 +184,8 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
         try:
             return torch._grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         except (RuntimeError, NotImplementedError):          # dtype or device it lacks: loop from now on
+            if _capturing(rows):                             # a failed capture, not a missing kernel
+                raise
             _GROUPED_MM = False
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     at = 0
