@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError, KvtierError
@@ -63,7 +64,10 @@ def _store_recovers(index: str) -> bool:
     import lmdb
 
     from kvtier.tiers.disk import _CORRUPT
+    from kvtier.tiers.lmdb_check import truncation
 
+    if truncation(Path(index)) is not None:      # the store's own check, before lmdb maps it
+        return True
     try:
         env = lmdb.open(index, readonly=True, lock=False, max_dbs=4, subdir=True)
     except _CORRUPT:

@@ -209,6 +209,21 @@ def test_inspect_a_damaged_index_header_says_a_store_sets_it_aside(tier):
     assert r.returncode == 0 and "blocks     0 of 16" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("keep", [8192, 12288, 20000, -4096])
+def test_an_index_cut_short_is_damage_not_a_crash(tier, keep):
+    """LMDB maps its file: a page past the end of a cut file is a SIGBUS (the process dies with
+    no message) unless the meta pages are checked first."""
+    data = tier / "index.lmdb" / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, keep if keep > 0 else size + keep)
+    assert_one_line_error(run_kvtier("inspect", str(tier)), 1, "damaged", "cut short", "moves it aside")
+    store = open_store(tier)                # a store sets it aside and starts empty
+    assert store.stats().recovered_blocks == 0
+    store.close()
+    assert [p.name for p in tier.iterdir() if p.name.startswith("index.lmdb.damaged-")]
+    assert run_kvtier("inspect", str(tier)).returncode == 0
+
+
 def test_inspect_a_damaged_index_page_says_how_to_move_it_aside(tier):
     damage_index(tier, 2)                   # a data page: found only while reading
     r = run_kvtier("inspect", str(tier))

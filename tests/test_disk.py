@@ -378,7 +378,11 @@ def test_a_slab_larger_than_the_free_space_is_refused_before_it_fills_the_disk(t
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(CapacityError, match=r"not enough free space .* is free\. Free some space or give the tier less"):
         kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv", capacity=free + (1 << 30))], NS)
-    assert (tmp_path / "kv" / "slab.bin").stat().st_size == 0
+    assert not (tmp_path / "kv").exists()        # refused before anything is created
+    open_store(tmp_path / "kv").close()          # a tier that fits is made there
+    with pytest.raises(CapacityError, match="not enough free space"):   # an existing tier, grown past the disk
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv", capacity=free + (1 << 30))], NS)
+    assert (tmp_path / "kv" / "slab.bin").stat().st_size == 64 * LAYOUT.block_bytes   # left as it was
 
 
 def test_an_allocation_that_runs_out_of_space_part_way_gives_the_space_back(tmp_path, monkeypatch):

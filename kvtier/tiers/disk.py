@@ -33,6 +33,7 @@ from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
 from kvtier.tiers.base import PendingWrite, Tier
+from kvtier.tiers.lmdb_check import truncation
 from kvtier.units import format_bytes
 
 log = logging.getLogger("kvtier.disk")
@@ -99,6 +100,8 @@ class DiskTier(Tier):
         self.slot_bytes = _round_up(block_bytes, ALIGN)
         if self.read_only and not (self.path / "index.lmdb").is_dir():
             raise ConfigError(f"{self.path} holds no kvtier disk tier (no index.lmdb there)")
+        if not self.read_only:
+            self._check_room(slots * self.slot_bytes)   # before anything is created
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -135,6 +138,9 @@ class DiskTier(Tier):
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"
         try:
+            cut = truncation(where)               # lmdb would map it and die of SIGBUS on a read
+            if cut is not None:
+                raise lmdb.CorruptedError(cut)
             self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
                                   metasync=False, readonly=self.read_only, lock=not self.read_only)
         except _CORRUPT as e:
@@ -204,7 +210,7 @@ class DiskTier(Tier):
             return
         try:
             if os.fstat(fd).st_size < size:
-                self._check_free_space(fd, size)
+                self._check_room(size)          # again: the disk may have filled since
                 os.posix_fallocate(fd, 0, size)
             elif os.fstat(fd).st_size > size:
                 os.ftruncate(fd, size)
@@ -220,11 +226,17 @@ class DiskTier(Tier):
                                     "free some space or give the tier less capacity") from None
             raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
 
-    def _check_free_space(self, fd: int, size: int) -> None:
-        """Refuse a slab the filesystem has no room for before allocating any of it: a
-        posix_fallocate that runs out of space part way has filled the disk meanwhile."""
-        need = size - os.fstat(fd).st_blocks * 512          # bytes not allocated yet
-        st = os.statvfs(self.path)
+    def _check_room(self, size: int) -> None:
+        """Refuse a slab of `size` bytes the filesystem has no room for, before allocating any
+        of it (a posix_fallocate that runs out of space part way has filled the disk
+        meanwhile) and before creating the tier's directory or files (a refused tier leaves
+        nothing behind). A slab already there counts with the blocks it holds."""
+        where = self.path
+        while not where.exists() and where != where.parent:   # where the directory would be made
+            where = where.parent
+        slab = self.path / "slab.bin"
+        need = size - (slab.stat().st_blocks * 512 if slab.is_file() else 0)   # bytes not allocated yet
+        st = os.statvfs(where)
         free = st.f_bavail * st.f_frsize
         if need > free:
             raise TierSizeError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
@@ -517,6 +529,9 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
     path = Path(path)
     if not (path / "index.lmdb").is_dir():
         raise ConfigError(f"{path} holds no kvtier disk tier (no index.lmdb there)")
+    cut = truncation(path / "index.lmdb")         # lmdb would map it and die of SIGBUS on a read
+    if cut is not None:
+        raise lmdb.CorruptedError(cut)
     try:   # register as a reader, so a running writer does not reuse the pages being read
         env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=True, max_dbs=4, subdir=True)
     except lmdb.Error:   # no write access to the lock file: read without it (a live writer may race)
