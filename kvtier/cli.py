@@ -89,7 +89,7 @@ def _add_modules(sub: argparse._SubParsersAction, modules: dict[str, str], paren
             p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, parents=parents,
                                formatter_class=_DefaultsHelp)
             mod.add_arguments(p)
-            p.set_defaults(run=mod.run)
+            p.set_defaults(run=mod.run, _prog=p.prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +138,9 @@ def _broken_pipe() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:                   # named by the command they were given to, whose --help lists its options
+        Parser(prog=getattr(args, "_prog", "kvtier")).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         setup_logging(getattr(args, "log_level", None))
     except ConfigError as e:

@@ -102,9 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
                    help="with --directory: the address peers should use to reach this node "
                         "(default: the --listen address)")
-    p.add_argument("--lease", type=positive_float, default=10.0, metavar="SECONDS",
+    p.add_argument("--lease", type=positive_float, default=None, metavar="SECONDS",
                    help="with --directory: how long this node stays listed after it stops renewing "
-                        "(it renews every 50 ms)")
+                        "(it renews every 50 ms) (default: 10)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"],
                    help="how blocks travel, for serving and for fetching; ucx needs kvtier[ucx]")
     p.add_argument("--secret-file", default=None, metavar="FILE",
@@ -210,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --peers or --directory, not both")
     if args.advertise and not args.directory:
         raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
+    if args.lease is not None and not args.directory:
+        raise ConfigError("--lease is for --directory (how long this node's entry there lives without renewal)")
+    args.lease = 10.0 if args.lease is None else args.lease
 
     directory = remote = None
     where = [f"host {format_bytes(parse_bytes(config.host_capacity))}"]

@@ -27,7 +27,15 @@ USAGE_ERRORS = [
     (["bench", "tiers", "--repeat", "0"], ["--repeat", ">= 1"]),
     (["bench", "tiers", "--io-threads", "0"], ["--io-threads"]),
     (["bench", "tiers", "--tier", "disk", "--path", "/nonexistent/kvtier-test"],
-     ["--path", "does not exist", "create it"]),
+     ["--path", "does not exist", "existing directory"]),
+    (["bench", "tiers", "--io-threads", "8"], ["--io-threads", "--tier disk"]),
+    # bench adapter
+    (["bench", "adapter", "--disk", "/nonexistent/kvtier-test"], ["--disk", "does not exist"]),
+    (["bench", "adapter", "--requests", "100000000"], ["--requests", "memory available"]),
+    (["bench", "adapter", "--layers", "100000", "--requests", "1000"], ["--layers", "memory available"]),
+    # options of another command or mode
+    (["bench", "disagg", "--servers", "2"], ["--servers", "kvtier bench disagg --help"]),
+    (["demo", "--bogus"], ["--bogus", "kvtier demo --help"]),
     (["bench", "tiers", "--path", "/tmp"], ["--path", "--tier disk"]),
     (["bench", "tiers", "--tier", "device", "--block-bytes", "100"], ["--block-bytes", "multiple of 256"]),
     (["bench", "tiers", "--tier", "device", "--repeat", "0"], ["--repeat"]),
@@ -56,6 +64,11 @@ USAGE_ERRORS = [
     (["bench", "engine", "--preset", "nope"], ["--preset", "kimi-tiny"]),
     (["bench", "engine", "--dtype", "int7"], ["--dtype", "float32"]),
     (["bench", "engine", "--disk", "/nonexistent/kvtier-test"], ["--disk", "does not exist"]),
+    (["bench", "engine", "--spec-prompts", "tool"], ["--spec-prompts", "--speculative"]),
+    (["bench", "engine", "--vllm-python", "/usr/bin/python3"], ["--vllm-python", "--compare-vllm"]),
+    (["bench", "engine", "--rounds", "2"], ["--rounds", "--compare-vllm"]),
+    (["bench", "engine", "--compare-vllm", "--vllm-python", "/nonexistent/python"],
+     ["--vllm-python", "no executable file"]),
     # demo
     (["demo", "--block-tokens", "0"], ["--block-tokens"]),
     (["demo", "--sessions", "0"], ["--sessions"]),
@@ -108,6 +121,7 @@ def test_capacity_beyond_memory_is_one_line(args):
 def test_missing_option_directories_are_not_created():
     kvtier("bench", "engine", "--disk", "/nonexistent/kvtier-test", timeout=120)
     kvtier("bench", "tiers", "--tier", "disk", "--path", "/nonexistent/kvtier-test", timeout=120)
+    kvtier("bench", "adapter", "--disk", "/nonexistent/kvtier-test", timeout=120)
     assert not os.path.exists("/nonexistent/kvtier-test")
 
 

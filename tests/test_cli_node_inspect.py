@@ -70,6 +70,7 @@ def test_redis_urls():
     (("--peers", "10.0.0.2:7700,nohost"), "'nohost'"),
     (("--listen", "localhost"), "--listen"),
     (("--advertise", "10.0.0.1:7700"), "--directory"),
+    (("--lease", "5"), "--directory"),
     (("--peers", "127.0.0.1:1", "--directory", "redis://127.0.0.1:1"), "not both"),
     (("--layout", "gpt-5"), "kimi-k2"),
     (("--policy", "fastest"), "unknown policy"),

@@ -81,15 +81,23 @@ def _device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
 
 
+# Buffers of one operation's bytes the benchmark holds at once on a CPU: the engine's pages
+# (twice the pages the requests use), the host tier (two rounds of saves) and the memcpy's two.
+HOLDS = 6
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import emit, interval_column, quiet_threads
+    from kvtier.bench.common import emit, existing_dir, interval_column, memory_hint, quiet_threads
     from kvtier.progress import progress
 
     sizes = page_sizes(args.page_tokens)
     device = _device(args.device)
+    args.disk = existing_dir("--disk", args.disk)
+    _check_memory(args)
     quiet_threads()
     rows: list[dict[str, Any]] = []
-    with progress("bench adapter", len(sizes), enabled=not args.json) as bar:
+    hint = "give fewer --requests, --prompt-tokens or --layers"
+    with memory_hint(hint), progress("bench adapter", len(sizes), enabled=not args.json) as bar:
         for pt in sizes:
             bar.describe(f"{pt}-token pages")
             rows += _one_size(args, pt, device)
@@ -100,6 +108,21 @@ def run(args: argparse.Namespace) -> int:
          "(higher GB/s is better)",
          ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio", interval_column()], left=1)
     return 0
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse, before allocating any of it, a run whose buffers this machine's memory cannot
+    hold (touching them would bring the kernel's OOM killer, not an error)."""
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.memory import memory_available
+    from kvtier.units import format_bytes
+
+    per_op = args.requests * args.prompt_tokens * args.layers * 2 * args.kv_heads * args.head_dim * 2   # bf16 K and V
+    avail, _ = memory_available()
+    if avail is not None and HOLDS * per_op > avail:
+        raise ConfigError(f"bench adapter holds about {HOLDS} x {format_bytes(per_op)} (the bytes one operation "
+                          f"moves), {format_bytes(HOLDS * per_op)}, but this machine has {format_bytes(avail)} of "
+                          "memory available: give fewer --requests, --prompt-tokens or --layers")
 
 
 def _sizes(args: argparse.Namespace, page_tokens: int) -> tuple[Any, int]:

@@ -182,7 +182,7 @@ def existing_dir(option: str, path: str | None) -> Path | None:
     p = Path(path)
     if not p.is_dir():
         what = "is not a directory" if p.exists() else "does not exist"
-        raise ConfigError(f"{option} {path}: the directory {what}: create it or give another")
+        raise ConfigError(f"{option} {path}: {what}: give an existing directory")
     return p
 
 

@@ -31,9 +31,9 @@ HANDOFFS = ("pull", "push")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.argtypes import non_negative_int
     from kvtier.bench.common import choice_list
-    from kvtier.bench.serve import add_arguments as serve_arguments
+    from kvtier.bench.serve import add_workload_arguments
 
-    serve_arguments(p)
+    add_workload_arguments(p)
     p.set_defaults(max_requests=32, sessions=12, clients=4, duration=240.0)
     p.add_argument("--setups", type=choice_list(SETUPS), default=list(SETUPS), metavar="LIST",
                    help="pd (router + prefill + decode), colocated (router + 2 both workers), comma-separated")

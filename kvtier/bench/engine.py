@@ -3,6 +3,7 @@ against the same-length prompt computed from scratch, in the same run; decode to
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='instead of the TTFT and decode cases: decode with speculative decoding (a vLLM-style '
                         'config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\') vs without, '
                         "on each --spec-prompts kind, at each --batch; --repeat timed runs, interleaved")
-    p.add_argument("--spec-prompts", type=choice_list(("tool", "text")), default=["tool", "text"], metavar="LIST",
+    p.add_argument("--spec-prompts", type=choice_list(("tool", "text")), default=None, metavar="LIST",
                    help="with --speculative: tool (tool lists and earlier JSON calls, then a new call) and/or "
                         "text (free prose) prompts (default tool,text)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
@@ -59,11 +60,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process, interleaved (bench/engine_vs_vllm.py; needs a kvtier checkout and a python with vllm)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="with --compare-vllm: the python that has vllm (default .venv/vllm/bin/python)")
-    p.add_argument("--rounds", type=positive_int, default=3, metavar="N",
+    p.add_argument("--rounds", type=positive_int, default=None, metavar="N",
                    help="with --compare-vllm: engine processes per engine, interleaved; medians (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.errors import ConfigError
+
+    # An option of one mode given without it would be silently ignored: say so instead.
+    for given, option, mode in ((args.spec_prompts is not None and args.speculative is None, "--spec-prompts",
+                                 "--speculative"),
+                                (args.vllm_python is not None and not args.compare_vllm, "--vllm-python",
+                                 "--compare-vllm"),
+                                (args.rounds is not None and not args.compare_vllm, "--rounds", "--compare-vllm")):
+        if given:
+            raise ConfigError(f"{option} is for {mode} runs only: add {mode} or leave {option} out")
+    args.spec_prompts = args.spec_prompts or ["tool", "text"]
+    args.rounds = args.rounds or 3
     if args.compare_vllm:
         return compare_vllm(args)
     import numpy as np
@@ -198,6 +211,9 @@ def compare_vllm(args: argparse.Namespace) -> int:
 
     from kvtier.errors import ConfigError
 
+    if args.vllm_python is not None and not (os.path.isfile(args.vllm_python) and os.access(args.vllm_python, os.X_OK)):
+        raise ConfigError(f"--vllm-python {args.vllm_python}: no executable file there: give the python of a venv "
+                          "with vllm installed (see docs/benchmarks.md)")
     script = Path(__file__).resolve().parents[2] / "bench" / "engine_vs_vllm.py"
     if not script.exists():
         raise ConfigError(f"--compare-vllm runs {script.name} from a kvtier checkout; {script} does not exist "

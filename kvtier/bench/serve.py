@@ -34,8 +34,22 @@ MODES = ("none", "affinity")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
+    from kvtier.argtypes import positive_float, positive_int
     from kvtier.bench.common import choice_list
+
+    add_workload_arguments(p)
+    p.add_argument("--pin-ttl", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="the server's pin TTL for x-session-affinity sessions (default: 30)")
+    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), metavar="LIST",
+                   help="none (no affinity header), affinity (one per session), comma-separated")
+    p.add_argument("--servers", type=positive_int, default=1, choices=[1, 2], metavar="N",
+                   help="1, or 2 servers sharing blocks over kvtier node links, sessions split between them "
+                        "(default: 1)")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The agents' workload and the servers' cache: what `bench serve` and `bench disagg` share."""
+    from kvtier.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 
     p.add_argument("--clients", type=positive_int, default=4, metavar="N",
                    help="requests streaming at once at most (default: 4)")
@@ -43,8 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions in flight at once, each waiting --think between its turns (default: 12)")
     p.add_argument("--think", type=non_negative_float, default=1.0, metavar="SECONDS",
                    help="pause between two turns of a session: the agent's tool call (default: 1.0)")
-    p.add_argument("--pin-ttl", type=positive_float, default=30.0, metavar="SECONDS",
-                   help="the server's pin TTL for x-session-affinity sessions (default: 30)")
     p.add_argument("--sessions", type=positive_int, default=24, metavar="N", help="sessions in the generated trace")
     p.add_argument("--max-requests", type=positive_int, default=80, metavar="N", help="requests per mode: the first sessions' turns, up to this many")
     p.add_argument("--duration", type=positive_float, default=120.0, metavar="SECONDS",
@@ -57,11 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", type=size, default=6 << 20, metavar="SIZE", help="the server's device tier")
     p.add_argument("--host-cache", type=size, default=8 << 20, metavar="SIZE", help="the server's host tier")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
-    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), metavar="LIST",
-                   help="none (no affinity header), affinity (one per session), comma-separated")
-    p.add_argument("--servers", type=positive_int, default=1, choices=[1, 2], metavar="N",
-                   help="1, or 2 servers sharing blocks over kvtier node links, sessions split between them "
-                        "(default: 1)")
     p.add_argument("--model", default="kimi-tiny", metavar="PRESET_OR_DIR", help="the served model")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
 

@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 256MiB host, 512MiB disk, 1GiB device on a GPU, 64MiB on a CPU)")
     p.add_argument("--path", default=None, metavar="DIR",
                    help="disk: an existing directory for the slab files (default: a temporary directory)")
-    p.add_argument("--io-threads", type=positive_int, default=4, metavar="N",
-                   help="disk: I/O threads, for the tier and the baseline")
+    p.add_argument("--io-threads", type=positive_int, default=None, metavar="N",
+                   help="disk: I/O threads, for the tier and the baseline (default 4)")
     p.add_argument("--repeat", type=positive_int, default=None, metavar="N",
                    help="timed rounds, each the operation and its raw baseline: the median of the rounds' "
                         "ratios is reported, with a 90%% interval (default: 9; 21 for disk, whose speed "
@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     tier = args.tier
     if args.path is not None and tier != "disk":
         raise ConfigError("--path is for --tier disk only (the directory for its slab files)")
+    if args.io_threads is not None and tier != "disk":
+        raise ConfigError("--io-threads is for --tier disk only (the disk tier's I/O threads)")
+    args.io_threads = args.io_threads or 4
     sizes = args.block_bytes or DEFAULT_SIZES[tier]
     args.repeat = args.repeat or DEFAULT_REPEAT[tier]
     total = args.total or DEFAULT_TOTAL[tier]
