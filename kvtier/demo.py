@@ -41,6 +41,25 @@ def fake_kv(keys: list[bytes], block_bytes: int):
     return torch.from_numpy(out.reshape(len(keys), block_bytes))
 
 
+# What the demo keeps per session besides the store: its conversation as a list of token ids
+# (a 1,200-token system prompt shared, then ~400 tokens a turn at ~40 bytes a Python int).
+SYSTEM_TOKENS, TURN_BYTES = 1200, 400 * 40
+
+
+def _check_memory(sessions: int, turns: int) -> None:
+    """Refuse, before building them, conversations this machine's memory cannot hold."""
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.memory import memory_available
+    from kvtier.units import format_bytes
+
+    need = sessions * (SYSTEM_TOKENS * 8 + turns * TURN_BYTES)
+    avail, _ = memory_available()
+    if avail is not None and need > avail / 2:
+        raise ConfigError(f"{sessions:,} sessions x {turns:,} turns keep about {format_bytes(need)} of conversation "
+                          f"in memory, more than half of the {format_bytes(avail)} available: give fewer --sessions "
+                          "or --turns")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -61,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity {format_bytes(args.capacity)} is smaller than one block of {args.layout} "
                           f"at --block-tokens {args.block_tokens} ({format_bytes(layout.block_bytes)}): give at "
                           "least that much (the default 1GiB runs the default sessions and turns)")
+    _check_memory(args.sessions, args.turns)
     quiet_threads()
     show = not args.json
 

@@ -72,6 +72,8 @@ USAGE_ERRORS = [
     # demo
     (["demo", "--block-tokens", "0"], ["--block-tokens"]),
     (["demo", "--sessions", "0"], ["--sessions"]),
+    (["demo", "--sessions", "1000000000"], ["--sessions", "memory"]),     # refused before building them
+    (["bench", "hit-ratio", "--sessions", "1000000000"], ["fewer sessions", "memory"]),
     (["demo", "--turns", "-1"], ["--turns"]),
     (["demo", "--seed", "-1"], ["--seed"]),
     (["demo", "--capacity", "0"], ["--capacity"]),

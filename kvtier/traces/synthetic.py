@@ -26,6 +26,7 @@ from kvtier.keys import chain_keys, token_bytes
 from kvtier.traces.model import Request, Trace
 from kvtier.traces.mooncake import mooncake_record
 from kvtier.traces.tokens import TRACE_SEED, token_record
+from kvtier.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, lo: int, h
     return int(min(hi, max(lo, rng.lognormal(np.log(median), sigma))))
 
 
+def _memory_room() -> float:
+    """Bytes of prompts generate() may hold: half the memory available now (the replay that
+    reads them needs its share), or no bound where the machine does not say."""
+    from kvtier.tiers.memory import memory_available
+
+    avail, _ = memory_available()
+    return float("inf") if avail is None else avail / 2
+
+
 def generate(cfg: AgenticConfig = AgenticConfig()) -> list[SyntheticRequest]:
     """Every request of the trace, in timestamp order (ties keep session order)."""
     rng = np.random.default_rng(cfg.seed)
@@ -75,7 +85,15 @@ def generate(cfg: AgenticConfig = AgenticConfig()) -> list[SyntheticRequest]:
     p_sys, p_tool = zipf(cfg.system_prompts), zipf(cfg.tool_sets)
     out: list[SyntheticRequest] = []
     t0 = 0.0
+    held, room = 0, _memory_room()
     for s in range(cfg.sessions):
+        # Every prompt is kept: a huge `sessions` must not eat the machine. The first 256
+        # sessions tell how much the rest will hold; past that the count is exact.
+        if held > room or (s == 256 and held / s * cfg.sessions > room):
+            raise ConfigError(f"the generated trace would hold about {format_bytes(held / s * cfg.sessions)} of "
+                              f"prompts ({format_bytes(held)} for the first {s:,} of {cfg.sessions:,} sessions), "
+                              f"more than half of the {format_bytes(2 * room)} of memory available: generate "
+                              "fewer sessions")
         t0 += rng.exponential(1000.0 / cfg.session_rate)
         sid = f"s{cfg.seed}-{s}"
         parts = [systems[rng.choice(cfg.system_prompts, p=p_sys)], tools[rng.choice(cfg.tool_sets, p=p_tool)]]
@@ -90,6 +108,7 @@ def generate(cfg: AgenticConfig = AgenticConfig()) -> list[SyntheticRequest]:
                 break
             reply = _lognormal(rng, 250, 0.8, 1, 4000)
             out.append(SyntheticRequest(t, sid, prompt, reply))
+            held += prompt.nbytes
             parts = [prompt, words(reply)]                                      # reply joins the history
             t += reply * 20.0 + rng.exponential(cfg.think_s * 1000.0)           # ~50 tok/s decode + think
     out.sort(key=lambda r: r.timestamp)  # stable: equal times keep generation order
