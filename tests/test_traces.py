@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -149,3 +150,188 @@ def test_trace_statistics():
     assert tr.requests[1].hit_tokens(3, 16) == 40 and tr.requests[1].hit_tokens(1, 16) == 16
     # A token-level request keys full blocks only: its uncached tail is never a hit.
     assert Request([7], 20).hit_tokens(1, 16) == 16 and Request([], 10).hit_tokens(0, 16) == 0
+
+
+# --- numbers Python's json reads but a trace cannot use: NaN, infinities, huge integers ------
+
+HUGE_INT = "9" * 400          # an int that parses but has no float (past 1.8e308)
+MC = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}'
+TOK = '{"timestamp": 0, "tokens": [1, 2], "output_length": 1}'
+
+
+NON_FINITE = [(fmt, field, value) for fmt, field, values in [
+    ("mooncake", "input_length", ["NaN", "Infinity", "-Infinity", "1e400", HUGE_INT]),
+    ("mooncake", "output_length", ["NaN", "1e400"]),
+    ("mooncake", "timestamp", ["NaN", "Infinity", HUGE_INT]),
+    ("tokens", "output_length", ["1e400", "NaN", HUGE_INT]),
+    ("tokens", "timestamp", ["NaN", "Infinity", "1e400", HUGE_INT]),
+] for value in values]
+
+
+@pytest.mark.parametrize("fmt, field, value", NON_FINITE,
+                         ids=[f"{f}-{n}-{'400digits' if v == HUGE_INT else v}" for f, n, v in NON_FINITE])
+def test_non_finite_numbers_are_named_trace_errors(tmp_path, fmt, field, value):
+    good = MC if fmt == "mooncake" else TOK
+    bad = re.sub(f'"{field}": [0-9]+', f'"{field}": {value}', good)
+    assert bad != good
+    p = _write(tmp_path, [good, bad])
+    with pytest.raises(TraceError, match="must be a finite, non-negative number") as e:
+        read_trace(p)
+    assert e.value.line == 2 and str(e.value).startswith(f"{p}:2: field '")
+    assert HUGE_INT not in str(e.value)        # a 400-digit value is described, not printed
+
+
+def test_finite_numbers_still_read(tmp_path):
+    p = _write(tmp_path, [MC.replace('"timestamp": 0', '"timestamp": 1e300')])
+    assert read_trace(p).requests[0].timestamp == 1e300
+    q = _write(tmp_path, [TOK.replace('"output_length": 1', '"output_length": 2.0')], "q.jsonl")
+    assert read_trace(q).requests[0].output_length == 2
+
+
+@pytest.mark.parametrize("bad, msg", [
+    pytest.param("[" * 100_000 + "]" * 100_000, "nested too deeply", id="deep-line"),
+    pytest.param('{"timestamp": 0, "input_length": 10, "hash_ids": [0], "session": ' + "[" * 100_000
+                 + "]" * 100_000 + "}", "nested too deeply", id="deep-field"),
+    pytest.param('{"timestamp": 0, "input_length": 10, "hash_ids": [' + "9" * 5000 + "]}", "more than",
+                 id="5000-digit-id"),
+    # nested, but within json's limit: parses, so the message must describe it, not repr() it
+    pytest.param('{"timestamp": 0, "input_length": ' + "[" * 600 + "]" * 600 + ', "hash_ids": []}',
+                 "got a JSON array", id="deep-length"),
+    pytest.param('{"timestamp": 0, "input_length": 10, "hash_ids": [0], "session": ' + "[" * 600 + "]" * 600
+                 + "}", "'session' must be a string or an integer", id="deep-session"),
+    pytest.param('{"timestamp": 0, "input_length": 10, "hash_ids": [0], "session": "\\ud800"}',
+                 "not valid Unicode", id="surrogate-session"),
+    pytest.param('{"tokens": [1], "session": {"a": 1}}', "'session' must be a string or an integer",
+                 id="object-session"),
+])
+def test_deep_nesting_huge_integers_and_bad_sessions_are_named(tmp_path, bad, msg):
+    first = TOK if '"tokens"' in bad else MC
+    p = _write(tmp_path, [first, "", bad])
+    with pytest.raises(TraceError, match=msg) as e:
+        read_trace(p)
+    assert e.value.line == 3 and f"{p}:3: " in str(e.value)
+
+
+def test_integer_sessions_are_kept_as_text(tmp_path):
+    tr = read_trace(_write(tmp_path, [MC.replace('"hash_ids"', '"session": 7, "hash_ids"')]))
+    assert tr.requests[0].session == "7"
+
+
+@pytest.mark.parametrize("field", ["input_length", "timestamp"])
+@pytest.mark.parametrize("bench", ["hit-ratio", "cluster"])
+def test_cli_non_finite_and_nested_traces_exit_2(tmp_path, bench, field):
+    from conftest import assert_one_line_error, run_kvtier
+    p = _write(tmp_path, [MC, MC.replace(f'"{field}": ', f'"{field}": NaN, "x": ')])
+    assert_one_line_error(run_kvtier("bench", bench, p), 2, f"{p}:2: field '{field}'", "finite")
+    q = _write(tmp_path, [MC, "[" * 100_000 + "]" * 100_000], "deep.jsonl")
+    assert_one_line_error(run_kvtier("bench", bench, q), 2, f"{q}:2: ", "nested too deeply")
+
+
+# --- inputs that are not regular files: pipes, FIFOs, devices -------------------------------
+
+@pytest.fixture
+def fifo(tmp_path):
+    """make(chunks) -> (path of a named FIFO, its writer thread), as `<(cat t.jsonl)` or
+    `mkfifo` gives kvtier a trace. The writer stops quietly when the reader goes away; once
+    done it answers every later open with an empty stream, as a spent pipe does, so a reader
+    that opens the input twice fails instead of hanging."""
+    import errno
+    import os
+    import threading
+    import time
+    stop = threading.Event()
+    threads = []
+
+    def make(chunks, name="pipe.jsonl"):
+        path = tmp_path / name
+        os.mkfifo(path)
+
+        def write():
+            try:
+                with open(path, "wb") as f:
+                    for c in chunks:
+                        if stop.is_set():
+                            return
+                        f.write(c)
+            except BrokenPipeError:
+                pass
+            while not stop.is_set():          # later opens: EOF at once
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError as e:
+                    if e.errno != errno.ENXIO:    # ENXIO: no reader yet
+                        raise
+                time.sleep(0.02)
+
+        t = threading.Thread(target=write, daemon=True)
+        t.start()
+        threads.append(t)
+        return str(path), t
+
+    yield make
+    stop.set()
+    for t in threads:
+        t.join(5)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gzip"])
+def test_fifo_trace_reads_like_a_file(tmp_path, fifo, compress):
+    import gzip
+    q = str(tmp_path / "mc.jsonl")
+    write_trace(q, AgenticConfig(seed=3, sessions=12, block_tokens=512), "mooncake")
+    data = open(q, "rb").read()
+    if compress:
+        data = gzip.compress(data)
+    # the gzip magic split over two writes, then the rest in pieces: nothing may be lost
+    p, _ = fifo([data[:1], data[1:1000], data[1000:]])
+    a, b = read_trace(q), read_trace(p)
+    assert b.format == "mooncake" and len(b) == len(a) > 0
+    assert [r.keys for r in a.requests] == [r.keys for r in b.requests]
+    assert [r.session for r in a.requests] == [r.session for r in b.requests]
+
+
+def test_fifo_token_trace_with_bad_line_is_named(fifo):
+    p, _ = fifo([(TOK + "\n" + TOK.replace("0", "NaN", 1) + "\n").encode()])
+    with pytest.raises(TraceError, match="'timestamp' must be a finite") as e:
+        read_trace(p, block_tokens=1)
+    assert e.value.line == 2
+
+
+def test_endless_input_without_line_ends_is_an_error_not_a_hang(fifo, monkeypatch):
+    import itertools
+    from kvtier.traces import read
+    monkeypatch.setattr(read, "MAX_LINE_BYTES", 1 << 16)
+    p, _ = fifo(itertools.repeat(b"a" * 4096))     # never ends, never a newline
+    with pytest.raises(TraceError, match="no line end") as e:
+        read_trace(p)
+    assert e.value.line == 1
+    with pytest.raises(TraceError, match="binary data") as e:
+        read_trace("/dev/zero")              # a device: read with the same bound
+    assert e.value.line == 1
+
+
+def test_non_regular_paths_that_are_not_traces(tmp_path):
+    import socket
+    with pytest.raises(TraceError, match="is a directory"):
+        read_trace(str(tmp_path))
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace("/dev/null")
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(tmp_path / "sock"))
+        with pytest.raises(TraceError, match="cannot open the trace"):
+            read_trace(str(tmp_path / "sock"))
+    finally:
+        s.close()
+
+
+def test_cli_reads_a_fifo(tmp_path, fifo):
+    from conftest import run_kvtier
+    q = str(tmp_path / "mc.jsonl")
+    write_trace(q, AgenticConfig(seed=3, sessions=12, block_tokens=512), "mooncake")
+    p, _ = fifo([open(q, "rb").read()])
+    args = ("bench", "hit-ratio", "--policy", "lru", "--capacity", "10%", "--json")
+    a, b = run_kvtier(*args, q, timeout=120), run_kvtier(*args, p, timeout=120)
+    assert a.returncode == b.returncode == 0, b.stderr
+    name = lambda out: [{**json.loads(ln), "trace": None} for ln in out.splitlines()]  # noqa: E731
+    assert name(a.stdout) == name(b.stdout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kvtier.errors import TraceError
-from kvtier.traces.jsonl import json_records
+from kvtier.traces.jsonl import json_records, non_negative_number, session_field
 from kvtier.traces.model import Request, Trace
 
 #: Mooncake's traces hash prompts in blocks of this many tokens.
@@ -18,12 +18,14 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 
 def _int_field(obj: dict[str, Any], name: str, path: str, line: int, required: bool = True) -> int:
+    """obj[name] as a whole number (a float is truncated); 0 when optional and absent or null.
+    NaN, infinities and the like are a TraceError naming the line (non_negative_number)."""
     v = obj.get(name)
     if v is None and not required:
         return 0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise TraceError(path, line, f"field {name!r} must be a non-negative number, got {v!r}")
-    return int(v)
+    if v is None and name not in obj:
+        raise TraceError(path, line, f"field {name!r} is missing: a Mooncake record needs it")
+    return int(non_negative_number(v, name, path, line))
 
 
 def parse_mooncake_line(obj: Any, path: str, line: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Request:
@@ -39,11 +41,10 @@ def parse_mooncake_line(obj: Any, path: str, line: int, block_tokens: int = MOON
         raise TraceError(path, line, f"{len(ids)} hash_ids for input_length {n_in}: expected "
                          f"ceil({n_in}/{block_tokens}) = {expect}; is this a {block_tokens}-token-block trace?")
     rem = n_in - (len(ids) - 1) * block_tokens if ids else 0
-    session = obj.get("session")
     return Request(keys=ids, input_length=n_in,
                    output_length=_int_field(obj, "output_length", path, line, required=False),
                    timestamp=float(_int_field(obj, "timestamp", path, line, required=False)),
-                   session=None if session is None else str(session),
+                   session=session_field(obj, path, line),
                    last_tokens=rem if 0 < rem < block_tokens else None)
 
 

@@ -14,7 +14,7 @@ import xxhash
 
 from kvtier.keys import chain_keys
 from kvtier.errors import TraceError
-from kvtier.traces.jsonl import json_records
+from kvtier.traces.jsonl import json_records, non_negative_number, session_field
 from kvtier.traces.model import Request, Trace
 
 #: key_{-1} of every token-level trace chain (a constant, so files replay identically).
@@ -31,20 +31,17 @@ def token_request(tokens: Any, block_tokens: int, *, timestamp: float = 0.0, out
 
 
 def parse_token_line(obj: Any, path: str, line: int, block_tokens: int) -> Request:
+    """One decoded line -> Request; raises TraceError naming the line if it is malformed."""
     if not isinstance(obj, dict):
         raise TraceError(path, line, f"expected a JSON object, got {type(obj).__name__}")
     toks = obj.get("tokens")
     if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                              and 0 <= t < 2**32 for t in toks):
         raise TraceError(path, line, "field 'tokens' must be a list of token ids in [0, 2**32)")
-    out = obj.get("output_length", 0)
-    ts = obj.get("timestamp", 0)
-    for name, v in (("output_length", out), ("timestamp", ts)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise TraceError(path, line, f"field {name!r} must be a non-negative number, got {v!r}")
-    session = obj.get("session")
+    out = non_negative_number(obj.get("output_length", 0), "output_length", path, line)
+    ts = non_negative_number(obj.get("timestamp", 0), "timestamp", path, line)
     return token_request(toks, block_tokens, timestamp=float(ts), output_length=int(out),
-                         session=None if session is None else str(session))
+                         session=session_field(obj, path, line))
 
 
 def read_tokens(lines: Iterable[tuple[int, str]], path: str, name: str,
