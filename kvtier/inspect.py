@@ -7,6 +7,7 @@ still printed, and one line on stderr says how many).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,14 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
     if not os.path.exists(slab):
         return len(ordered)           # no bytes at all: a store reads every block as a miss
     bad = 0
-    fd = os.open(slab, os.O_RDONLY)
+    try:
+        fd = os.open(slab, os.O_RDONLY)
+        if not os.path.isfile(slab):
+            os.close(fd)
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
+    except OSError as e:
+        raise KvtierError(f"cannot read the slab file {slab}: {e.strerror}; a store cannot open this tier "
+                          "either: move the directory aside") from None
     try:
         with progress(f"verifying {len(ordered)} blocks ({format_bytes(len(ordered) * bb)})", len(ordered),
                       enabled=show) as bar:

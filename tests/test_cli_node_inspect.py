@@ -199,6 +199,18 @@ def test_inspect_paths_that_are_no_disk_tier(tmp_path):
     assert_one_line_error(run_kvtier("inspect", str(tmp_path)), 2, "no kvtier disk tier")
 
 
+def test_inspect_and_a_store_name_what_is_wrong_with_the_directory(tier, tmp_path):
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "index.lmdb").write_text("x")
+    assert_one_line_error(run_kvtier("inspect", str(tmp_path / "odd")), 2, "index.lmdb is a file")
+    (tier / "slab.bin").unlink()
+    (tier / "slab.bin").mkdir()
+    assert_one_line_error(run_kvtier("inspect", "--verify", str(tier)), 1, "slab.bin", "not a regular file")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(kvtier.ConfigError, match="is a file, not a directory"):
+        open_store(tmp_path / "file")
+
+
 def test_inspect_a_damaged_index_header_says_a_store_sets_it_aside(tier):
     damage_index(tier, 0)                   # both meta pages: LMDB refuses the file
     assert_one_line_error(run_kvtier("inspect", str(tier)), 1, "damaged", "moves it aside", "starts the tier empty")

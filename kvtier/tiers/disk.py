@@ -98,6 +98,9 @@ class DiskTier(Tier):
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
         self.slot_bytes = _round_up(block_bytes, ALIGN)
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"disk tier path {self.path} is a file, not a directory: give a directory "
+                              "(it is created if missing)")
         if self.read_only and not (self.path / "index.lmdb").is_dir():
             raise ConfigError(f"{self.path} holds no kvtier disk tier (no index.lmdb there)")
         if not self.read_only:
@@ -528,7 +531,9 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
     read-only and without taking the tier's lock, so it works while a store has it open."""
     path = Path(path)
     if not (path / "index.lmdb").is_dir():
-        raise ConfigError(f"{path} holds no kvtier disk tier (no index.lmdb there)")
+        what = "its index.lmdb is a file, not LMDB's directory" if (path / "index.lmdb").exists() else \
+            "no index.lmdb there"
+        raise ConfigError(f"{path} holds no kvtier disk tier ({what})")
     cut = truncation(path / "index.lmdb")         # lmdb would map it and die of SIGBUS on a read
     if cut is not None:
         raise lmdb.CorruptedError(cut)
