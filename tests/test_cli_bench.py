@@ -33,6 +33,7 @@ USAGE_ERRORS = [
     (["bench", "adapter", "--disk", "/nonexistent/kvtier-test"], ["--disk", "does not exist"]),
     (["bench", "adapter", "--requests", "100000000"], ["--requests", "memory available"]),
     (["bench", "adapter", "--layers", "100000", "--requests", "1000"], ["--layers", "memory available"]),
+    (["bench", "serve", "--model", "no-such-model", "--modes", "none"], ["kvtier serve: --model 'no-such-model'"]),
     # options of another command or mode
     (["bench", "disagg", "--servers", "2"], ["--servers", "kvtier bench disagg --help"]),
     (["demo", "--bogus"], ["--bogus", "kvtier demo --help"]),

@@ -31,6 +31,7 @@ from typing import Any
 
 HELP = "load test of `kvtier serve`: concurrent streaming agent sessions, with and without x-session-affinity"
 MODES = ("none", "affinity")
+ERROR = "kvtier: error: "     # how a kvtier process says what went wrong, on one line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,8 +138,15 @@ class KvtierProcess:
 
         threading.Thread(target=read, daemon=True).start()
         if not got.wait(300) or not self.url:
-            self.proc.kill()
-            from kvtier.errors import KvtierError
+            from kvtier.errors import ConfigError, KvtierError
+            try:
+                code = self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                code = None
+            said = [ln[len(ERROR):] for ln in self.lines if ln.startswith(ERROR)]
+            if said:       # the server's own one-line error, as a usage error when it was one
+                raise (ConfigError if code == 2 else KvtierError)(f"kvtier {cmd[0]}: {said[-1]}")
             raise KvtierError(f"kvtier {cmd[0]} did not start: " + " | ".join(self.lines[-5:]))
 
 
