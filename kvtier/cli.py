@@ -57,11 +57,27 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        said = "%(default)" in text or "(default" in text or "default:" in text
+        said = any(w in text for w in ("%(default)", "(default", "default:", "; default ", "the default"))
         none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
         if said or none or not action.option_strings:
             return text
-        return super()._get_help_string(action)
+        return f"{text} (default: {_shown_default(action)})"
+
+
+def _shown_default(action: argparse.Action) -> str:
+    """A default as the user would type it: sizes in units (6MiB, not 6291456), lists comma-
+    separated; escaped for argparse's %-formatting of help texts."""
+    from kvtier.argtypes import size
+    from kvtier.units import format_bytes
+
+    d = action.default
+    if action.type is size and isinstance(d, int):
+        text = format_bytes(d).replace(".00 ", "").replace(" ", "")
+    elif isinstance(d, (list, tuple)):
+        text = ",".join(str(x) for x in d) or "none"
+    else:
+        text = str(d)
+    return text.replace("%", "%%")
 
 
 def _load(module: str):
