@@ -15,7 +15,7 @@ def _number(cast: Callable[[str], float], low: float, inclusive: bool, what: str
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value < low or (value == low and not inclusive) or value != value:
+        if value < low or (value == low and not inclusive) or value != value or value == float("inf"):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
     check.__name__ = what   # argparse names the type in its messages
@@ -24,8 +24,8 @@ def _number(cast: Callable[[str], float], low: float, inclusive: bool, what: str
 
 positive_int = _number(int, 0, False, "a whole number >= 1")
 non_negative_int = _number(int, 0, True, "a whole number >= 0")
-positive_float = _number(float, 0.0, False, "a number > 0")
-non_negative_float = _number(float, 0.0, True, "a number >= 0")
+positive_float = _number(float, 0.0, False, "a finite number > 0")
+non_negative_float = _number(float, 0.0, True, "a finite number >= 0")
 
 
 def size(text: str) -> int:

@@ -3,6 +3,7 @@ the vLLM connector's. The defaults live here and nowhere else (docs/config.md).
 
     config = kvtier.StoreConfig(host_capacity="8GiB", disk_path="/nvme/kv")
     config = kvtier.StoreConfig.from_file("kvtier.toml")        # or .json; unknown keys refused
+    config, sources = kvtier.StoreConfig.from_command("kv.toml", {"host_capacity": ("--host-cache", None)})
     store = config.build(layout, namespace)                     # host -> disk
     store = config.build(layout, namespace, device="cuda:0")    # engine pages -> host -> disk
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -58,10 +60,13 @@ class StoreConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, str)):
                 raise ConfigError(f"{name} must be a size like '8GiB' or a number of bytes, got {v!r}")
-            parse_bytes(v)                   # raises a ConfigError that says what a size looks like
+            try:
+                parse_bytes(v)
+            except ConfigError as e:         # says what a size looks like; name the setting too
+                raise ConfigError(f"{name}: {e}") from None
         if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
             raise ConfigError(f"disk_path must be a directory path (a string), got {self.disk_path!r}")
-        if self.disk_direct not in (None, True, False):
+        if self.disk_direct is not None and not isinstance(self.disk_direct, bool):   # 1 == True: not a boolean
             raise ConfigError(f"disk_direct must be true, false or null (O_DIRECT where allowed), got {self.disk_direct!r}")
         for name in ("write_through", "promote"):
             if not isinstance(getattr(self, name), bool):
@@ -71,10 +76,11 @@ class StoreConfig:
         from kvtier.keys import HASHES
         if self.hash not in HASHES:
             raise ConfigError(f"hash must be one of {', '.join(HASHES)}, got {self.hash!r}")
-        for name, lo, hi in (("pin_budget", 0.0, 0.9), ("pin_ttl", 0.0, float("inf"))):
+        for name, what in (("pin_budget", "a number in [0, 0.9]"), ("pin_ttl", "a finite number of seconds > 0")):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (name == "pin_ttl" and v == 0):
-                raise ConfigError(f"{name} must be a number in {'[0, 0.9]' if name == 'pin_budget' else '(0, inf)'}, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or not (0 <= v <= 0.9 if name == "pin_budget" else v > 0)):
+                raise ConfigError(f"{name} must be {what}, got {v!r}")
 
     # -- from settings -------------------------------------------------------------------
     @classmethod
@@ -88,12 +94,16 @@ class StoreConfig:
         if not isinstance(settings, Mapping):
             raise ConfigError(f"the {where} must be a mapping of settings, not {type(settings).__name__}")
         check_names(settings, cls.fields(), where)
-        return cls(**dict(settings))
+        try:
+            return cls(**dict(settings))
+        except ConfigError as e:             # the setting is named; say where it was given
+            raise ConfigError(f"{e} (in the {where})") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> StoreConfig:
-        """A config from a JSON or TOML (.toml) file of settings."""
-        return cls.from_dict(read_settings(path), where=f"config file {path}")
+        """A config from a JSON or TOML (.toml) file of settings; host_capacity 0 or "none"
+        there means no host tier (TOML has no null), as --host-cache 0 / none does."""
+        return cls.from_dict(file_settings(path), where=f"config file {path}")
 
     @classmethod
     def default(cls, name: str) -> Any:
@@ -104,8 +114,24 @@ class StoreConfig:
     def from_cli(cls, path: str | None, **flags: Any) -> StoreConfig:
         """A command's config: the file `path` (or the defaults), with the flags the user gave
         (those not None) on top."""
-        config = cls.from_file(path) if path else cls()
-        return config.replace(**{k: v for k, v in flags.items() if v is not None})
+        return cls.from_command(path, {name: (name, v) for name, v in flags.items()})[0]
+
+    @classmethod
+    def from_command(cls, path: str | None,
+                     flags: Mapping[str, tuple[str, Any]]) -> tuple[StoreConfig, SettingSources]:
+        """A command's config and where each setting came from (for messages that name it as the
+        user gave it). `flags` maps a setting to (its flag, the value given or None); a given
+        flag overrides the file `path` (or the default). host_capacity 0 or "none": no host tier."""
+        settings = file_settings(path) if path else {}
+        config = cls.from_dict(settings, where=f"config file {path}") if path else cls()
+        given = {name: (flag, v) for name, (flag, v) in flags.items() if v is not None}
+        for name, (flag, v) in given.items():
+            try:
+                config = config.replace(**{name: None if name == "host_capacity" and no_host_tier(v) else v})
+            except ConfigError as e:         # the message names the setting; say which flag gave it
+                raise ConfigError(f"{flag}: {e}" if flag != name else str(e)) from None
+        return config, SettingSources({name: flag for name, (flag, _) in flags.items()}, frozenset(given),
+                                      str(path) if path else None, frozenset(settings))
 
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (e.g. command-line flags over a file's settings)."""
@@ -135,6 +161,58 @@ class StoreConfig:
         return Store(layout, tiers, namespace, remote=remote, policy=self.policy, hash=self.hash,
                      pin_budget=self.pin_budget, write_through=self.write_through, promote=self.promote,
                      io_threads=self.io_threads)
+
+
+@dataclass(frozen=True)
+class SettingSources:
+    """Where each setting of a command's config came from: a flag the user passed, their config
+    file, or the default. A message about a value names it the way the user gave it, never a
+    flag they did not pass."""
+
+    flags: Mapping[str, str] = field(default_factory=dict)   # setting -> the command's flag for it
+    given: frozenset[str] = frozenset()                       # settings set by a flag the user passed
+    path: str | None = None                                   # the config file
+    in_file: frozenset[str] = frozenset()                     # settings the file set
+
+    def describe(self, name: str, shown: str) -> str:
+        """Setting `name` with its value `shown`: "--kv-cache 1.00 KiB", "device_capacity
+        1.00 KiB in kv.toml" or "device_capacity 256.00 MiB (the default)"."""
+        if name in self.given:
+            return f"{self.flags[name]} {shown}"
+        if name in self.in_file:
+            return f"{name} {shown} in {self.path}"
+        return f"{name} {shown} (the default)"
+
+    def setter(self, name: str) -> str:
+        """What changes setting `name`, for advice: the flag or the file's key the user gave,
+        else both ways ("--kv-cache (or device_capacity in a --config file)")."""
+        flag = self.flags.get(name, name)
+        if name in self.given or flag == name:
+            return flag
+        if name in self.in_file:
+            return name
+        return f"{flag} (or {name} in a --config file)"
+
+
+def no_host_tier(value: Any) -> bool:
+    """Whether a host_capacity value means no host tier: None, 0, or "0" / "none" (any case),
+    as `--host-cache` takes it and as a TOML file (which has no null) can write it."""
+    if value is None:
+        return True
+    if isinstance(value, bool):              # false is not a size: refused as one
+        return False
+    if isinstance(value, int):
+        return value == 0
+    return isinstance(value, str) and value.strip().lower() in ("0", "none")
+
+
+def file_settings(path: str | Path) -> dict[str, Any]:
+    """A config file's settings for a StoreConfig (read_settings), with a host_capacity that
+    means no host tier (no_host_tier) as None."""
+    settings = read_settings(path)
+    if "host_capacity" in settings and no_host_tier(settings["host_capacity"]):
+        settings["host_capacity"] = None
+    return settings
 
 
 def check_names(settings: Mapping[str, Any], known: list[str], where: str) -> None:

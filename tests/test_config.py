@@ -98,7 +98,150 @@ def test_cli_config_file_errors_are_one_line(tmp_path):
 def test_cli_flags_override_the_file(tmp_path):
     f = tmp_path / "kv.toml"
     f.write_text('device_capacity = "1KiB"\nhost_capacity = "16MiB"\n')   # too small for one page: refused
-    assert_one_line_error(run_kvtier("generate", "--prompt", "hi", "--config", str(f)), 2, "--kv-cache", "smaller than one KV block")
+    assert_one_line_error(run_kvtier("generate", "--prompt", "hi", "--config", str(f)), 2,
+                          f"device_capacity 1.00 KiB in {f}", "smaller than one KV block")
     r = run_kvtier("generate", "--prompt", "hi", "--max-tokens", "2", "--json", "--config", str(f), "--kv-cache", "8MiB")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1])["finish_reason"] == "length"
+
+
+# -- the audit's defects: a setting is named as the user gave it; "no host tier" in a file;
+#    strict booleans and finite numbers ------------------------------------------------------
+
+def _error_line(r) -> str:
+    assert_one_line_error(r, 2)
+    return next(ln for ln in r.stderr.splitlines() if ln.startswith("kvtier: error:"))
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_file_value_too_small_is_named_by_its_key_and_file_not_a_flag(tmp_path, command):
+    if command == "serve":
+        pytest.importorskip("uvicorn")
+        pytest.importorskip("starlette")
+    extra = ["--prompt", "hi", "--max-tokens", "1"] if command == "generate" else ["--port", "0"]
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps({"host_capacity": 5}))
+    line = _error_line(run_kvtier(command, "--config", str(host), *extra, timeout=120))
+    assert f"host_capacity 5 B in {host} is smaller than one KV block" in line and "--host-cache" not in line
+    assert "block_tokens 16 (the default)" in line and "--block-tokens" not in line
+    blocks = tmp_path / "blocks.toml"
+    blocks.write_text("block_tokens = 100000000\n")
+    line = _error_line(run_kvtier(command, "--config", str(blocks), *extra, timeout=120))
+    assert "device_capacity 256.00 MiB (the default) is smaller" in line
+    assert f"block_tokens 100000000 in {blocks}" in line and "--block-tokens" not in line
+    line = _error_line(run_kvtier(command, "--config", str(blocks), "--kv-cache", "1GiB", *extra, timeout=120))
+    assert line.startswith("kvtier: error: --kv-cache 1.00 GiB is smaller") and f"block_tokens 100000000 in {blocks}" in line
+
+
+def test_check_capacities_names_flags_file_keys_and_defaults(tmp_path):
+    import argparse
+
+    from kvtier.engine.generate_cli import cache_config, check_capacities
+
+    f = tmp_path / "kv.toml"
+    f.write_text('device_capacity = "1KiB"\nhost_capacity = 5\n')
+    args = argparse.Namespace(config=str(f), block_tokens=None, kv_cache=None, host_cache=None, disk=None,
+                              disk_cache=None)
+    cache, sources = cache_config(args)
+    with pytest.raises(kvtier.ConfigError) as e:
+        check_capacities(cache, 4096, sources)
+    assert str(e.value).startswith(f"device_capacity 1.00 KiB in {f} is smaller") and "--kv-cache" not in str(e.value)
+    args.kv_cache, args.block_tokens = 1 << 20, 32
+    cache, sources = cache_config(args)
+    with pytest.raises(kvtier.ConfigError) as e:
+        check_capacities(cache, 4096, sources)
+    assert str(e.value).startswith(f"host_capacity 5 B in {f} is smaller") and "at --block-tokens 32" in str(e.value)
+    args.host_cache = 8 << 20                  # the flag over the file
+    cache, sources = cache_config(args)
+    check_capacities(cache, 4096, sources)
+    args.kv_cache = 1024
+    cache, sources = cache_config(args)
+    with pytest.raises(kvtier.ConfigError, match=r"^--kv-cache 1.00 KiB is smaller"):
+        check_capacities(cache, 4096, sources)
+
+
+@pytest.mark.parametrize("text", ['host_capacity = 0', 'host_capacity = "none"', 'host_capacity = "None"',
+                                  'host_capacity = "0"', 'host_capacity = " none "'])
+def test_a_toml_file_can_say_no_host_tier_as_the_flag_does(tmp_path, text):
+    f = tmp_path / "kv.toml"
+    f.write_text(text + "\n")
+    assert StoreConfig.from_file(f).host_capacity is None
+    assert StoreConfig.from_file(f) == StoreConfig(host_capacity=None)
+    assert StoreConfig.from_command(str(f), {})[0].host_capacity is None
+
+
+def test_no_host_tier_from_json_null_and_from_the_flag_and_a_flag_over_it(tmp_path):
+    j = tmp_path / "kv.json"
+    j.write_text(json.dumps({"host_capacity": None}))
+    assert StoreConfig.from_file(j).host_capacity is None
+    for given in (0, "none"):
+        assert StoreConfig.from_command(None, {"host_capacity": ("--host-cache", given)})[0].host_capacity is None
+    t = tmp_path / "kv.toml"
+    t.write_text("host_capacity = 0\n")
+    config, sources = StoreConfig.from_command(str(t), {"host_capacity": ("--host-cache", 8 << 20)})
+    assert config.host_capacity == 8 << 20 and sources.describe("host_capacity", "8 MiB") == "--host-cache 8 MiB"
+
+
+@pytest.mark.parametrize("value", ["false", "true", '"lots"', "-1", '"nothing"'])
+def test_other_host_capacities_are_not_read_as_no_host_tier(tmp_path, value):
+    f = tmp_path / "kv.toml"
+    f.write_text(f"host_capacity = {value}\n")
+    with pytest.raises(kvtier.ConfigError, match="host_capacity") as e:
+        StoreConfig.from_file(f)
+    assert str(f) in str(e.value)
+
+
+def test_generate_runs_without_a_host_tier_from_a_toml_file(tmp_path):
+    f = tmp_path / "kv.toml"
+    f.write_text('host_capacity = 0\ndevice_capacity = "4MiB"\n')
+    r = run_kvtier("generate", "--prompt", "hi", "--max-tokens", "1", "--json", "--config", str(f))
+    assert r.returncode == 0, r.stderr
+    f.write_text('host_capacity = "none"\ndevice_capacity = "4MiB"\n')
+    r = run_kvtier("generate", "--prompt", "hi", "--max-tokens", "1", "--json", "--config", str(f))
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"disk_direct": 1}, "disk_direct must be true, false or null"),
+    ({"disk_direct": 0}, "disk_direct must be true, false or null"),
+    ({"write_through": 1}, "write_through must be true or false"),
+    ({"promote": 0}, "promote must be true or false"),
+    ({"pin_ttl": float("inf")}, "pin_ttl must be a finite number"),
+    ({"pin_ttl": float("-inf")}, "pin_ttl must be a finite number"),
+    ({"pin_ttl": float("nan")}, "pin_ttl must be a finite number"),
+    ({"pin_budget": float("nan")}, r"pin_budget must be a number in \[0, 0.9\]"),
+    ({"pin_budget": float("inf")}, r"pin_budget must be a number in \[0, 0.9\]"),
+])
+def test_booleans_are_booleans_and_numbers_are_finite(settings, match):
+    with pytest.raises(kvtier.ConfigError, match=match):
+        StoreConfig.from_dict(settings)
+    with pytest.raises(kvtier.ConfigError, match=match):
+        StoreConfig(**settings)
+
+
+def test_real_booleans_and_null_disk_direct_still_work():
+    for v in (True, False, None):
+        assert StoreConfig(disk_direct=v).disk_direct is v
+    assert StoreConfig.from_dict({"write_through": True, "promote": False, "pin_ttl": 1e9}).pin_ttl == 1e9
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("kv.toml", "disk_direct = 1", "disk_direct must be true, false or null"),
+    ("kv.toml", "write_through = 1", "write_through must be true or false"),
+    ("kv.toml", "pin_ttl = inf", "pin_ttl must be a finite number"),
+    ("kv.toml", "pin_budget = nan", "pin_budget must be a number in"),
+    ("kv.json", '{"pin_ttl": Infinity}', "pin_ttl must be a finite number"),
+    ("kv.toml", 'host_capacity = "lots"', "host_capacity: cannot parse size 'lots'"),
+])
+def test_cli_refuses_bad_file_values_naming_the_file(tmp_path, name, text, match):
+    f = tmp_path / name
+    f.write_text(text + "\n")
+    assert_one_line_error(run_kvtier("generate", "--prompt", "hi", "--max-tokens", "1", "--config", str(f)), 2,
+                          match, str(f))
+
+
+def test_serve_pin_ttl_flag_must_be_finite():
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    r = run_kvtier("serve", "--port", "0", "--pin-ttl", "inf", timeout=120)   # refused before the model loads
+    assert_one_line_error(r, 2, "--pin-ttl", "finite")

@@ -304,6 +304,10 @@ def test_sigterm_drains_then_exits_zero(cluster):
     (["--port", "99999"], "--port"),
     (["--model", "no-such-preset"], "no-such-preset"),
     (["--kv-cache", "1KiB"], "--kv-cache"),
+    (["--secret-file", "/nonexistent/secret"], "cluster mode"),         # read by nothing: said, not ignored
+    (["--host", "192.0.2.1"], "give --host one of this machine's addresses"),
+    (["--device", "foo"], "--device foo"),                              # found before `listening on`
+    (["--kv-cache", "1000TiB"], "memory available"),
 ])
 def test_cli_bad_input_is_one_line(args, needle):
     r = run_kvtier("serve", *args, timeout=120)

@@ -4,6 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.config import SettingSources, StoreConfig
 
 HELP = "generate text with the reference Kimi-class engine (MLA + MoE) over a kvtier store"
 
@@ -120,17 +124,34 @@ def kv_block_bytes(config, dtype: str | None, block_tokens: int) -> int:
                         compute_dtype(dtype, c)).block_bytes
 
 
-def check_capacities(cache, block_bytes: int) -> None:
-    """Each cache tier holds at least one block of this model."""
+CACHE_FLAGS = {"block_tokens": "--block-tokens", "device_capacity": "--kv-cache", "host_capacity": "--host-cache",
+               "disk_path": "--disk", "disk_capacity": "--disk-cache"}   # StoreConfig field -> its flag here
+
+
+def cache_config(args: argparse.Namespace, **more: tuple[str, Any]) -> tuple[StoreConfig, SettingSources]:
+    """The store config of `generate` or `serve`: --config's file (or the defaults) under the
+    cache flags given (--host-cache 0 / none: no host tier), and where each setting came from."""
+    from kvtier.config import StoreConfig
+
+    flags = {name: (flag, getattr(args, flag[2:].replace("-", "_"))) for name, flag in CACHE_FLAGS.items()}
+    return StoreConfig.from_command(args.config, {**flags, **more})
+
+
+def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSources | None = None) -> None:
+    """Each cache tier holds at least one block of this model. `sources` (a SettingSources)
+    names each setting as the user gave it: a flag, a key of their config file, a default."""
+    from kvtier.config import SettingSources
     from kvtier.errors import ConfigError
     from kvtier.units import format_bytes, parse_bytes
 
-    for option, value in (("--kv-cache", cache.device_capacity), ("--host-cache", cache.host_capacity),
-                          ("--disk-cache", cache.disk_capacity if cache.disk_path else None)):
+    sources = sources or SettingSources(CACHE_FLAGS, frozenset(CACHE_FLAGS))
+    for name, value in (("device_capacity", cache.device_capacity), ("host_capacity", cache.host_capacity),
+                        ("disk_capacity", cache.disk_capacity if cache.disk_path else None)):
         if value is not None and parse_bytes(value) < block_bytes:
-            raise ConfigError(f"{option} {format_bytes(parse_bytes(value))} is smaller than one KV block of this "
-                              f"model ({block_bytes} bytes = {format_bytes(block_bytes)} at --block-tokens "
-                              f"{cache.block_tokens}): give at least that much")
+            raise ConfigError(f"{sources.describe(name, format_bytes(parse_bytes(value)))} is smaller than one KV "
+                              f"block of this model ({block_bytes} bytes = {format_bytes(block_bytes)} at "
+                              f"{sources.describe('block_tokens', str(cache.block_tokens))}): give "
+                              f"{sources.setter(name)} at least that much, or fewer tokens per block")
 
 
 def _default(name: str) -> str:
@@ -139,7 +160,6 @@ def _default(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import StoreConfig
     from kvtier.engine import LLM, SamplingParams
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
@@ -159,12 +179,9 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_config is not None:
         from kvtier.engine.spec import SpeculativeConfig
         spec = SpeculativeConfig.from_json(args.speculative_config)
-    cache = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, device_capacity=args.kv_cache,
-                                 disk_path=args.disk, disk_capacity=args.disk_cache)
-    if args.host_cache is not None:
-        cache = cache.replace(host_capacity=args.host_cache or None)      # 0 / none: no host tier
+    cache, sources = cache_config(args)
     check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
-                                            args.dtype, cache.block_tokens))
+                                            args.dtype, cache.block_tokens), sources)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -130,6 +131,9 @@ def _listen(host: str, port: int) -> Any:
         sock.listen(2048)
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:     # the host is not one of this machine's addresses
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; give --host one of this machine's "
+                              "addresses (127.0.0.1, or 0.0.0.0 for all of them)") from None
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
                           "(0 picks a free one)") from None
     sock.set_inheritable(True)
@@ -142,6 +146,9 @@ def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
     if not disagg and not args.peers and not args.directory and not args.kv_listen:
         if args.advertise:
             raise ConfigError("--advertise is for cluster mode: add --directory")
+        if args.secret_file is not None:
+            raise ConfigError("--secret-file is for cluster mode (--peers, --directory, --kv-listen or --role "
+                              "prefill/decode): add one, or leave --secret-file out")
         return None
     from kvtier.node_cli import read_secret
     if args.peers and args.directory:
@@ -211,19 +218,16 @@ class _QuietSignals:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import StoreConfig
-    from kvtier.engine.generate_cli import check_capacities, kv_block_bytes, model_config
+    from kvtier.engine.generate_cli import cache_config, check_capacities, kv_block_bytes, model_config
 
     _need_serve_extra()
     name = _served_name(args)
-    cache = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, device_capacity=args.kv_cache,
-                                 disk_path=args.disk, disk_capacity=args.disk_cache, pin_ttl=args.pin_ttl)
-    if args.host_cache is not None:
-        cache = cache.replace(host_capacity=args.host_cache or None)
-    check_capacities(cache, kv_block_bytes(model_config(args.model), args.dtype, cache.block_tokens))
+    cache, sources = cache_config(args, pin_ttl=("--pin-ttl", args.pin_ttl))
+    check_capacities(cache, kv_block_bytes(model_config(args.model), args.dtype, cache.block_tokens), sources)
     if args.speculative_config is not None:           # a bad config fails here, before the model loads
         from kvtier.engine.spec import SpeculativeConfig
         args.speculative = SpeculativeConfig.from_json(args.speculative_config)
+    _check_before_listening(args, cache, sources)
     cluster = _cluster(args)
     sock = _listen(args.host, args.port)
     if cluster is not None and args.role != "both":
@@ -237,6 +241,33 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, name, cache, cluster, sock)
     finally:
         sock.close()
+
+
+def _check_before_listening(args: argparse.Namespace, cache: Any, sources: Any) -> None:
+    """What would make the engine fail after `listening on` is printed, found before: the
+    device, a --disk that is a file, memory tiers larger than this machine's memory."""
+    from pathlib import Path
+
+    from kvtier.tiers.device import resolve_device
+    from kvtier.tiers.memory import too_large
+    from kvtier.units import parse_bytes
+
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as e:
+        raise ConfigError(f"--device {args.device}: {e}") from None
+    if cache.disk_path is not None and Path(cache.disk_path).exists() and not Path(cache.disk_path).is_dir():
+        raise ConfigError(f"the disk tier path {cache.disk_path} is a file: give a directory (it is created if "
+                          "missing)")
+    from kvtier.units import format_bytes
+
+    memory = [("host_capacity", cache.host_capacity)] + ([("device_capacity", cache.device_capacity)]
+                                                          if device.type == "cpu" else [])
+    for name, value in memory:                      # named as the user gave it: a flag, a file's key
+        err = too_large(sources.describe(name, format_bytes(parse_bytes(value))), parse_bytes(value)) \
+            if value is not None else None
+        if err is not None:
+            raise err
 
 
 def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None, sock: Any) -> int:
