@@ -142,7 +142,9 @@ def read_secret(path: str | None) -> bytes:
     else:
         secret = os.environ.get("KVTIER_SECRET", "").encode()
     if len(secret) < 16:
-        raise ConfigError("a node needs the cluster's shared secret, at least 16 bytes: "
+        where = f"the secret file {path} holds {len(secret)} bytes" if path else \
+            ("KVTIER_SECRET holds " + f"{len(secret)} bytes" if secret else "no --secret-file or KVTIER_SECRET given")
+        raise ConfigError(f"a node needs the cluster's shared secret, at least 16 bytes ({where}): "
                           "--secret-file FILE or KVTIER_SECRET=...")
     return secret
 

@@ -17,6 +17,11 @@ from conftest import REPO, assert_one_line_error, run_kvtier as kvtier
 # Far beyond any machine's memory: must fail at once with one line, never try to allocate.
 HUGE = str(2**50)
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 USAGE_ERRORS = [
     # bench tiers
     (["bench", "tiers", "--block-bytes", "0"], ["--block-bytes"]),
@@ -97,6 +102,9 @@ USAGE_ERRORS = [
      ["--disk-cache", "smaller than one KV block"]),
     (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
     (["generate"], ["--prompt"]),
+    (["generate", "--prompt-ids", "1,abc,3"], ["--prompt-ids", "'abc'"]),
+    (["generate", "--prompt", "hi", "--device", "cuda:0"] if not _cuda() else ["generate", "--device", "cuda:99"],
+     ["cuda"]),
 ]
 
 

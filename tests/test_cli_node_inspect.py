@@ -81,6 +81,15 @@ def test_node_bad_options_are_one_line(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_a_short_secret_says_how_short(tmp_path):
+    short = tmp_path / "short.secret"
+    short.write_bytes(b"12345")
+    r = run_kvtier(*NODE, "--secret-file", str(short), env=ENV, timeout=120)
+    assert_one_line_error(r, 2, "at least 16 bytes", f"{short} holds 5 bytes")
+    r = run_kvtier(*NODE, env={k: v for k, v in ENV.items() if k != "KVTIER_SECRET"}, timeout=120)
+    assert_one_line_error(r, 2, "no --secret-file or KVTIER_SECRET given")
+
+
 def test_node_port_in_use_is_one_line():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]

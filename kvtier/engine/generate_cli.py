@@ -168,10 +168,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --prompt TEXT (or --prompt-ids 1,2,3)")
     prompts: list = list(args.prompt or [])
     if args.prompt_ids is not None:
-        try:
-            prompts.append([int(t) for t in args.prompt_ids.split(",") if t.strip()])
-        except ValueError as e:
-            raise ConfigError(f"--prompt-ids must be comma-separated integers: {e}") from e
+        ids = []
+        for t in (t.strip() for t in args.prompt_ids.split(",")):
+            try:
+                ids += [int(t)] if t else []
+            except ValueError:
+                raise ConfigError(f"--prompt-ids must be comma-separated integers, e.g. 1,2,3; got {t!r}") from None
+        prompts.append(ids)
     if args.session is not None and not args.session.strip():
         raise ConfigError("--session needs a non-empty id, e.g. --session agent-42")
     source = args.model or args.preset or "kimi-tiny"

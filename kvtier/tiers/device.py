@@ -42,7 +42,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda":
         if not _cuda_ready():
             raise ConfigError(f"device {device!r} asked for CUDA but torch sees no CUDA device here: "
-                              "pass device=None (cuda when present, else cpu) or device='cpu'")
+                              "leave the device unset (CUDA when present, else the CPU) or give 'cpu'")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.index >= torch.cuda.device_count():

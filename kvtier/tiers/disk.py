@@ -136,7 +136,7 @@ class DiskTier(Tier):
             os.close(self._lock_fd)
             self._lock_fd = -1
             raise ConfigError(f"disk tier {self.path} is in use by another process; give each "
-                              "store its own directory (or open it read_only=True to inspect)") from None
+                              f"store its own directory (`kvtier inspect {self.path}` reads it while in use)") from None
 
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"
