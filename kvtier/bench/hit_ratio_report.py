@@ -136,10 +136,11 @@ def notes(tr: Trace, rows: Sequence[Row]) -> list[str]:
     online = {p: hits for p, hits in by_pol.items() if p != "belady"}
     if len(online) > 1:
         worst = (0.0, DEFAULT_POLICY, "")
-        for k, v in mine.items():
+        for k, v in mine.items():              # from the figures as the table shows them
             top = max(online, key=lambda p: online[p].get(k, -1.0))
-            if online[top][k] - v > worst[0]:
-                worst = (online[top][k] - v, top, k[0])
+            gap = round(online[top][k], DIGITS) - round(v, DIGITS)
+            if gap > worst[0]:
+                worst = (gap, top, k[0])
         if round(worst[0], DIGITS) > 0:
             said.append(f"at most {worst[0]:.4f} below the best online policy shown ({worst[1]} at {worst[2]})")
         else:
