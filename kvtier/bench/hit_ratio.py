@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             runs.append((tr, rows))
             for cap in caps:
                 asked = cap.blocks_for(tr.unique_blocks, block_bytes)
+                at_cap: list[Row] = []
                 for pol in policies:
                     bar.describe(f"{tr.name} {pol} {cap.text}")
                     done = [0]
@@ -182,9 +183,14 @@ def run(args: argparse.Namespace) -> int:
                     bar.advance(len(tr) - done[0])
                     row = Row(cap.text, asked, r)
                     rows.append(row)
-                    if args.json:
-                        print(json.dumps({**r.to_json(), "capacity": cap.text, "capacity_clamped": row.clamped}),
-                              flush=True)
+                    at_cap.append(row)
+                if args.json:        # a capacity's rows together: "of bound" needs its belady row
+                    bound = next((x.result.prefix_hit_ratio for x in at_cap if x.result.offline), None)
+                    for row in at_cap:
+                        r = row.result
+                        of = round(r.prefix_hit_ratio / bound, 6) if bound and not r.offline else None
+                        print(json.dumps({**r.to_json(), "capacity": cap.text, "capacity_clamped": row.clamped,
+                                          "of_bound": of}), flush=True)
     if not args.json:
         print_report(runs, block_bytes)
     if args.plot:

@@ -30,7 +30,7 @@ How to read the table:
   belady      the offline bound (Belady's MIN evicts the block needed furthest in the future):
               no real cache can do better
   of bound    prefix hit / belady's prefix hit at the same capacity
---json prints every figure (evictions too) as one JSON object per row."""
+--json prints every row's figures (evictions and of_bound too) as one JSON object per row."""
 
 
 @dataclass(slots=True)
