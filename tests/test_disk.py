@@ -96,8 +96,11 @@ def test_write_through_keeps_a_disk_copy_of_every_put(tmp_path):
 
 def test_another_layout_or_namespace_is_refused(tmp_path):
     open_store(tmp_path / "kv").close()
-    with pytest.raises(ConfigError, match="another layout.*kvtier inspect"):
+    with pytest.raises(ConfigError, match="another layout.*kvtier inspect") as e:
         open_store(tmp_path / "kv", layout=ODD)
+    differ = [k for k in LAYOUT.to_dict() if LAYOUT.to_dict()[k] != ODD.to_dict().get(k)]
+    assert differ and all(k in str(e.value) for k in differ)                 # says which fields differ
+    assert "{" not in str(e.value)                                            # and not as two whole dicts
     with pytest.raises(ConfigError, match="by model 'disk-test' revision 'r1'.*this store is model 'other-model'"):
         open_store(tmp_path / "kv", ns=kvtier.Namespace("other-model"))
     open_store(tmp_path / "kv").close()   # the right store still opens it

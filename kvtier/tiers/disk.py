@@ -181,6 +181,11 @@ class DiskTier(Tier):
                     what = (f"by model {have.get('namespace', {}).get('model')!r} revision "
                             f"{have.get('namespace', {}).get('revision')!r}; this store is model "
                             f"{want.get('namespace', {}).get('model')!r} revision {want.get('namespace', {}).get('revision')!r}")
+                elif field == "layout" and isinstance(have.get(field), dict) and isinstance(want.get(field), dict):
+                    diff = [f"{k} {have[field].get(k)!r}, this store's {want[field].get(k)!r}"
+                            for k in sorted(set(have[field]) | set(want[field]))
+                            if have[field].get(k) != want[field].get(k)]
+                    what = f"with another layout ({'; '.join(diff)})"
                 else:
                     what = f"with another {field} ({have.get(field)!r}, this store has {want.get(field)!r})"
                 raise ConfigError(
