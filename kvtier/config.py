@@ -78,7 +78,7 @@ class StoreConfig:
             raise ConfigError(f"hash must be one of {', '.join(HASHES)}, got {self.hash!r}")
         for name, what in (("pin_budget", "a number in [0, 0.9]"), ("pin_ttl", "a finite number of seconds > 0")):
             v = getattr(self, name)
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)
                     or not (0 <= v <= 0.9 if name == "pin_budget" else v > 0)):
                 raise ConfigError(f"{name} must be {what}, got {v!r}")
 
@@ -192,6 +192,15 @@ class SettingSources:
         if name in self.in_file:
             return name
         return f"{flag} (or {name} in a --config file)"
+
+
+def _finite(v: int | float) -> bool:
+    """A float that is not NaN or infinite, or an int a float can hold (pin_ttl is added to
+    time.time(): a 400-digit int would overflow there)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def no_host_tier(value: Any) -> bool:

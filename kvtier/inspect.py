@@ -32,6 +32,7 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     import lmdb
 
     from kvtier.tiers.disk import read_directory
+    from kvtier.tiers.lmdb_check import shortfall
 
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist: give the directory of a disk tier (the path given to "
@@ -45,7 +46,9 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     except ConfigError:
         raise                 # not a disk tier directory: read_directory says so
     except lmdb.Error as e:
-        what = f"the disk tier index {index} is damaged ({e})"
+        short = shortfall(Path(index))
+        cut = f"; data.mdb is {short[0]} bytes, its newest transaction uses {short[1]}: cut short" if short else ""
+        what = f"the disk tier index {index} is damaged ({e}{cut})"
         if _store_recovers(index):
             raise KvtierError(f"{what}: opening a store on {path} moves it aside (index.lmdb.damaged-TIME) "
                               "and starts the tier empty") from None
@@ -65,9 +68,9 @@ def _store_recovers(index: str) -> bool:
     import lmdb
 
     from kvtier.tiers.disk import _CORRUPT
-    from kvtier.tiers.lmdb_check import truncation
+    from kvtier.tiers.lmdb_check import shortfall
 
-    if truncation(Path(index)) is not None:      # the store's own check, before lmdb maps it
+    if shortfall(Path(index)) is not None:       # a store rewrites a short index: damage fails that
         return True
     try:
         env = lmdb.open(index, readonly=True, lock=False, max_dbs=4, subdir=True)
@@ -99,10 +102,9 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
         return len(ordered)           # no bytes at all: a store reads every block as a miss
     bad = 0
     try:
-        fd = os.open(slab, os.O_RDONLY)
-        if not os.path.isfile(slab):
-            os.close(fd)
+        if not os.path.isfile(slab):     # before opening: a FIFO's open would wait for a writer
             raise IsADirectoryError(errno.EISDIR, "not a regular file")
+        fd = os.open(slab, os.O_RDONLY)
     except OSError as e:
         raise KvtierError(f"cannot read the slab file {slab}: {e.strerror}; a store cannot open this tier "
                           "either: move the directory aside") from None

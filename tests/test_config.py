@@ -208,6 +208,7 @@ def test_generate_runs_without_a_host_tier_from_a_toml_file(tmp_path):
     ({"promote": 0}, "promote must be true or false"),
     ({"pin_ttl": float("inf")}, "pin_ttl must be a finite number"),
     ({"pin_ttl": float("-inf")}, "pin_ttl must be a finite number"),
+    ({"pin_ttl": 10 ** 400}, "pin_ttl must be a finite number"),          # past a float: time.time() + it fails
     ({"pin_ttl": float("nan")}, "pin_ttl must be a finite number"),
     ({"pin_budget": float("nan")}, r"pin_budget must be a number in \[0, 0.9\]"),
     ({"pin_budget": float("inf")}, r"pin_budget must be a number in \[0, 0.9\]"),

@@ -81,9 +81,12 @@ def _device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
 
 
-# Buffers of one operation's bytes the benchmark holds at once on a CPU: the engine's pages
-# (twice the pages the requests use), the host tier (two rounds of saves) and the memcpy's two.
+# Buffers of one operation's bytes the benchmark holds in host memory at once. On a CPU: the
+# engine's pages (twice the pages the requests use), the host tier (two rounds of saves) and
+# the memcpy's two. On a GPU the pages and the device tier are in its memory: the pinned host
+# tier and the pinned baseline stay.
 HOLDS = 6
+HOLDS_WITH_GPU = 3
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = page_sizes(args.page_tokens)
     device = _device(args.device)
     args.disk = existing_dir("--disk", args.disk)
-    _check_memory(args)
+    _check_memory(args, HOLDS_WITH_GPU if device.type == "cuda" else HOLDS)
     quiet_threads()
     rows: list[dict[str, Any]] = []
     hint = "give fewer --requests, --prompt-tokens or --layers"
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_memory(args: argparse.Namespace) -> None:
+def _check_memory(args: argparse.Namespace, holds: int) -> None:
     """Refuse, before allocating any of it, a run whose buffers this machine's memory cannot
     hold (touching them would bring the kernel's OOM killer, not an error)."""
     from kvtier.errors import ConfigError
@@ -119,9 +122,9 @@ def _check_memory(args: argparse.Namespace) -> None:
 
     per_op = args.requests * args.prompt_tokens * args.layers * 2 * args.kv_heads * args.head_dim * 2   # bf16 K and V
     avail, _ = memory_available()
-    if avail is not None and HOLDS * per_op > avail:
-        raise ConfigError(f"bench adapter holds about {HOLDS} x {format_bytes(per_op)} (the bytes one operation "
-                          f"moves), {format_bytes(HOLDS * per_op)}, but this machine has {format_bytes(avail)} of "
+    if avail is not None and holds * per_op > avail:
+        raise ConfigError(f"bench adapter holds about {holds} x {format_bytes(per_op)} (the bytes one operation "
+                          f"moves), {format_bytes(holds * per_op)}, but this machine has {format_bytes(avail)} of "
                           "memory available: give fewer --requests, --prompt-tokens or --layers")
 
 

@@ -18,6 +18,8 @@ import fcntl
 import logging
 import mmap
 import os
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -33,7 +35,7 @@ from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
 from kvtier.tiers.base import PendingWrite, Tier
-from kvtier.tiers.lmdb_check import truncation
+from kvtier.tiers.lmdb_check import extend, readable_copy
 from kvtier.units import format_bytes
 
 log = logging.getLogger("kvtier.disk")
@@ -84,6 +86,7 @@ class DiskTier(Tier):
         self._fd = -1
         self._lock_fd = -1
         self._env: lmdb.Environment | None = None
+        self._scratch: str | None = None       # read-only: where a short index was copied to be read
         self._db = None
         self._pool: ThreadPoolExecutor | None = None
         self._staging: list[mmap.mmap] = []
@@ -141,12 +144,25 @@ class DiskTier(Tier):
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"
         try:
-            cut = truncation(where)               # lmdb would map it and die of SIGBUS on a read
-            if cut is not None:
-                raise lmdb.CorruptedError(cut)
-            self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
-                                  metasync=False, readonly=self.read_only, lock=not self.read_only)
+            # A data.mdb shorter than its newest transaction (LMDB leaves pages freed in the
+            # transaction that took them unwritten; or the file was cut) would be mapped and
+            # kill the process with SIGBUS on a read past its end (kvtier.tiers.lmdb_check).
+            if self.read_only:
+                self._scratch = tempfile.mkdtemp(prefix="kvtier-index-")
+                at = readable_copy(where, Path(self._scratch))
+                self._env = lmdb.open(str(at), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
+                                      lock=False)
+            else:
+                grown = extend(where)
+                self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
+                                      metasync=False)
+                if grown is not None:
+                    self._compact(where, grown)
         except _CORRUPT as e:
+            if self._env is not None:
+                self._env.close()
+                self._env = None
+            shutil.rmtree(where.with_name("index.lmdb.compact"), ignore_errors=True)
             if self.read_only:
                 raise ConfigError(f"the disk tier index in {self.path} is damaged: {e}") from None
             # A cache may forget: set the damaged index aside and start empty (the slab's
@@ -160,6 +176,26 @@ class DiskTier(Tier):
             raise ConfigError(f"cannot open the disk tier index in {self.path}: {e}") from None
         self._meta_db = self._env.open_db(_META, create=not self.read_only)
         self._db = self._env.open_db(b"blocks", create=not self.read_only)
+
+    def _compact(self, where: Path, grown: tuple[int, int]) -> None:
+        """Rewrite an index that was shorter than its newest transaction as a compact copy
+        (every referenced page read, none past the end, the free list rebuilt): a page lost
+        from it raises MDB_CORRUPTED here (the index is damaged), not on some later write."""
+        fresh = where.with_name("index.lmdb.compact")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        assert self._env is not None
+        self._env.copy(str(fresh), compact=True)
+        self._env.close()
+        self._env = None
+        old = where.with_name("index.lmdb.short")
+        shutil.rmtree(old, ignore_errors=True)
+        where.rename(old)
+        fresh.rename(where)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("disk tier %s: index was %d bytes, its newest transaction uses %d; rewritten compact",
+                 self.path, *grown)
+        self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
 
     def _check_meta(self, slots: int, block_bytes: int) -> None:
         with self._env.begin(db=self._meta_db) as txn:
@@ -529,6 +565,9 @@ class DiskTier(Tier):
         for b in self._staging:
             b.close()
         self._staging = []
+        if self._scratch is not None:            # a read-only tier's copy of a short index
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
@@ -539,13 +578,16 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
         what = "its index.lmdb is a file, not LMDB's directory" if (path / "index.lmdb").exists() else \
             "no index.lmdb there"
         raise ConfigError(f"{path} holds no kvtier disk tier ({what})")
-    cut = truncation(path / "index.lmdb")         # lmdb would map it and die of SIGBUS on a read
-    if cut is not None:
-        raise lmdb.CorruptedError(cut)
+    with tempfile.TemporaryDirectory(prefix="kvtier-index-") as scratch:
+        return _read_index(path, readable_copy(path / "index.lmdb", Path(scratch)))
+
+
+def _read_index(path: Path, index: Path) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
+    """read_directory's reading, from `index` (the tier's, or a readable copy of it)."""
     try:   # register as a reader, so a running writer does not reuse the pages being read
-        env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=True, max_dbs=4, subdir=True)
+        env = lmdb.open(str(index), readonly=True, lock=True, max_dbs=4, subdir=True)
     except lmdb.Error:   # no write access to the lock file: read without it (a live writer may race)
-        env = lmdb.open(str(path / "index.lmdb"), readonly=True, lock=False, max_dbs=4, subdir=True)
+        env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=4, subdir=True)
     try:
         meta_db, db = env.open_db(_META, create=False), env.open_db(b"blocks", create=False)
         with env.begin() as txn:
