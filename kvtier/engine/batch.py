@@ -89,14 +89,19 @@ def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, pages: torch.
     dev, bt, layers = kv_pool.device, kv_pool.shape[2], kv_pool.shape[1]
     b, keys = input_ids.shape[0], pages.shape[1] * bt
     kpos = torch.arange(keys, device=dev)
-    kp = torch.minimum(kpos[None, :], positions[:, None])                            # [B, K]
-    key_rows = pages.gather(1, kp // bt) * (layers * bt) + kp % bt
+    key_rows = pool_rows(pages, torch.minimum(kpos[None, :], positions[:, None]), bt, layers)   # [B, K]
     mask = (kpos[None, :] <= positions[:, None])[:, None, :]                          # [B, 1, K]
-    write = pages.gather(1, (positions // bt)[:, None]).view(-1) * (layers * bt) + positions % bt
+    write = pool_rows(pages, positions[:, None], bt, layers).view(-1)
     rows = torch.arange(b, device=dev)
     group = AttnGroup(list(range(b)), rows[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev), key_rows, mask,
                       False, None, None)
     return StepBatch(input_ids, positions, [], rows, groups=[("absorbed", group)], memo={"write_rows": write})
+
+
+def pool_rows(pages: torch.Tensor, pos: torch.Tensor, bt: int, layers: int) -> torch.Tensor:
+    """Layer 0's row in the pool (viewed as [slots * layers * bt, width]) of token position
+    pos[i, j] of the sequence whose pages are pages[i]."""
+    return pages.gather(1, pos // bt) * (layers * bt) + pos % bt
 
 
 def page_table(seqs: list[SeqSlice], device: torch.device) -> torch.Tensor:
@@ -117,7 +122,7 @@ def attn_group(batch: StepBatch, index: list[int], kv_pool: torch.Tensor) -> Att
     kpos = torch.arange(k_max, device=dev)
     kp = torch.minimum(kpos[None, :], total[:, None] - 1)                                 # [B, K]
     pages = page_table(seqs, dev)
-    key_rows = pages.gather(1, kp // bt) * (layers * bt) + kp % bt
+    key_rows = pool_rows(pages, kp, bt, layers)
     if q_max == 1:
         mask = None if bool((total == k_max).all()) else (kpos[None, None, :] < total[:, None, None])
     else:

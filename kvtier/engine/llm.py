@@ -117,7 +117,6 @@ class LLM:
         self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
                                    pin_ttl=cache.pin_ttl)
         self.runner = ModelRunner(self.model, self.adapter.pool())
-        self._max_seqs = max_seqs
         self._lent: list[int] = []                # pages the engine itself holds (the graphs' scratch page)
         try:
             if cuda_graphs or (cuda_graphs is None and on_gpu and not mtp):
@@ -150,7 +149,8 @@ class LLM:
         if page is None:
             raise ConfigError("no free KV page for the CUDA graphs' scratch page: give the engine a larger kv_cache")
         self._lent += page
-        self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_pool, page[0], self._max_seqs, capture)
+        self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_pool, page[0], self.scheduler.max_seqs,
+                                         capture)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

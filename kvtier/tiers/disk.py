@@ -19,7 +19,6 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -148,9 +147,9 @@ class DiskTier(Tier):
             # transaction that took them unwritten; or the file was cut) would be mapped and
             # kill the process with SIGBUS on a read past its end (kvtier.tiers.lmdb_check).
             if self.read_only:
-                self._scratch = tempfile.mkdtemp(prefix="kvtier-index-")
-                at = readable_copy(where, Path(self._scratch))
-                self._env = lmdb.open(str(at), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
+                copy = readable_copy(where)
+                self._scratch = str(copy) if copy is not None else None
+                self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
             else:
                 grown = extend(where)
@@ -578,8 +577,12 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
         what = "its index.lmdb is a file, not LMDB's directory" if (path / "index.lmdb").exists() else \
             "no index.lmdb there"
         raise ConfigError(f"{path} holds no kvtier disk tier ({what})")
-    with tempfile.TemporaryDirectory(prefix="kvtier-index-") as scratch:
-        return _read_index(path, readable_copy(path / "index.lmdb", Path(scratch)))
+    copy = readable_copy(path / "index.lmdb")
+    try:
+        return _read_index(path, copy or path / "index.lmdb")
+    finally:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def _read_index(path: Path, index: Path) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 MAGIC = 0xBEEFC0DE
@@ -65,13 +66,14 @@ def extend(index_dir: Path) -> tuple[int, int] | None:
     return short
 
 
-def readable_copy(index_dir: Path, scratch: Path) -> Path:
-    """`index_dir` itself when lmdb can map it as it is, else a copy of its data.mdb in
-    `scratch` (an empty directory) made as long as its newest transaction uses: a reader
-    that must not write the tier's files opens that instead."""
+def readable_copy(index_dir: Path) -> Path | None:
+    """None when lmdb can map `index_dir` as it is, else a new temporary directory (the
+    caller removes it) holding a copy of its data.mdb made as long as its newest transaction
+    uses: a reader that must not write the tier's files opens that instead."""
     short = shortfall(index_dir)
     if short is None:
-        return index_dir
+        return None
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-index-"))
     shutil.copyfile(index_dir / "data.mdb", scratch / "data.mdb")
     os.truncate(scratch / "data.mdb", short[1])
     return scratch
