@@ -376,6 +376,19 @@ def test_a_damaged_index_is_forgotten_not_trusted(tmp_path):
     third.close()
 
 
+def test_a_kill_inside_the_index_rewrite_loses_nothing(tmp_path):
+    """A short index is rewritten compact and swapped in by two renames; killed between them,
+    only index.lmdb.short (the old, whole index) is there: the next open takes it back."""
+    store = open_store(tmp_path / "kv")
+    a = store.keys(list(range(4 * LAYOUT.block_tokens)))
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    store.close()
+    (tmp_path / "kv" / "index.lmdb").rename(tmp_path / "kv" / "index.lmdb.short")
+    store = open_store(tmp_path / "kv")
+    assert read(store, a)[0] == 4
+    store.close()
+
+
 def test_a_slab_larger_than_the_free_space_is_refused_before_it_fills_the_disk(tmp_path):
     import shutil
     free = shutil.disk_usage(tmp_path).free

@@ -142,6 +142,9 @@ class DiskTier(Tier):
 
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"
+        short = where.with_name("index.lmdb.short")
+        if not self.read_only and not where.exists() and short.is_dir():
+            short.rename(where)            # killed inside _compact's two renames: the old index is whole
         try:
             # A data.mdb shorter than its newest transaction (LMDB leaves pages freed in the
             # transaction that took them unwritten; or the file was cut) would be mapped and
