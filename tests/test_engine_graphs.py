@@ -142,6 +142,8 @@ def test_cuda_graphs_need_a_gpu():
         pytest.skip("this machine has a GPU: the refusal is for CPU-only machines")
     with pytest.raises(ConfigError, match="CUDA device"):
         LLM("kimi-tiny", cuda_graphs=True)
+    with pytest.raises(ConfigError, match="True, False or None"):
+        LLM("kimi-tiny", cuda_graphs="yes")
 
 
 @pytest.mark.gpu

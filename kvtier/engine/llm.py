@@ -90,6 +90,8 @@ class LLM:
         self.model, self.info = load_model(model, dtype=dtype, device=device, seed=seed, mtp=mtp)
         self.config = self.model.config
         on_gpu = self.model.device.type == "cuda"
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be True, False or None (on with a GPU), got {cuda_graphs!r}")
         if cuda_graphs and not on_gpu:
             raise ConfigError("cuda_graphs=True needs the model on a CUDA device (device='cuda')")
         if cuda_graphs and mtp:
