@@ -50,7 +50,8 @@ def conversation(tokens: int, nonce: str) -> list[dict]:
 
 def serve(kv: str, host: str) -> tuple[subprocess.Popen, str]:
     """A kimi-tiny worker on a free port (one torch thread); (process, its URL)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1",        # this checkout first, then what was on the path
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--model", "kimi-tiny", "--port", "0",
                              "--kv-cache", kv, "--host-cache", host], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)

@@ -1,6 +1,7 @@
 """Shared fixtures: small layouts and stores, one torch thread, the real traces' folder."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,13 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a kvtier child process: this checkout first on PYTHONPATH, ahead of
+    what was there (a machine may bring packages on PYTHONPATH, as the GPU machines do)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 @pytest.fixture

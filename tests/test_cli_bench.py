@@ -103,8 +103,7 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
     (["generate"], ["--prompt"]),
     (["generate", "--prompt-ids", "1,abc,3"], ["--prompt-ids", "'abc'"]),
-    (["generate", "--prompt", "hi", "--device", "cuda:0"] if not _cuda() else ["generate", "--device", "cuda:99"],
-     ["cuda"]),
+    (["generate", "--prompt", "hi", "--device", "cuda:0" if not _cuda() else "cuda:99"], ["cuda"]),
 ]
 
 
@@ -192,7 +191,8 @@ def test_engine_json_keeps_the_structure():
     assert set(ttft) == {"device", "host"}
     assert ttft["host"]["cached_from"].get("host", 0) > 0
     assert sum(ttft["host"]["cached_from"].values()) * 16 == ttft["host"]["cached_tokens"]
-    assert [x["batch"] for x in rows if x["bench"] == "engine-decode"] == [1, 2]
+    decode = [(x["batch"], x["cuda_graphs"]) for x in rows if x["bench"] == "engine-decode"]
+    assert decode == ([(1, "on"), (1, "off"), (2, "on"), (2, "off")] if _cuda() else [(1, "off"), (2, "off")])
     # the part of a cached request's TTFT spent in the scheduler (admission, load start)
     assert all(0 < x["schedule_ms"] < x["ttft_cached_ms"] for x in ttft.values()), ttft
 

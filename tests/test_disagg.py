@@ -6,7 +6,6 @@ a test starts is stopped by it (module fixtures stop theirs at the end)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import assert_one_line_error, run_kvtier  # noqa: E402
+from conftest import assert_one_line_error, child_env, run_kvtier  # noqa: E402
 from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
 from fake_http import FakeServer, JsonHandler, ready  # noqa: E402
 
@@ -35,7 +34,7 @@ class Router:
     """One `kvtier router` subprocess."""
 
     def __init__(self, *args: str, port: int = 0) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = child_env()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--host", "127.0.0.1",
                                       "--port", str(port), "--poll-interval", "0.2", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
@@ -112,7 +111,7 @@ def pd_push(pd):
 
 def _on_port(port: int, *args: str) -> Server:
     s = Server.__new__(Server)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env(OMP_NUM_THREADS="1")
     s.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                                "--model", MODEL, "--kv-cache", "4MiB", "--host-cache", "8MiB", *args],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)

@@ -109,7 +109,7 @@ def test_the_engine_with_static_decode_steps_gives_the_same_tokens():
     prompts, params = _prompts()
     outs, infos = {}, {}
     for static in (False, True):
-        with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None)) as llm:
+        with LLM("kimi-tiny", device="cpu", cache=StoreConfig(host_capacity=None)) as llm:
             if static:
                 llm._start_graphs(capture=False)
             first = llm.generate(prompts, params)
@@ -169,12 +169,13 @@ def test_on_a_gpu_the_padded_step_never_waits_for_the_device(dtype, batch, monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
-@pytest.mark.parametrize("dtype, requests", [(None, 5), ("bfloat16", 5), (None, 33), ("bfloat16", 33)])
+@pytest.mark.parametrize("dtype, requests", [(None, 5), (None, 33)])
 def test_on_a_gpu_decode_graphs_replay_the_padded_steps(dtype, requests):
     """Graphs (on by default on a GPU) against the same padded steps run eagerly: the same
-    tokens. Five requests (every MoE layer runs each expert on every token), and 33 (batch
-    bucket 64: sorted, grouped experts in bf16 on a 9.x/10.x GPU, every expert otherwise).
-    That padded steps give the usual steps' tokens is checked on the CPU above."""
+    tokens, in fp32. Five requests (every MoE layer runs each expert on every token), and 33
+    (batch bucket 64: every expert on every token while capturing fp32). That padded steps
+    give the usual steps' tokens is checked on the CPU above; bf16 is compared step by step
+    below (its greedy tokens part after a few steps: see there)."""
     prompts, params = _prompts()
     prompts, params = (prompts * 7)[:requests], (params * 7)[:requests]
     outs = {}
@@ -187,3 +188,38 @@ def test_on_a_gpu_decode_graphs_replay_the_padded_steps(dtype, requests):
             info = llm.stats()["cuda_graphs"]
             assert info["capture"] is capture and info["failed"] is None and (info["replays"] > 0) is capture, info
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")
+@pytest.mark.parametrize("batch", [5, 33])
+def test_on_a_gpu_a_bf16_graph_replays_the_eager_step_within_rounding(batch):
+    """In bf16 a replayed graph may round differently from the same step run eagerly (cuBLAS
+    picks its kernels with the capture's workspace), and with random weights greedy tokens
+    then part after a few steps (seen on an H200). So bf16 is compared one step at a time:
+    the same logits and pool within bf16 rounding, for two steps through one bucket (the
+    second with new inputs). Batch 33 is bucket 64: grouped experts inside the graph."""
+    from kvtier.engine.graphs import DecodeGraphs, DecodeStep
+
+    config = preset("kimi-tiny").replace(num_hidden_layers=2)
+    model = DeepseekV3(config, random_weights(config, seed=3, std=0.15), dtype=torch.bfloat16, device="cuda")
+    bt, scratch = 16, 127
+    g = torch.Generator().manual_seed(0)
+    pool = (torch.randn(128, *model.kv_layout(bt).block_shape, generator=g) * 0.5).to("cuda", torch.bfloat16)
+    rng = np.random.default_rng(0)
+    positions = rng.integers(1, 40, batch).tolist()
+    pages, at = [], 0
+    for pos in positions:                      # each sequence its own pages, up to its second step's
+        n = (pos + 1) // bt + 1
+        pages.append(list(range(at, at + n)))
+        at += n
+    pools = {False: pool.clone(), True: pool.clone()}
+    runs = {c: DecodeGraphs(model, pools[c], scratch, max_seqs=64, capture=c) for c in (False, True)}
+    for step in range(2):
+        ids = rng.integers(0, 256, batch).tolist()
+        now = DecodeStep(ids, [p + step for p in positions], pages)
+        want, got = runs[False].run(now), runs[True].run(now)
+        assert got is not None and runs[True].failed is None and runs[True].replays == step + 1
+        assert want.abs().max() > 1 and (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert (pools[True] - pools[False]).abs().max() <= 0.05 * pools[False].abs().max()
+    assert not torch.equal(pools[True][:at], pool[:at])      # the steps wrote their KV rows

@@ -5,12 +5,11 @@ pastes it), with its temporary directory under pytest's tmp_path.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, child_env
 
 SECTION = "## Use it from an engine"
 
@@ -26,8 +25,7 @@ def readme_example() -> str:
 
 
 def test_engine_example_runs_as_written(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = child_env(TMPDIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", readme_example()], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

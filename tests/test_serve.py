@@ -5,7 +5,6 @@ that fetches from A's blocks); every process a test starts is stopped by it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -22,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from conftest import assert_one_line_error, run_kvtier  # noqa: E402
+from conftest import assert_one_line_error, child_env, run_kvtier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-tiny"
@@ -40,7 +39,7 @@ class Server:
     """One `kvtier serve` subprocess; `url` once it printed that it is ready."""
 
     def __init__(self, *args: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        env = child_env(OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model", MODEL,
              "--kv-cache", "4MiB", "--host-cache", "8MiB", *args],
