@@ -67,8 +67,10 @@ class Mover:
         def flush() -> None:
             if batch:
                 src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
-                dst.write([m.dst_slot for m in batch], src.blocks([m.src_slot for m in batch]), None,
-                          [m.key for m in batch])
+                src_slots, dst_slots = [m.src_slot for m in batch], [m.dst_slot for m in batch]
+                memory = dst.memory()
+                if memory is None or not src.copy_to(src_slots, memory, dst_slots):
+                    dst.write(dst_slots, src.blocks(src_slots), None, [m.key for m in batch])
                 src.release([m.src_slot for m in batch], [m.key for m in batch])
                 batch.clear()
                 touched.clear()

@@ -39,6 +39,38 @@ def test_asking_for_cuda_without_cuda_is_a_clear_error():
         DeviceTier(capacity="1MiB", device="tpu")
 
 
+def test_a_gpu_tier_larger_than_the_gpus_free_memory_is_refused_before_allocating(monkeypatch):
+    """The free memory of the tier's GPU is asked first: one line naming the GPU and what it
+    has, no allocation tried (torch's own out-of-memory message spans several lines)."""
+    from kvtier.errors import TierSizeError
+    tier = DeviceTier(capacity="2GiB", device="cpu")
+    tier.device = torch.device("cuda:0")                     # as on a GPU machine, without one
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated despite the check"))
+    with pytest.raises(TierSizeError) as e:
+        tier._allocate(2048, 1 << 20)
+    msg = str(e.value)
+    assert "\n" not in msg and "GPU memory (device tier" in msg and "2.00 GiB asked for" in msg, msg
+    assert "cuda:0 has 1.00 GiB of memory available (80.00 GiB in all)" in msg, msg
+
+
+def test_a_demotion_copies_device_slots_straight_into_host_memory():
+    """copy_to (what a demotion from a GPU tier runs): the blocks land in the named rows of
+    the other tier's memory, whatever order the slots come in, and nothing else is written.
+    Run here through the torch path a GPU takes (on a CPU a tier answers False)."""
+    tier = DeviceTier(blocks=16, device="cpu")
+    tier.bind(64)
+    tier.tensor.copy_(torch.arange(16 * 64, dtype=torch.int64).view(16, 64).to(torch.uint8))
+    memory = torch.zeros(20, 64, dtype=torch.uint8)
+    assert tier.copy_to([3], memory, [0]) is False and not memory.any()     # a CPU tier: blocks() + write()
+    tier._np = None                                                          # the GPU's path, on the CPU
+    slots, dst = [3, 7, 1, 2, 9], [10, 5, 11, 6, 12]
+    assert tier.copy_to(slots, memory, dst) is True
+    for s, d in zip(slots, dst):
+        assert torch.equal(memory[d], tier.tensor[s])
+    assert not memory[[i for i in range(20) if i not in dst]].any()
+
+
 def test_cpu_slots_are_a_numpy_view_of_the_tensor():
     tier = DeviceTier(blocks=3, device="cpu")
     tier.bind(16)

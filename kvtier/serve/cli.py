@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_before_listening(args: argparse.Namespace, cache: Any, sources: Any) -> None:
     """What would make the engine fail after `listening on` is printed, found before: the
-    device, a --disk that is a file, memory tiers larger than this machine's memory."""
+    device, a --disk that is a file, memory tiers larger than this machine's (or the GPU's)
+    memory."""
     from pathlib import Path
 
     from kvtier.tiers.device import resolve_device
@@ -268,6 +269,14 @@ def _check_before_listening(args: argparse.Namespace, cache: Any, sources: Any) 
             if value is not None else None
         if err is not None:
             raise err
+    if device.type == "cuda" and cache.device_capacity is not None:   # the device tier in GPU memory
+        import torch
+
+        from kvtier.tiers.memory import out_of_memory
+        need = parse_bytes(cache.device_capacity)
+        free, total = torch.cuda.mem_get_info(device)
+        if need > free:
+            raise out_of_memory(sources.describe("device_capacity", format_bytes(need)), need, (str(device), free, total))
 
 
 def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None, sock: Any) -> int:

@@ -114,6 +114,12 @@ class Tier(ABC):
         and write in place (memory tiers on the host), or None (disk, or GPU memory)."""
         return None
 
+    def copy_to(self, slots: Sequence[SlotId], memory: torch.Tensor, dst_slots: Sequence[SlotId]) -> bool:
+        """Copy the blocks in `slots` straight into rows `dst_slots` of `memory` (a lower
+        tier's memory()); False where this tier has no better way than blocks() then the
+        other tier's write() (a demotion tries this first)."""
+        return False
+
     def release(self, slots: Sequence[SlotId], keys: Sequence[BlockKey]) -> None:
         """These blocks left the tier (a persistent tier forgets their records)."""
 

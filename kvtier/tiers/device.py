@@ -70,18 +70,23 @@ class DeviceTier(Tier):
         return self.device.type == "cuda"
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
-        what = f"CPU memory (device tier {self.name!r})"
-        if not self.on_gpu:
-            err = too_large(what, slots * block_bytes)
-            if err is not None:
-                raise err
+        nbytes = slots * block_bytes
+        what = f"{'GPU' if self.on_gpu else 'CPU'} memory (device tier {self.name!r})"
+        if self.on_gpu:
+            free, total = torch.cuda.mem_get_info(self.device)
+            err = out_of_memory(what, nbytes, (str(self.device), free, total)) if nbytes > free else None
+        else:
+            err = too_large(what, nbytes)
+        if err is not None:
+            raise err
         try:
             self.tensor = torch.empty(slots, block_bytes, dtype=torch.uint8, device=self.device)
-        except (RuntimeError, MemoryError) as e:   # out of memory
+        except (RuntimeError, MemoryError) as e:   # out of memory (torch's message spans lines: its first only)
             if not self.on_gpu:
-                raise out_of_memory(what, slots * block_bytes) from None
-            raise ConfigError(f"device tier {self.name!r}: could not allocate {format_bytes(slots * block_bytes)} "
-                              f"on {self.device}: {e}; give it a smaller capacity") from e
+                raise out_of_memory(what, nbytes) from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"device tier {self.name!r}: could not allocate {format_bytes(nbytes)} "
+                              f"on {self.device}: {first}; give it a smaller capacity") from e
         if not self.on_gpu:
             self.prefault_s = prefault(self.tensor.view(-1), what)   # now rather than on the first put
             self._np = self.tensor.numpy()
@@ -130,6 +135,26 @@ class DeviceTier(Tier):
         out = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
         out.copy_(rows)                       # synchronous: the bytes are there on return
         return out.numpy()
+
+    def copy_to(self, slots: Sequence[SlotId], memory: torch.Tensor, dst_slots: Sequence[SlotId]) -> bool:
+        """On a GPU: one gather on the device, ordered by destination slot, then one DMA per
+        run of consecutive destination slots straight into `memory` (the host tier's slots,
+        pinned on a CUDA machine). On a CPU, False: blocks() views and one copy are as good.
+
+        Speed: through blocks() a demotion copied every byte twice, by DMA into a pinned
+        buffer and then by the CPU into the host tier (on an H200 a host hit's admission,
+        which demotes the other prompt's blocks, was 7-12.5 ms of its time to first token)."""
+        if self._np is not None or self.tensor is None or not len(slots):
+            return False
+        order = sorted(range(len(slots)), key=dst_slots.__getitem__)
+        dst = [dst_slots[j] for j in order]
+        idx = torch.tensor([slots[j] for j in order], dtype=torch.int64).to(self.device)
+        rows = self.tensor.index_select(0, idx)
+        for s, i, n in copy_runs(dst, None, True):
+            memory[s:s + n].copy_(rows[i:i + n], non_blocking=True)
+        if self.on_gpu:
+            torch.cuda.current_stream(self.device).synchronize()  # the bytes are there on return
+        return True
 
     def info(self) -> dict[str, Any]:
         if self.tensor is None:

@@ -97,10 +97,12 @@ def too_large(what: str, nbytes: int) -> TierSizeError | None:
     return out_of_memory(what, nbytes)
 
 
-def out_of_memory(what: str, nbytes: int) -> TierSizeError:
-    """A usage error: the capacity asked for does not fit in this machine's memory."""
-    avail, total = memory_available()
-    have = (f"this machine has {format_bytes(avail)} of memory available"
+def out_of_memory(what: str, nbytes: int, gpu: tuple[str, int, int] | None = None) -> TierSizeError:
+    """A usage error: the capacity asked for does not fit in this machine's memory, or in the
+    GPU's where `gpu` is (device name, free bytes, total bytes)."""
+    avail, total = memory_available() if gpu is None else gpu[1:]
+    where = "this machine" if gpu is None else gpu[0]
+    have = (f"{where} has {format_bytes(avail)} of memory available"
             + (f" ({format_bytes(total)} in all)" if total is not None else "")) if avail is not None else \
         "the machine could not provide it"
     return TierSizeError(f"{what}: {format_bytes(nbytes)} asked for, but {have}. Give the tier a smaller "
