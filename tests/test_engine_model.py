@@ -329,19 +329,24 @@ def test_rms_norm_is_torchs_formula_bit_for_bit():
 @pytest.mark.parametrize("shared", [1, 2])          # 2: the shared expert is wider, not fused in
 def test_moe_dense_path_equals_grouped_and_loop(shared, monkeypatch):
     """Few tokens run every expert densely (zero weight where not routed); the result is the
-    sorted grouped path's and the unfused per-expert loop's (transformers' way)."""
+    sorted grouped path's and the unfused per-expert loop's (transformers' way). Experts too
+    large to read all of them (DENSE_MAX_BYTES) take the grouped path however few the tokens."""
     from kvtier.engine.model import moe as moe_mod
     cfg = SMALL.replace(n_shared_experts=shared)
     model = DeepseekV3(cfg, random_weights(cfg, seed=2, std=STD), dtype=torch.float32)
     block = model.model.layers[cfg.first_k_dense_replace].mlp
+    calls, real = [], moe_mod.MoE._dense
+    monkeypatch.setattr(moe_mod.MoE, "_dense", lambda self, *a: (calls.append(len(a[0])), real(self, *a))[1])
     x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 0)
     grouped = block(x)
     monkeypatch.setattr(moe_mod, "DENSE_MAX_ROWS", 10 ** 6)
     dense = block(x)
     loop = block._loop(x, *block.gate(x))
-    assert grouped.abs().max() > 0.1
+    assert grouped.abs().max() > 0.1 and calls == [16]
     assert (dense - grouped).abs().max() < 1e-5 and (dense - loop).abs().max() < 1e-5
+    monkeypatch.setattr(moe_mod, "DENSE_MAX_BYTES", block._stacked_bytes() - 1)
+    assert torch.equal(block(x), grouped) and calls == [16]
 
 
 # -- 5. the KV layout ---------------------------------------------------------------------------------

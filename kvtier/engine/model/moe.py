@@ -19,9 +19,11 @@ per *active* expert), never a loop per token. The shared expert is fused into th
 grouped matmuls as one more "expert" that every token visits with weight 1: one launch
 fewer per projection, and for decode (a handful of rows) launches are the cost.
 
-A step of very few tokens for few experts (T x experts <= DENSE_MAX_ROWS: decode with
-kimi-tiny-sized MoEs, never Kimi K2's 384 experts) skips the sorting and runs every expert
-on every token, zero-weighted where not routed (`_dense`).
+A step of very few tokens for few, small experts (T x experts <= DENSE_MAX_ROWS and the
+stacked experts <= DENSE_MAX_BYTES: decode with kimi-tiny-sized MoEs, never Kimi K2's)
+skips the sorting and runs every expert on every token, zero-weighted where not routed
+(`_dense`). Each token's routed outputs are summed in a fixed order, not added with
+atomics, so a step gives the same bits every time it runs (bf16 included).
 """
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ from kvtier.engine.model.mlp import MLP, swiglu
 # 740 against 943 us at 16 tokens; the whole decode forward 2-3% faster at batch 1 and 16.
 # At 32 tokens the two paths were even, so the bound is 256 rows.
 DENSE_MAX_ROWS = 256
+# ... and only where reading every expert costs less than the ~13 launches saved (a few us
+# each): kimi-medium's experts are 5.3 GiB a layer, and its decode at batch 1 read all 65
+# for the 9 a token visits: 7.5 ms a step on an H200 with CUDA graphs (session 13), about
+# what reading 5 x 5.3 GiB takes there. 64 MiB is ~15 us of an H200's bandwidth.
+DENSE_MAX_BYTES = 64 << 20
 
 
 class Router(nn.Module):
@@ -113,7 +120,8 @@ class MoE(nn.Module):
         if self.w_gate_up is None:
             return self._loop(x, ids, weights)
         t, k = ids.shape
-        if t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS or (_capturing(x) and not _graph_grouped_mm(x)):
+        if (t * self.w_gate_up.shape[0] <= DENSE_MAX_ROWS and self._stacked_bytes() <= DENSE_MAX_BYTES) \
+                or (_capturing(x) and not _graph_grouped_mm(x)):
             # (while a CUDA graph is captured, only a grouped matmul that reads nothing back to
             # the host can run: else every expert on every token, as for few rows)
             return self._dense(x, ids, weights)
@@ -130,10 +138,15 @@ class MoE(nn.Module):
         rows = x[order // k]                                 # [t * k, H], sorted by expert
         h = swiglu(grouped_linear(rows, self.w_gate_up, counts))
         y = grouped_linear(h, self.w_down, counts) * weights.flatten()[order, None].to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, order // k, y)
+        # back to (token, slot) order, then each token's k rows summed: index_add_ would add
+        # them with atomics on a GPU, in an order (and so, in bf16, a result) that varies
+        out = y.new_empty(t * k, y.shape[1]).index_copy_(0, order, y).view(t, k, -1).sum(1)
         if self.shared_experts is not None and not self.shared_fused:
             out = out + self.shared_experts(x)
         return out
+
+    def _stacked_bytes(self) -> int:
+        return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
 
     def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by its routing weight (0 where not routed)."""
