@@ -61,8 +61,9 @@ if [ "$MODE" != suite ]; then
         python3 -m kvtier.cli bench engine --device cuda --preset kimi-small --tiers device,host --repeat 3"
     TAILN=16 step engine_medium 110 python3 -m kvtier.cli bench engine --device cuda --preset kimi-medium --tiers device,host \
         --repeat 2 --prompt-tokens 2048
-    TAILN=14 step adapter 90 python3 -m kvtier.cli bench adapter --device cuda
-    TAILN=18 step tiers_device 90 python3 -m kvtier.cli bench tiers --tier device
+    TAILN=14 step adapter 150 python3 -m kvtier.cli bench adapter --device cuda
+    TAILN=18 step tiers_device 120 python3 -m kvtier.cli bench tiers --tier device
+    TAILN=16 step host_time 60 python3 bench/host_time.py
 fi
 if [ "$MODE" = suite ] || [ "$MODE" = full ]; then
     TAILN=30 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --tb=line -rfE \

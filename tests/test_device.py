@@ -46,12 +46,26 @@ def test_a_gpu_tier_larger_than_the_gpus_free_memory_is_refused_before_allocatin
     tier = DeviceTier(capacity="2GiB", device="cpu")
     tier.device = torch.device("cuda:0")                     # as on a GPU machine, without one
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated despite the check"))
     with pytest.raises(TierSizeError) as e:
         tier._allocate(2048, 1 << 20)
     msg = str(e.value)
     assert "\n" not in msg and "GPU memory (device tier" in msg and "2.00 GiB asked for" in msg, msg
     assert "cuda:0 has 1.00 GiB of memory available (80.00 GiB in all)" in msg, msg
+    # memory torch's allocator holds unused (a model's load leaves it there) counts as free
+
+    class Allocated(Exception):
+        pass
+
+    def empty(*a, **k):
+        raise Allocated
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 << 30)
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(Allocated):
+        tier._allocate(2048, 1 << 20)
 
 
 def test_a_demotion_copies_device_slots_straight_into_host_memory():

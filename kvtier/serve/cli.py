@@ -270,11 +270,10 @@ def _check_before_listening(args: argparse.Namespace, cache: Any, sources: Any) 
         if err is not None:
             raise err
     if device.type == "cuda" and cache.device_capacity is not None:   # the device tier in GPU memory
-        import torch
-
+        from kvtier.tiers.device import gpu_memory_free
         from kvtier.tiers.memory import out_of_memory
         need = parse_bytes(cache.device_capacity)
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = gpu_memory_free(device)
         if need > free:
             raise out_of_memory(sources.describe("device_capacity", format_bytes(need)), need, (str(device), free, total))
 

@@ -111,7 +111,9 @@ class Tier(ABC):
 
     def memory(self) -> torch.Tensor | None:
         """The slots as one [capacity_blocks, block_bytes] uint8 tensor that callers may read
-        and write in place (memory tiers on the host), or None (disk, or GPU memory)."""
+        and write in place (memory tiers on the host), or None (disk, or GPU memory). Bytes
+        written there bypass write() (a demotion from a GPU tier, write_in_place): a tier
+        whose write() does more than copy must return None."""
         return None
 
     def copy_to(self, slots: Sequence[SlotId], memory: torch.Tensor, dst_slots: Sequence[SlotId]) -> bool:

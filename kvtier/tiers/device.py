@@ -52,6 +52,19 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def gpu_memory_free(device: torch.device) -> tuple[int, int]:
+    """(bytes an allocation on `device` can have now, the GPU's total): the driver's free
+    memory plus what torch's caching allocator holds unused (a model's load leaves GiBs
+    there, which torch.empty reuses). A GPU that cannot answer is a ConfigError."""
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    except (RuntimeError, AssertionError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{device}: could not ask the GPU for its free memory: {first}") from e
+    return free + max(0, cached), total
+
+
 class DeviceTier(Tier):
     """Blocks in GPU memory (or a CPU tensor without a GPU). `DeviceTier(capacity="20GiB")`."""
 
@@ -73,7 +86,7 @@ class DeviceTier(Tier):
         nbytes = slots * block_bytes
         what = f"{'GPU' if self.on_gpu else 'CPU'} memory (device tier {self.name!r})"
         if self.on_gpu:
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, total = gpu_memory_free(self.device)
             err = out_of_memory(what, nbytes, (str(self.device), free, total)) if nbytes > free else None
         else:
             err = too_large(what, nbytes)

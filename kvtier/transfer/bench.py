@@ -68,13 +68,14 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
     ppb = block_tokens // page_tokens
     num_pages = 2 * n * ppb
     g = torch.Generator().manual_seed(0)
+    gd = torch.Generator(device).manual_seed(0)     # the bytes drawn where they live: GiBs on a GPU
     pages = [torch.randint(0, 256, (2, num_pages, page_tokens, 1, layout.head_dim), dtype=torch.uint8,
-                           generator=g).to(device) for _ in range(layers)]
+                           generator=gd, device=device) for _ in range(layers)]
     table = torch.randperm(num_pages, generator=g)[: n * ppb].reshape(n, ppb)
     kv = PagedKV(pages, layout, "vllm")
     blocks = torch.empty(n, bb, dtype=torch.uint8, device=device)
     host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=cuda)
-    a = torch.randint(0, 256, (n * bb,), dtype=torch.uint8, generator=g).to(device)
+    a = torch.randint(0, 256, (n * bb,), dtype=torch.uint8, generator=gd, device=device)
     b = torch.empty_like(a)
     def timed(fn):
         return synced(fn, device)
@@ -109,4 +110,5 @@ def _one_size(bb: int, n: int, repeat: int, device, bar: Progress) -> list[dict]
                     "impl": impl, "baseline": base})
     # the bytes are right: the last save read exactly what the last load wrote
     assert torch.equal(host.to(device), kv.gather(table)), "device benchmark moved wrong bytes"
+    loader.close()
     return out

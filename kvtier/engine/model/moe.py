@@ -140,7 +140,7 @@ class MoE(nn.Module):
         y = grouped_linear(h, self.w_down, counts) * weights.flatten()[order, None].to(x.dtype)
         # back to (token, slot) order, then each token's k rows summed: index_add_ would add
         # them with atomics on a GPU, in an order (and so, in bf16, a result) that varies
-        out = y.new_empty(t * k, y.shape[1]).index_copy_(0, order, y).view(t, k, -1).sum(1)
+        out = y.new_empty(t * k, y.shape[1]).index_copy_(0, order, y).view(t, k, y.shape[1]).sum(1)
         if self.shared_experts is not None and not self.shared_fused:
             out = out + self.shared_experts(x)
         return out
