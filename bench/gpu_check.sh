@@ -66,7 +66,8 @@ if [ "$MODE" != suite ]; then
     TAILN=16 step host_time 60 python3 bench/host_time.py
 fi
 if [ "$MODE" = suite ] || [ "$MODE" = full ]; then
-    TAILN=30 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --tb=line -rfE \
+    # KVTIER_EARLY_FAILURES: each failure's reason as it happens (tests/conftest.py)
+    KVTIER_EARLY_FAILURES=1 TAILN=30 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --tb=line -rfE \
         --timeout 200 -m 'not gpu' tests | grep -v -e ' PASSED ' -e PytestBenchmarkWarning -e warner"
 fi
 echo "## done in $(($(date +%s) - START))s"

@@ -1,6 +1,7 @@
 """Shared fixtures: small layouts and stores, one torch thread, the real traces' folder."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,28 @@ def child_env(**extra: str) -> dict[str, str]:
     what was there (a machine may bring packages on PYTHONPATH, as the GPU machines do)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+_config: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _config.append(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With KVTIER_EARLY_FAILURES=1 (bench/gpu_check.sh), each failure's last line on stderr
+    as it happens (from the main process under xdist, which gets every worker's reports): a
+    run cut off by a deadline (pytest says why only in its closing summary) still says why
+    its tests failed."""
+    if not (report.failed and os.environ.get("KVTIER_EARLY_FAILURES") and _config) \
+            or hasattr(_config[0], "workerinput"):
+        return
+    last = (report.longreprtext.strip().splitlines() or ["?"])[-1]
+    capture = _config[0].pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        sys.stderr.write(f"\nEARLY {report.nodeid} ({report.when}): {last[:400]}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture
