@@ -67,7 +67,7 @@ if [ "$MODE" != suite ]; then
 fi
 if [ "$MODE" = suite ] || [ "$MODE" = full ]; then
     # KVTIER_EARLY_FAILURES: each failure's reason as it happens (tests/conftest.py)
-    KVTIER_EARLY_FAILURES=1 TAILN=30 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist loadfile -p no:cacheprovider --tb=line -rfE \
+    KVTIER_EARLY_FAILURES=1 TAILN=30 step suite 900 sh -c "python3 -m pytest -v -n 14 --dist load -p no:cacheprovider --tb=line -rfE \
         --timeout 200 -m 'not gpu' tests | grep -v -e ' PASSED ' -e PytestBenchmarkWarning -e warner"
 fi
 echo "## done in $(($(date +%s) - START))s"

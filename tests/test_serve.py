@@ -219,6 +219,9 @@ def test_tokenize_detokenize_health(server):
 
 
 def test_metrics_parse_and_name_like_vllm(server):
+    c = server.client()
+    for _ in range(2):                       # the second request finds the first's blocks on the device
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     m = server.metrics()
     for name in ("kvtier:time_to_first_token_seconds_count", "kvtier:inter_token_latency_seconds_count",
                  "kvtier:e2e_request_latency_seconds_count", "kvtier:num_requests_running",
