@@ -270,12 +270,11 @@ def _check_before_listening(args: argparse.Namespace, cache: Any, sources: Any) 
         if err is not None:
             raise err
     if device.type == "cuda" and cache.device_capacity is not None:   # the device tier in GPU memory
-        from kvtier.tiers.device import gpu_memory_free
-        from kvtier.tiers.memory import out_of_memory
+        from kvtier.tiers.device import gpu_too_large
         need = parse_bytes(cache.device_capacity)
-        free, total = gpu_memory_free(device)
-        if need > free:
-            raise out_of_memory(sources.describe("device_capacity", format_bytes(need)), need, (str(device), free, total))
+        err = gpu_too_large(sources.describe("device_capacity", format_bytes(need)), need, device)
+        if err is not None:
+            raise err
 
 
 def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None, sock: Any) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierSizeError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.tiers.base import Tier, copy_runs, rows_into_slots, slots_into_rows
 from kvtier.tiers.memory import out_of_memory, prefault, too_large
@@ -52,17 +52,23 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def gpu_memory_free(device: torch.device) -> tuple[int, int]:
-    """(bytes an allocation on `device` can have now, the GPU's total): the driver's free
-    memory plus what torch's caching allocator holds unused (a model's load leaves GiBs
-    there, which torch.empty reuses). A GPU that cannot answer is a ConfigError."""
+def _first_line(e: BaseException) -> str:
+    """torch's CUDA errors span several lines: the first says what happened."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def gpu_too_large(what: str, nbytes: int, device: torch.device) -> TierSizeError | None:
+    """The error for a `what` of `nbytes` that `device` cannot give now, or None (the GPU's
+    counterpart of tiers.memory.too_large). What it can give: the driver's free memory plus
+    what torch's caching allocator holds unused (a model's load leaves GiBs there, which
+    torch.empty reuses). A GPU that cannot answer is a ConfigError."""
     try:
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free += max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     except (RuntimeError, AssertionError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{device}: could not ask the GPU for its free memory: {first}") from e
-    return free + max(0, cached), total
+        raise ConfigError(f"{device}: could not ask the GPU for its free memory: {_first_line(e)}") from e
+    return out_of_memory(what, nbytes, (str(device), free, total)) if nbytes > free else None
 
 
 class DeviceTier(Tier):
@@ -85,11 +91,7 @@ class DeviceTier(Tier):
     def _allocate(self, slots: int, block_bytes: int) -> None:
         nbytes = slots * block_bytes
         what = f"{'GPU' if self.on_gpu else 'CPU'} memory (device tier {self.name!r})"
-        if self.on_gpu:
-            free, total = gpu_memory_free(self.device)
-            err = out_of_memory(what, nbytes, (str(self.device), free, total)) if nbytes > free else None
-        else:
-            err = too_large(what, nbytes)
+        err = gpu_too_large(what, nbytes, self.device) if self.on_gpu else too_large(what, nbytes)
         if err is not None:
             raise err
         try:
@@ -97,9 +99,8 @@ class DeviceTier(Tier):
         except (RuntimeError, MemoryError) as e:   # out of memory (torch's message spans lines: its first only)
             if not self.on_gpu:
                 raise out_of_memory(what, nbytes) from None
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"device tier {self.name!r}: could not allocate {format_bytes(nbytes)} "
-                              f"on {self.device}: {first}; give it a smaller capacity") from e
+                              f"on {self.device}: {_first_line(e)}; give it a smaller capacity") from e
         if not self.on_gpu:
             self.prefault_s = prefault(self.tensor.view(-1), what)   # now rather than on the first put
             self._np = self.tensor.numpy()
