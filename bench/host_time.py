@@ -83,16 +83,23 @@ def one_size(block_bytes: int, total: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from kvtier.bench.common import check_block_sizes
+    from kvtier.errors import KvtierError
+    from kvtier.transfer.bench import BLOCK_MULTIPLE
     from kvtier.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block-bytes", default="64KiB,1MiB")
     p.add_argument("--total", default="1GiB")
     args = p.parse_args()
+    try:                                   # bad sizes are one line, as kvtier's own commands say them
+        sizes, total = [parse_bytes(s) for s in args.block_bytes.split(",")], parse_bytes(args.total)
+        check_block_sizes(sizes, total, BLOCK_MULTIPLE)
+    except KvtierError as e:
+        raise SystemExit(f"host_time.py: error: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("host_time.py: error: needs a CUDA device")
-    sizes = [parse_bytes(s) for s in args.block_bytes.split(",")]
-    rows = {s: one_size(s, parse_bytes(args.total)) for s in sizes}
+    rows = {s: one_size(s, total) for s in sizes}
     print(f"{torch.cuda.get_device_name()}, medians in us, {args.total} per call")
     print(f"{'':32s}" + "".join(f"{s >> 10:>10d}K" for s in sizes))
     for name in rows[sizes[0]]:
