@@ -253,13 +253,16 @@ class KVAdapter:
         return PageLoad(match.keys[:n], pages, cached, counts, copies)
 
     def _into_pages(self, tier: DeviceTier, hold: Callable[[], ContextManager[HeldBlocks]],
-                    pages: list[SlotId]) -> tuple[int, LoadHandle]:
+                    pages: list[SlotId], in_memory: bool = False) -> tuple[int, LoadHandle]:
         """Copy the blocks `hold()` holds straight into `pages` of the device tier, layer by
-        layer (on this thread for host pages, on the loader's for a GPU: one DMA per run of
-        rows); how many leading blocks arrived, and the copy."""
+        layer on the loader's thread (one DMA per run of rows on a GPU, a memcpy on a CPU,
+        beside the engine's compute); how many leading blocks arrive, and the copy.
+        in_memory: every block is in a memory tier, so all of them arrive (nothing to verify)
+        and this returns without waiting for the loader's thread to hold them."""
         if self._pool_loader is None:
-            self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout)
-        handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None])
+            self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout, threaded=True)
+        handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None],
+                                             rows=len(pages) if in_memory else None)
         return handle.wait_rows(), handle
 
     def _fetch_peers(self, keys: Sequence[BlockKey], tier: DeviceTier) -> tuple[list[SlotId], LoadHandle | None]:
@@ -287,13 +290,17 @@ class KVAdapter:
 
         def reads() -> ContextManager[HeldBlocks]:
             nonlocal started
-            held = st._held_reads(lower, plan.store_locs, promote=False)
-            started = True                        # from here on the reads release the holds
-            return held
+            started = True
+            try:
+                return st._held_reads(lower, plan.store_locs, promote=False)   # its exit releases the holds
+            except BaseException:
+                st._release(lower)
+                raise
+        in_memory = all(st.tiers[t].memory() is not None for t in {t for t, _ in plan.store_locs})
         try:
-            return self._into_pages(tier, reads, [plan.pages[i] for i in plan.lower])
+            return self._into_pages(tier, reads, [plan.pages[i] for i in plan.lower], in_memory)
         except BaseException:
-            if not started:
+            if not started:                       # never handed to the loader's thread
                 st._release(lower)
             raise
 

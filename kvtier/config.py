@@ -47,6 +47,7 @@ class StoreConfig:
     pin_ttl: float = 600.0                   # seconds a session's prefix stays pinned after its last turn
     write_through: bool = False              # write each new block to disk at once (else on eviction/flush)
     promote: bool = True                     # copy blocks read from lower tiers up into the top tier
+    backup: bool = True                      # copy blocks an engine caches in its pages one tier down, in the background
     io_threads: int = 1                      # store threads for non-blocking get/put
 
     def __post_init__(self) -> None:
@@ -68,7 +69,7 @@ class StoreConfig:
             raise ConfigError(f"disk_path must be a directory path (a string), got {self.disk_path!r}")
         if self.disk_direct is not None and not isinstance(self.disk_direct, bool):   # 1 == True: not a boolean
             raise ConfigError(f"disk_direct must be true, false or null (O_DIRECT where allowed), got {self.disk_direct!r}")
-        for name in ("write_through", "promote"):
+        for name in ("write_through", "promote", "backup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:
@@ -160,7 +161,7 @@ class StoreConfig:
             raise ConfigError("this config has no tier: give host_capacity, disk_path, or a device for engine pages")
         return Store(layout, tiers, namespace, remote=remote, policy=self.policy, hash=self.hash,
                      pin_budget=self.pin_budget, write_through=self.write_through, promote=self.promote,
-                     io_threads=self.io_threads)
+                     backup=self.backup, io_threads=self.io_threads)
 
 
 @dataclass(frozen=True)

@@ -508,7 +508,11 @@ class BlockIndex:
         """Whether `e` has a copy outside `tier`, in `floor` or above."""
         if e.tier != tier and e.tier <= floor:
             return True
-        return bool(e.copies) and any(t != tier and t <= floor for t in e.copies)  # type: ignore[union-attr]
+        if e.copies:
+            for t in e.copies:       # Speed: a loop, not any(<generator>): this runs for every victim
+                if t != tier and t <= floor:
+                    return True
+        return False
 
     def _take_slot(self, tier: TierId, moves: list[Move]) -> SlotId | None:
         """A free slot in `tier`, evicting (and demoting) a victim if needed; None if impossible."""

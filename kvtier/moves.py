@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvtier.errors import TransferError
-from kvtier.ids import BlockKey, TierId
+from kvtier.ids import BlockKey, SlotId, TierId
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
 from kvtier.tiers.base import PendingWrite, Tier
@@ -66,12 +66,9 @@ class Mover:
 
         def flush() -> None:
             if batch:
-                src, dst = self.tiers[batch[0].src_tier], self.tiers[batch[0].dst_tier]
-                src_slots, dst_slots = [m.src_slot for m in batch], [m.dst_slot for m in batch]
-                memory = dst.memory()
-                if memory is None or not src.copy_to(src_slots, memory, dst_slots):
-                    dst.write(dst_slots, src.blocks(src_slots), None, [m.key for m in batch])
-                src.release([m.src_slot for m in batch], [m.key for m in batch])
+                src_slots, keys_ = [m.src_slot for m in batch], [m.key for m in batch]
+                self._copy(batch[0].src_tier, src_slots, batch[0].dst_tier, [m.dst_slot for m in batch], keys_)
+                self.tiers[batch[0].src_tier].release(src_slots, keys_)
                 batch.clear()
                 touched.clear()
                 keys.clear()
@@ -112,16 +109,27 @@ class Mover:
         with self._lock:
             res = self.index.reserve_copies(keys, tier)
             self.apply(res)
-            if rows is None:
-                entries = self.index.entries
-                srcs: Sequence[np.ndarray] = [self.tiers[entries[k].tier].block(entries[k].slot) for k in res.keys]
-                idx = None
-            else:
-                srcs, idx = rows, [positions[j] for j in res.positions]
+            entries = self.index.entries
+            locs = [(entries[k].tier, entries[k].slot) for k in res.keys]
         if not res.keys:
             return 0
-        self.fill(res, srcs, idx)
+        if rows is not None:
+            self.fill(res, rows, [positions[j] for j in res.positions])   # type: ignore[index]
+            return len(res.keys)
+        with self.committing(res):
+            for t, src_slots, idx in group_by_tier(locs):
+                self._copy(t, src_slots, tier, [res.slots[j] for j in idx], [res.keys[j] for j in idx])
         return len(res.keys)
+
+    def _copy(self, src_tier: TierId, src_slots: Sequence[SlotId], dst_tier: TierId, dst_slots: Sequence[SlotId],
+              keys: Sequence[BlockKey]) -> None:
+        """Blocks' bytes from slots of one tier into slots of another: straight into the
+        destination's memory where the source can (a GPU tier into pinned host slots),
+        else the source's rows written."""
+        src, dst = self.tiers[src_tier], self.tiers[dst_tier]
+        memory = dst.memory()
+        if memory is None or not src.copy_to(src_slots, memory, dst_slots):
+            dst.write(dst_slots, src.blocks(src_slots), None, keys)
 
     def fill(self, res: Reservation, rows: Sequence[np.ndarray], idx: Sequence[int] | None) -> None:
         """Write a reservation's bytes into its tier, then make them readable (undone if the write fails)."""
@@ -192,3 +200,13 @@ class Mover:
             self.abort([res])
             raise
         self.commit([res])
+
+
+def group_by_tier(locs: Sequence[tuple[TierId, SlotId]]) -> list[tuple[TierId, list[SlotId], list[int]]]:
+    """(tier, slots, positions) for each tier that holds some of `locs`, in order of first appearance."""
+    by: dict[TierId, tuple[list[SlotId], list[int]]] = {}
+    for i, (t, s) in enumerate(locs):
+        slots, idx = by.setdefault(t, ([], []))
+        slots.append(s)
+        idx.append(i)
+    return [(t, slots, idx) for t, (slots, idx) in by.items()]

@@ -66,7 +66,12 @@ class PagePool:
         st = self._store
         with st._lock:
             st._check_open()
-            return self._allocate(n)
+            slots = self._allocate(n)
+        if slots is None and st.backup is not None and st.backup.copying:
+            with st.backup.paused(), st._lock:      # the blocks a backup held are evictable again
+                st._check_open()
+                slots = self._allocate(n)
+        return slots
 
     def _allocate(self, n: int) -> list[SlotId] | None:
         """allocate() with the lock held."""
@@ -123,8 +128,12 @@ class PagePool:
             c.put_bytes += n * st.layout.block_bytes
             c.put_rejected += refused
             c.put_present += tried - n - refused
-        if st.write_through and n:
-            st._write_through([k for k, d in zip(keys, done) if d])
+        if n and (st.write_through or st.backup is not None):
+            new = [k for k, d in zip(keys, done) if d]
+            if st.backup is not None:
+                st.backup.submit(new)
+            if st.write_through:
+                st._write_through(new)
         return n
 
     # -- cached prefix -> pages ---------------------------------------------------------
@@ -136,6 +145,18 @@ class PagePool:
         cache() the pages; free() them if the copy fails."""
         st = self._store
         st._check_keys(keys)
+        plan = self._plan(keys, retry=st.backup is not None)
+        if plan is None:                              # pages were held by a backup pass: again without
+            assert st.backup is not None
+            with st.backup.paused():
+                plan = self._plan(keys, retry=False)
+        assert plan is not None
+        return plan
+
+    def _plan(self, keys: Sequence[BlockKey], retry: bool) -> LoadPlan | None:
+        """plan() in one pass under the lock; None (nothing held) where `retry` and the lower
+        blocks found no pages while a backup pass held some."""
+        st = self._store
         with st._lock:
             st._check_open()
             n, _ = st.index.lookup(keys)
@@ -149,6 +170,9 @@ class PagePool:
                 except BaseException:
                     st.index.release(prefix)
                     raise
+                if owned is None and retry and st.backup is not None and st.backup.copying:
+                    st.index.release(prefix)
+                    return None
                 if owned is None:                     # no page for them: keep the top-tier part
                     st.index.release(prefix[lower[0]:])
                     n, prefix, locs, lower, owned = lower[0], prefix[:lower[0]], locs[:lower[0]], [], []

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from kvtier.backup import Backup
 from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
@@ -34,7 +35,7 @@ from kvtier.index import BlockIndex, ChangeLog, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
-from kvtier.moves import Mover
+from kvtier.moves import Mover, group_by_tier
 from kvtier.payload import as_rows
 from kvtier.pool import PagePool
 from kvtier.policies import DEFAULT_POLICY
@@ -140,7 +141,7 @@ class Store:
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
                  remote: Remote | None = None,
                  policy: str | Sequence[str] = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
-                 write_through: bool = False, promote: bool = True,
+                 write_through: bool = False, promote: bool = True, backup: bool = True,
                  io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
@@ -164,6 +165,9 @@ class Store:
             raise ConfigError(f"unknown hash {hash!r}; choose one of {', '.join(HASHES)}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        for name, v in (("write_through", write_through), ("promote", promote), ("backup", backup)):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{name} must be True or False, got {v!r}")
         self.layout = layout
         self.namespace = namespace
         self.tiers = tiers                  # local tiers; self.remote is consulted after them
@@ -207,6 +211,10 @@ class Store:
         self._feeds: dict[str, ChangeLog] = {}   # watch(): changes not yet taken, per feed
         self._closed = False
         self.pages = PagePool(self)     # who holds each top-tier slot, for an engine whose pages they are
+        # Blocks an engine caches in its pages (PagePool.cache) are copied one tier down in
+        # the background, so their eviction at a later admission moves no bytes (kvtier.backup).
+        self.backup = (Backup(self._mover, 1, self.tiers[0].capacity_blocks)
+                       if backup and len(self.tiers) > 1 else None)
         self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
@@ -271,7 +279,7 @@ class Store:
             if len(self.tiers) == 1:   # speed: one tier needs no grouping (a 128k prompt is 8,192 blocks)
                 bad = [(j, 0) for j in self.tiers[0].read([s for _, s in locs], rows, None, local)]
             else:
-                for t, slots, idx in _group(locs):
+                for t, slots, idx in group_by_tier(locs):
                     got = self.tiers[t].read(slots, rows, idx, [keys[i] for i in idx])
                     bad += [(idx[j], t) for j in got]
         finally:
@@ -494,7 +502,7 @@ class Store:
         buffer = None
         try:
             groups, tiers, stored = [], [t for t, _ in locs], []
-            for t, slots, idx in _group(locs):
+            for t, slots, idx in group_by_tier(locs):
                 memory = self.tiers[t].memory()
                 if memory is not None:
                     groups.append(ReadGroup(memory, torch.tensor(slots, dtype=torch.int64), idx))
@@ -695,6 +703,8 @@ class Store:
 
         A store still open at interpreter exit is closed then (see close_at_exit)."""
         forget_at_exit(self._exit_token)
+        if self.backup is not None:
+            self.backup.close()
         for pool in (self._executor, self._ahead):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -735,12 +745,3 @@ class Store:
             if not isinstance(k, bytes) or len(k) != KEY_BYTES:
                 raise LayoutError(f"keys[{i}] is not a {KEY_BYTES}-byte block key: use store.keys(tokens)")
 
-
-def _group(locs: list[tuple[TierId, SlotId]]) -> list[tuple[int, list[int], list[int]]]:
-    """(tier, slots, positions) for each tier that holds some of `locs`."""
-    by: dict[int, tuple[list[int], list[int]]] = {}
-    for i, (t, s) in enumerate(locs):
-        slots, idx = by.setdefault(t, ([], []))
-        slots.append(s)
-        idx.append(i)
-    return [(t, slots, idx) for t, (slots, idx) in by.items()]

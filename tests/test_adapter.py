@@ -115,6 +115,7 @@ def test_a_corrupt_disk_block_ends_the_prefix(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     load = a.load(a.lookup(tokens))
     assert load.blocks == 2                        # blocks 0-1 good; the engine computes from block 2
+    load.wait()                                    # the copies run on the loader's thread
     for s, d in zip(load.pages, data[:2]):
         assert torch.equal(a.pool()[s], d)
     assert a.store.pages.owned() == set(load.pages)   # the pages of blocks 2-3 went back
@@ -356,12 +357,37 @@ def test_a_failed_load_leaves_nothing_referenced_or_allocated(monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk on fire")
     monkeypatch.setattr(a.store, "_held_reads", broken)
-    with pytest.raises(OSError):
+    load = a.load(match)              # blocks in memory: it returns before the loader's thread reads them
+    with pytest.raises(kvtier.TransferError, match="disk on fire"):
+        load.wait_for_layer(0)        # where the engine's step finds out
+    with pytest.raises(kvtier.TransferError, match="disk on fire"):
+        load.wait()
+    monkeypatch.undo()
+    a.free(load.pages)                # as the engine's abort does
+    assert all(e.refs == 0 for e in a.store.index.entries.values())   # the read's holds ended too
+    assert not a.store.pages.owned() and not a.store.pages.referenced()
+    assert a.allocate(4) is not None                   # every device slot can be had again
+
+
+def test_a_failed_disk_read_fails_the_load_at_once(tmp_path, monkeypatch):
+    """Blocks on disk are read (and verified) before load() returns, so a failed read is
+    raised by load() itself and leaves nothing held, owned or referenced."""
+    a = make(device_blocks=4, host_blocks=None, disk=tmp_path / "kv")
+    keys, slots, _ = compute(a, list(range(16)), 7)
+    a.free(slots)
+    other, pages, _ = compute(a, list(range(300, 316)), 8)   # the first prompt goes to disk
+    a.free(pages)
+    match = a.lookup(list(range(16)))
+    assert match.tiers == ["disk"] * 4
+
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+    monkeypatch.setattr(a.store.tiers[1], "read", broken)
+    with pytest.raises(kvtier.TransferError, match="disk on fire"):
         a.load(match)
     monkeypatch.undo()
     assert all(e.refs == 0 for e in a.store.index.entries.values())
     assert not a.store.pages.owned() and not a.store.pages.referenced()
-    assert a.allocate(4) is not None                   # every device slot can be had again
 
 
 def test_engine_pages_load_from_host_and_disk_and_stop_at_a_corrupt_block(tmp_path):

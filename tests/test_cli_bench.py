@@ -150,7 +150,7 @@ HEADINGS = {
     "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "90% CI", "raw copy"],
     "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio", "90% CI"],
     "lookup": ["tokens", "blocks", "keys ms", "lookup ms", "keys+lookup ms", "raw ms", "ratio"],
-    "engine": ["prefix in", "cached tokens", "cached blocks from", "cached ms", "sched ms", "scratch ms", "speedup",
+    "engine": ["prefix in", "cached blocks from", "cached ms", "sched ms", "resident ms", "scratch ms", "speedup",
                "batch", "tokens/s", "ms per step"],
 }
 
@@ -176,7 +176,7 @@ def test_engine_table_is_flat():
     r = kvtier(*TINY["engine"], env=_strict_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "{" not in r.stdout and "'" not in r.stdout, r.stdout
-    rows = {ln.split("│")[1].strip(): ln.split("│")[3].strip() for ln in r.stdout.splitlines()
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in r.stdout.splitlines()
             if ln.startswith("│") and ln.split("│")[1].strip() in ("device", "host")}
     assert re.fullmatch(r"\d+ device", rows["device"]), rows
     parts = rows["host"].split(" + ")
@@ -195,6 +195,11 @@ def test_engine_json_keeps_the_structure():
     assert decode == ([(1, "on"), (1, "off"), (2, "on"), (2, "off")] if _cuda() else [(1, "off"), (2, "off")])
     # the part of a cached request's TTFT spent in the scheduler (admission, load start)
     assert all(0 < x["schedule_ms"] < x["ttft_cached_ms"] for x in ttft.values()), ttft
+    # the same request again with its prefix resident (the host case's reference), and the wait
+    # for the background copies of the request before it (the device case's store has no tier
+    # below the pages, so nothing to wait for)
+    assert all(x["ttft_resident_ms"] > 0 and x["backup_wait_ms"] >= 0 for x in ttft.values()), ttft
+    assert ttft["device"]["ttft_resident_ms"] == ttft["device"]["ttft_cached_ms"]
 
 
 def test_paired_ratio_is_the_median_of_round_ratios(monkeypatch):

@@ -29,13 +29,13 @@ def bytes_of(key: bytes) -> torch.Tensor:
 
 
 class PagePoolMachine(RuleBasedStateMachine):
-    @initialize(disk=st.booleans())
-    def open(self, disk: bool) -> None:
+    @initialize(disk=st.booleans(), backup=st.booleans())
+    def open(self, disk: bool, backup: bool) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvtier-pool-")
         tiers: list = [kvtier.DeviceTier(blocks=DEVICE_BLOCKS, device="cpu"), kvtier.HostTier(blocks=4)]
         if disk:
             tiers.append(kvtier.DiskTier(f"{self.dir}/kv", blocks=8))
-        self.store = kvtier.Store(LAYOUT, tiers, NS, promote=False)
+        self.store = kvtier.Store(LAYOUT, tiers, NS, promote=False, backup=backup)
         self.a = KVAdapter(self.store)
         self.requests: dict[int, tuple[list[bytes], list[int]]] = {}   # id -> (keys, pages)
         self.next_id = 0
@@ -66,6 +66,8 @@ class PagePoolMachine(RuleBasedStateMachine):
             self.a.pool()[p] = bytes_of(k)
         pages = list(load.pages) + fresh
         self.a.cache(match.keys, pages)
+        if self.store.backup is not None:      # its copies down end before the next rule: hypothesis
+            self.store.backup.drain()          # replays each case exactly (a pass holds its blocks)
         self.requests[self.next_id] = (list(match.keys), pages)
         self.next_id += 1
 

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 llm = engine(pages * 4 if case == "device" else pages + 1, case == "host", disk)
                 try:
                     vocab = llm.config.vocab_size
-                    cold, hot, admit, where, cached = [], [], [], {}, 0
+                    cold, hot, admit, waited, resident, where, cached = [], [], [], [], [], {}, 0
                     # Round 0 warms up every path a timed round takes (a cached prefill's shapes,
                     # the first load from a tier: 0.3 s on a GPU) and is not counted.
                     for i in range(args.repeat + 1):
@@ -157,11 +157,23 @@ def run(args: argparse.Namespace) -> int:
                         ttft(llm, p[:-1] + [(p[-1] + 1) % 256])               # caches the shared prefix
                         if case != "device":
                             ttft(llm, prompt(vocab))                          # pushes it down a tier
+                        # The blocks just computed are copied down in the background (kvtier.backup);
+                        # the timed request comes once that is done, as a request arriving a few ms
+                        # later would find it, and the wait is reported (backup_wait_ms).
+                        w = time.perf_counter()
+                        if llm.store.backup is not None:
+                            llm.store.backup.drain()
+                        w = time.perf_counter() - w
                         t, where, cached, sched = ttft(llm, p)
+                        # The same request again, its prefix now in the device tier: what the load
+                        # from a lower tier is measured against (goal: within 10 %).
+                        r = ttft(llm, p)[0] if case != "device" else t
                         if i:
                             cold.append(c)
                             hot.append(t)
                             admit.append(sched)
+                            waited.append(w)
+                            resident.append(r)
                         bar.advance()
                 finally:
                     llm.close()
@@ -169,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
             ttft_rows.append({"bench": "engine-ttft", "case": case, "prompt_tokens": args.prompt_tokens,
                               "cached_tokens": cached, "cached_from": where, "ttft_cached_ms": round(h * 1e3, 2),
                               "schedule_ms": round(statistics.median(admit) * 1e3, 2),
+                              "backup_wait_ms": round(statistics.median(waited) * 1e3, 2),
+                              "ttft_resident_ms": round(statistics.median(resident) * 1e3, 2),
                               "ttft_scratch_ms": round(c * 1e3, 2), "speedup": round(c / h, 2)})
         for b, graphs in ((b, g) for b in batches for g in modes):
             bar.describe(f"decode, batch {b}: warm-up")
@@ -195,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
                                 "ms_per_step": round((wall - first) / max(1, args.decode_tokens - 1) * 1e3, 2)})
     ms = fmt_float(1)
     emit(ttft_rows, args.json, f"{args.preset}: time to first token, {args.prompt_tokens:,}-token prompt, cached vs from scratch",
-         [Column("case", "prefix in"), Column("cached_tokens", "cached tokens", fmt_float(0)),
+         [Column("case", "prefix in"),     # cached tokens: 16 x the blocks of the next column (in JSON)
           Column("cached_from", "cached blocks from", cached_from), Column("ttft_cached_ms", "cached ms", ms),
-          Column("schedule_ms", "sched ms", ms),
+          Column("schedule_ms", "sched ms", ms), Column("ttft_resident_ms", "resident ms", ms),
           Column("ttft_scratch_ms", "scratch ms", ms), Column("speedup", "speedup", lambda v: f"{v:.1f}x")], left=1)
     emit(decode_rows, args.json, f"{args.preset}: decode, {args.decode_tokens} tokens per request",
          [Column("batch", "batch"), Column("cuda_graphs", "CUDA graphs"), Column("tokens", "tokens", fmt_float(0)),

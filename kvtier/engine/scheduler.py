@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 
 from kvtier.adapter import KVAdapter
 from kvtier.engine.request import Request, Status
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.keys import BlockKeys
 
 
@@ -162,7 +162,10 @@ class Scheduler:
     def _drop_pages(self, req: Request) -> None:
         """Give the request's pages back (its full blocks are cached already and stay so)."""
         if req.load is not None:          # copies into its pages must finish before reuse
-            req.load.wait()
+            try:
+                req.load.wait()
+            except TransferError:         # the load failed: its copies have stopped
+                pass
             req.load = None
         self.adapter.free(req.pages)
         req.pages, req.computed, req.saved, req.keys, req.draft, req.draft_probs = [], 0, 0, None, [], None

@@ -83,6 +83,7 @@ class DeviceTier(Tier):
         self.tensor: torch.Tensor | None = None   # [capacity_blocks, block_bytes] uint8 on self.device
         self._np: np.ndarray | None = None       # numpy view of `tensor` on a CPU
         self.prefault_s = 0.0                    # seconds spent touching the CPU pool's pages
+        self._stream: torch.cuda.Stream | None = None   # copy_to's, on a GPU
 
     @property
     def on_gpu(self) -> bool:
@@ -162,13 +163,25 @@ class DeviceTier(Tier):
             return False
         order = sorted(range(len(slots)), key=dst_slots.__getitem__)
         dst = [dst_slots[j] for j in order]
-        idx = torch.tensor([slots[j] for j in order], dtype=torch.int64).to(self.device)
+        if not self.on_gpu:
+            self._gather_into(memory, [slots[j] for j in order], dst)
+            return True
+        # On a stream of its own, after every write queued so far to the slots (the engine's
+        # pages): a backup (kvtier.backup) runs beside the engine's work instead of between it.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._gather_into(memory, [slots[j] for j in order], dst)
+        self._stream.synchronize()            # the bytes are there on return
+        return True
+
+    def _gather_into(self, memory: torch.Tensor, slots: list[SlotId], dst: list[SlotId]) -> None:
+        """One gather of `slots` on the device, then one copy per run of consecutive `dst` rows."""
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.device)
         rows = self.tensor.index_select(0, idx)
         for s, i, n in copy_runs(dst, None, True):
             memory[s:s + n].copy_(rows[i:i + n], non_blocking=True)
-        if self.on_gpu:
-            torch.cuda.current_stream(self.device).synchronize()  # the bytes are there on return
-        return True
 
     def info(self) -> dict[str, Any]:
         if self.tensor is None:

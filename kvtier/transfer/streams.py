@@ -282,15 +282,17 @@ class LayerLoader(_Mover):
             self._rows_then_scatter(handle, ids, sources)
 
     def load_held(self, hold: Callable[[], ContextManager[HeldBlocks]], block_table: object,
-                  checked: bool = False) -> LoadHandle:
+                  checked: bool = False, rows: int | None = None) -> LoadHandle:
         """Write blocks straight from where a store holds them into the pages of block_table's
         rows, layer by layer: `hold()` (called on the loader's thread, a Store.reading()) holds
         the leading cached blocks while every layer is copied. Host pages: one copy. Pages on
         a GPU: the held rows go up by DMA straight from the (pinned) slots or read buffer, one
         copy per run of consecutive rows, then are scattered into the pages layer by layer.
-        checked=True: block_table is this cache's own table(unique=True), not checked again."""
+        checked=True: block_table is this cache's own table(unique=True), not checked again.
+        rows: how many blocks hold() will hold, where the caller knows (blocks in memory tiers:
+        all of them), so wait_rows() need not wait for the loader's thread; fewer is a failure."""
         ids = self.kv.table(block_table, unique=True, checked=checked)
-        handle = LoadHandle(self.layout.num_layers, self.kv.device, None)
+        handle = LoadHandle(self.layout.num_layers, self.kv.device, rows)
         handle._keep = (ids,)
         if self.cuda:      # the ids' copy to the device and every engine op on the pages come first
             self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
@@ -310,6 +312,9 @@ class LayerLoader(_Mover):
         lb = self.layout.layer_bytes
         with hold() as held:
             n = min(held.blocks, ids.shape[0])
+            if handle.rows is not None and n < handle.rows:
+                raise TransferError(f"{handle.rows - n} of the {handle.rows} blocks to load were not held "
+                                    "(evicted before the load?)")
             handle._set_rows(n)
             if self.cuda:
                 self._held_to_gpu(handle, held, ids[:n])

@@ -1,0 +1,172 @@
+"""Backups (kvtier/backup.py): blocks an engine caches in its pages get a copy one tier down
+in the background, so evicting them later moves no bytes; an allocation never fails because
+a backup pass holds blocks; closing stops it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.adapter import KVAdapter
+
+LAYOUT = kvtier.KVLayout.mla(num_layers=2, kv_lora_rank=16, rope_dim=8, block_tokens=4, dtype=torch.float32)
+NS = kvtier.Namespace(model="backup-test", revision="r1")
+
+
+def make(backup: bool = True, device_blocks: int = 8, host_blocks: int = 32, disk=None) -> KVAdapter:
+    tiers: list = [kvtier.DeviceTier(blocks=device_blocks, device="cpu"), kvtier.HostTier(blocks=host_blocks)]
+    if disk is not None:
+        tiers.append(kvtier.DiskTier(disk, blocks=32))
+    return KVAdapter(kvtier.Store(LAYOUT, tiers, NS, promote=False, backup=backup))
+
+
+def compute(a: KVAdapter, first_token: int, blocks: int, tag: float) -> tuple[list[bytes], list[int], list[torch.Tensor]]:
+    """A request's blocks computed into fresh pages and cached (what the engine's step does)."""
+    keys = a.keys(list(range(first_token, first_token + blocks * LAYOUT.block_tokens)))
+    pages = a.allocate(len(keys))
+    assert pages is not None
+    data = []
+    for j, p in enumerate(pages):
+        a.pool()[p] = torch.full(LAYOUT.block_shape, tag + j)
+        data.append(a.pool()[p].clone())
+    assert a.cache(keys, pages) == len(keys)
+    return list(keys), pages, data
+
+
+@pytest.mark.parametrize("backup", [True, False])
+def test_a_backed_up_block_leaves_the_pages_without_a_copy(backup):
+    """With a backup, a block the engine cached has a host copy soon after, and its eviction
+    from the pages moves no bytes (a drop); without one, the eviction demotes it. Either
+    way its bytes are in host memory afterwards."""
+    a = make(backup=backup)
+    st = a.store
+    keys, pages, data = compute(a, 0, 6, 10.0)
+    a.free(pages)
+    if backup:
+        assert st.backup.drain(timeout=10)
+        assert st.backup.copied == 6
+        assert all(st.index.entries[k].slot_in(1) is not None for k in keys)   # a copy in host, before any eviction
+    demoted = st.stats().tier("host").demoted_in
+    fresh = a.allocate(8)                              # every page: the 6 blocks leave the device tier
+    assert fresh is not None
+    assert st.stats().tier("host").demoted_in - demoted == (0 if backup else 6)
+    assert a.lookup(list(range(24))).tiers == ["host"] * 6
+    a.free(fresh)
+    load = a.load(a.lookup(list(range(24))))
+    load.wait()
+    assert load.blocks == 6
+    for p, d in zip(load.pages, data):
+        assert torch.equal(a.pool()[p], d)
+    a.free(load.pages)
+    a.close()
+    st.close()
+
+
+def test_an_allocation_waits_for_a_backup_pass_that_holds_the_pages_it_needs(monkeypatch):
+    """A pass holds the blocks it copies (they cannot be evicted meanwhile). An allocation
+    that needs them pauses the backup until the pass ends instead of failing."""
+    a = make(device_blocks=4)
+    st = a.store
+    host = st.tiers[1]
+    copying, release = threading.Event(), threading.Event()
+    write = host.write
+
+    def slow_write(*args, **kwargs):
+        copying.set()
+        release.wait(10)
+        return write(*args, **kwargs)
+    monkeypatch.setattr(host, "write", slow_write)
+    keys, pages, _ = compute(a, 0, 4, 1.0)            # the backup's pass starts, holding all 4
+    a.free(pages)
+    assert copying.wait(10) and st.backup.copying
+    threading.Timer(0.2, release.set).start()
+    t0 = time.monotonic()
+    fresh = a.allocate(4)                              # needs all 4: waits for the pass, then drops them
+    assert fresh is not None and time.monotonic() - t0 >= 0.15
+    assert sorted(fresh) == sorted(pages)
+    assert a.lookup(list(range(16))).tiers == ["host"] * 4    # backed up, then dropped from the device tier
+    a.free(fresh)
+    a.close()
+    st.close()
+
+
+def test_a_load_needing_pages_a_backup_pass_holds_gets_them(monkeypatch):
+    """The same for a load from a lower tier (PagePool.plan allocates its pages under the lock)."""
+    a = make(device_blocks=4)
+    st = a.store
+    old, old_pages, data = compute(a, 1000, 4, 5.0)
+    a.free(old_pages)
+    assert st.backup.drain(timeout=10)
+    _, pages, _ = compute(a, 0, 4, 1.0)               # evicts (drops) the old prompt: it is in host only now
+    a.free(pages)
+    host = st.tiers[1]
+    copying, release = threading.Event(), threading.Event()
+    write = host.write
+
+    def slow_write(*args, **kwargs):
+        copying.set()
+        release.wait(10)
+        return write(*args, **kwargs)
+    monkeypatch.setattr(host, "write", slow_write)
+    st.backup.submit(list(a.keys(list(range(16)))))    # a pass over the new prompt's blocks, held
+    assert copying.wait(10)
+    threading.Timer(0.2, release.set).start()
+    load = a.load(a.lookup(list(range(1000, 1016))))
+    load.wait()
+    assert load.blocks == 4 and load.from_tiers == {"host": 4}
+    for p, d in zip(load.pages, data):
+        assert torch.equal(a.pool()[p], d)
+    a.free(load.pages)
+    a.close()
+    st.close()
+
+
+def test_backups_wait_in_a_bounded_queue_and_close_stops_them(monkeypatch):
+    a = make(device_blocks=4)
+    st = a.store
+    backup = st.backup
+    with backup.paused():                             # nothing is copied meanwhile
+        keys, pages, _ = compute(a, 0, 4, 1.0)
+        backup.submit([bytes([i]) * 16 for i in range(100)])   # more than the pages could ever hold
+        assert len(backup._pending) == 4              # the pages' capacity: the oldest are not backed up
+        assert backup.copied == 0
+    a.free(pages)
+    assert backup.drain(timeout=10)
+    assert backup.copied == 0 and backup.failed == 0  # unknown keys are skipped, not errors
+    st.close()                                        # stops the thread; later submits are ignored
+    backup.submit(keys)
+    assert not backup._pending
+    a.close()
+
+
+def test_a_backup_to_disk_writes_the_blocks_before_their_eviction(tmp_path):
+    """With the disk right below the pages, the backup is an early write-back to disk."""
+    a = KVAdapter(kvtier.Store(LAYOUT, [kvtier.DeviceTier(blocks=4, device="cpu"), kvtier.DiskTier(tmp_path / "kv", blocks=16)],
+                               NS, promote=False))
+    st = a.store
+    keys, pages, data = compute(a, 0, 4, 3.0)
+    a.free(pages)
+    assert st.backup.drain(timeout=10) and st.backup.copied == 4
+    assert len(st.tiers[1].recover()) == 4            # on disk, with records
+    a.close()
+    st.close()
+
+
+def test_backup_is_a_store_config_setting(tmp_path):
+    assert kvtier.StoreConfig().backup is True
+    with pytest.raises(kvtier.ConfigError, match="backup must be true or false"):
+        kvtier.StoreConfig(backup="yes")
+    with pytest.raises(kvtier.ConfigError, match="backup must be True or False"):
+        kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS, backup=1)
+    store = kvtier.StoreConfig(backup=False, host_capacity="1MiB").build(LAYOUT, NS, device="cpu")
+    assert store.backup is None
+    store.close()
+    store = kvtier.StoreConfig(host_capacity="1MiB").build(LAYOUT, NS, device="cpu")
+    assert store.backup is not None and store.backup.tier == 1
+    store.close()
+    store = kvtier.StoreConfig(host_capacity="1MiB").build(LAYOUT, NS)   # one tier: nothing below to copy to
+    assert store.backup is None
+    store.close()
