@@ -199,7 +199,8 @@ def test_engine_json_keeps_the_structure():
     # for the background copies of the request before it (the device case's store has no tier
     # below the pages, so nothing to wait for)
     assert all(x["ttft_resident_ms"] > 0 and x["backup_wait_ms"] >= 0 for x in ttft.values()), ttft
-    assert ttft["device"]["ttft_resident_ms"] == ttft["device"]["ttft_cached_ms"]
+    assert ttft["device"]["ttft_resident_ms"] == ttft["device"]["ttft_cached_ms"] and ttft["device"]["vs_resident"] == 1
+    assert ttft["host"]["vs_resident"] > 0
 
 
 def test_paired_ratio_is_the_median_of_round_ratios(monkeypatch):
