@@ -84,8 +84,16 @@ class PageLoad:
             h.wait_for_layer(layer)
 
     def wait(self) -> None:
+        """Until every copy into the pages has ended (all of them, even after one failed: the
+        pages may be reused right after); then the first failure, if any, is raised."""
+        error: BaseException | None = None
         for h in self.copies:
-            h.wait()
+            try:
+                h.wait()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
 
 @dataclass

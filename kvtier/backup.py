@@ -23,6 +23,8 @@ from kvtier.moves import Mover
 log = logging.getLogger("kvtier.backup")
 
 BATCH_BLOCKS = 1024     # blocks copied per pass: a pass holds them (not evictable) until it ends
+IDLE_EXIT_S = 1.0       # the thread ends after this long with nothing to copy (a store dropped
+                        # without close() is then not kept alive by it); submit() starts another
 
 
 class Backup:
@@ -55,22 +57,26 @@ class Backup:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: (self._pending and not self._paused) or self._closed)
-                if self._closed:
-                    return
+                work = self._cond.wait_for(lambda: (self._pending and not self._paused) or self._closed, IDLE_EXIT_S)
+                if self._closed or not work:
+                    if not self._pending or self._closed:
+                        self._thread = None
+                        return
+                    continue             # paused with work waiting: keep waiting
                 batch = [self._pending.popleft() for _ in range(min(len(self._pending), BATCH_BLOCKS))]
                 self._busy = True
             n, failed = 0, 0
             try:
-                n = self._mover.copy_into(self.tier, batch)
+                n = self._mover.copy_into(self.tier, batch, down_only=True)
             except Exception as e:       # best effort: a block without a copy is demoted when evicted
                 failed = len(batch)
                 log.warning("backup of %d blocks to tier %d failed: %s", len(batch), self.tier, e)
-            with self._cond:
-                self._busy = False
-                self.copied += n
-                self.failed += failed
-                self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._busy = False   # whatever happened: paused() must not wait forever
+                    self.copied += n
+                    self.failed += failed
+                    self._cond.notify_all()
 
     @property
     def copying(self) -> bool:

@@ -103,10 +103,15 @@ class Mover:
             self.counters.corrupt_blocks += len(bad)
 
     def copy_into(self, tier: TierId, keys: Sequence[BlockKey], rows: Sequence[np.ndarray] | None = None,
-                   positions: list[int] | None = None) -> int:
+                   positions: list[int] | None = None, down_only: bool = False) -> int:
         """Give cached blocks a copy in `tier`: from `rows[positions[j]]` (their bytes, already
-        in memory), or without rows from their primary copies (held while they are read)."""
+        in memory), or without rows from their primary copies (held while they are read).
+        down_only: only blocks whose primary copy is in a faster tier (a backup must not copy
+        a block that was demoted meanwhile back up)."""
         with self._lock:
+            if down_only:
+                entries = self.index.entries
+                keys = [k for k in keys if k in entries and entries[k].tier < tier]
             res = self.index.reserve_copies(keys, tier)
             self.apply(res)
             entries = self.index.entries

@@ -67,7 +67,10 @@ class PagePool:
         with st._lock:
             st._check_open()
             slots = self._allocate(n)
-        if slots is None and st.backup is not None and st.backup.copying:
+            # Read under the lock: a pass that held blocks during _allocate is still copying now.
+            retry = slots is None and st.backup is not None and st.backup.copying
+        if retry:
+            assert st.backup is not None
             with st.backup.paused(), st._lock:      # the blocks a backup held are evictable again
                 st._check_open()
                 slots = self._allocate(n)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import kvtier
+import kvtier.backup
 from kvtier.adapter import KVAdapter
 
 LAYOUT = kvtier.KVLayout.mla(num_layers=2, kv_lora_rank=16, rope_dim=8, block_tokens=4, dtype=torch.float32)
@@ -65,28 +67,41 @@ def test_a_backed_up_block_leaves_the_pages_without_a_copy(backup):
     st.close()
 
 
+def hold_the_next_pass(monkeypatch, st: kvtier.Store) -> tuple[threading.Event, threading.Event]:
+    """The next backup pass blocks in its copy until `release` is set (`copying` says it got
+    there, holding its blocks); the first caller that pauses the backup sets `release`, so an
+    allocation that needs those blocks is what lets the pass finish."""
+    host = st.tiers[1]
+    copying, release = threading.Event(), threading.Event()
+    write, paused = host.write, st.backup.paused
+
+    def slow_write(*args, **kwargs):
+        copying.set()
+        assert release.wait(10), "nobody paused the backup"
+        return write(*args, **kwargs)
+
+    @contextmanager
+    def pausing():
+        release.set()
+        with paused():
+            yield
+    monkeypatch.setattr(host, "write", slow_write)
+    monkeypatch.setattr(st.backup, "paused", pausing)
+    return copying, release
+
+
 def test_an_allocation_waits_for_a_backup_pass_that_holds_the_pages_it_needs(monkeypatch):
     """A pass holds the blocks it copies (they cannot be evicted meanwhile). An allocation
     that needs them pauses the backup until the pass ends instead of failing."""
     a = make(device_blocks=4)
     st = a.store
-    host = st.tiers[1]
-    copying, release = threading.Event(), threading.Event()
-    write = host.write
-
-    def slow_write(*args, **kwargs):
-        copying.set()
-        release.wait(10)
-        return write(*args, **kwargs)
-    monkeypatch.setattr(host, "write", slow_write)
+    copying, release = hold_the_next_pass(monkeypatch, st)
     keys, pages, _ = compute(a, 0, 4, 1.0)            # the backup's pass starts, holding all 4
     a.free(pages)
     assert copying.wait(10) and st.backup.copying
-    threading.Timer(0.2, release.set).start()
-    t0 = time.monotonic()
-    fresh = a.allocate(4)                              # needs all 4: waits for the pass, then drops them
-    assert fresh is not None and time.monotonic() - t0 >= 0.15
-    assert sorted(fresh) == sorted(pages)
+    fresh = a.allocate(4)                              # needs all 4: pauses the backup, then drops them
+    assert release.is_set()                            # it did pause
+    assert fresh is not None and sorted(fresh) == sorted(pages)
     assert a.lookup(list(range(16))).tiers == ["host"] * 4    # backed up, then dropped from the device tier
     a.free(fresh)
     a.close()
@@ -100,21 +115,13 @@ def test_a_load_needing_pages_a_backup_pass_holds_gets_them(monkeypatch):
     old, old_pages, data = compute(a, 1000, 4, 5.0)
     a.free(old_pages)
     assert st.backup.drain(timeout=10)
-    _, pages, _ = compute(a, 0, 4, 1.0)               # evicts (drops) the old prompt: it is in host only now
-    a.free(pages)
-    host = st.tiers[1]
-    copying, release = threading.Event(), threading.Event()
-    write = host.write
-
-    def slow_write(*args, **kwargs):
-        copying.set()
-        release.wait(10)
-        return write(*args, **kwargs)
-    monkeypatch.setattr(host, "write", slow_write)
-    st.backup.submit(list(a.keys(list(range(16)))))    # a pass over the new prompt's blocks, held
-    assert copying.wait(10)
-    threading.Timer(0.2, release.set).start()
+    with st.backup.paused():                          # no pass starts before the slow write is in place
+        _, pages, _ = compute(a, 0, 4, 1.0)           # evicts (drops) the old prompt: in host only now
+        a.free(pages)
+        copying, release = hold_the_next_pass(monkeypatch, st)
+    assert copying.wait(10)                           # a pass over the new prompt's blocks, held
     load = a.load(a.lookup(list(range(1000, 1016))))
+    assert release.is_set()
     load.wait()
     assert load.blocks == 4 and load.from_tiers == {"host": 4}
     for p, d in zip(load.pages, data):
@@ -124,7 +131,27 @@ def test_a_load_needing_pages_a_backup_pass_holds_gets_them(monkeypatch):
     st.close()
 
 
-def test_backups_wait_in_a_bounded_queue_and_close_stops_them(monkeypatch):
+def test_a_block_demoted_before_its_pass_is_not_copied_back_up(tmp_path):
+    """A backup only copies blocks still above its tier: one that went down to disk before
+    its pass ran stays there (no promotion into host memory behind the store's back)."""
+    a = make(device_blocks=8, host_blocks=4, disk=tmp_path / "kv")
+    st = a.store
+    with st.backup.paused():                          # both prompts wait for their pass
+        keys, pages, _ = compute(a, 0, 4, 1.0)
+        _, more, _ = compute(a, 500, 4, 2.0)
+        a.free(pages + more)
+        fresh = a.allocate(8)                         # the first prompt on to disk, the second to host
+        assert a.lookup(list(range(16))).tiers == ["disk"] * 4
+        assert a.lookup(list(range(500, 516))).tiers == ["host"] * 4
+    assert st.backup.drain(timeout=10)
+    assert st.backup.copied == 0
+    assert a.lookup(list(range(16))).tiers == ["disk"] * 4
+    a.free(fresh)
+    a.close()
+    st.close()
+
+
+def test_backups_wait_in_a_bounded_queue():
     a = make(device_blocks=4)
     st = a.store
     backup = st.backup
@@ -136,10 +163,55 @@ def test_backups_wait_in_a_bounded_queue_and_close_stops_them(monkeypatch):
     a.free(pages)
     assert backup.drain(timeout=10)
     assert backup.copied == 0 and backup.failed == 0  # unknown keys are skipped, not errors
-    st.close()                                        # stops the thread; later submits are ignored
-    backup.submit(keys)
+    a.close()
+    st.close()
+
+
+def test_close_ends_the_pass_in_progress_and_drops_the_rest(monkeypatch):
+    a = make(device_blocks=8)
+    st = a.store
+    backup = st.backup
+    host = st.tiers[1]
+    copying, release = threading.Event(), threading.Event()
+    write = host.write
+
+    def slow_write(*args, **kwargs):
+        copying.set()
+        assert release.wait(10)
+        return write(*args, **kwargs)
+    monkeypatch.setattr(host, "write", slow_write)
+    first, pages, _ = compute(a, 0, 2, 1.0)           # a pass over these two, blocked in its copy
+    assert copying.wait(10)
+    second, more, _ = compute(a, 100, 2, 2.0)         # waiting behind it
+    assert len(backup._pending) == 2
+    closer = threading.Thread(target=st.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()                          # close waits for the pass in progress
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert backup.copied == 2 and not backup._pending  # the second pair was never copied
+    backup.submit(second)                             # ignored once closed
     assert not backup._pending
     a.close()
+
+
+def test_the_thread_ends_when_idle_and_comes_back(monkeypatch):
+    monkeypatch.setattr(kvtier.backup, "IDLE_EXIT_S", 0.05)
+    a = make()
+    st = a.store
+    _, pages, _ = compute(a, 0, 2, 1.0)
+    assert st.backup.drain(timeout=10)
+    deadline = time.monotonic() + 10
+    while st.backup._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.backup._thread is None                  # nothing keeps the store alive in the background
+    _, more, _ = compute(a, 100, 2, 2.0)
+    assert st.backup.drain(timeout=10) and st.backup.copied == 4
+    a.free(pages + more)
+    a.close()
+    st.close()
 
 
 def test_a_backup_to_disk_writes_the_blocks_before_their_eviction(tmp_path):

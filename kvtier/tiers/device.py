@@ -166,8 +166,9 @@ class DeviceTier(Tier):
         if not self.on_gpu:
             self._gather_into(memory, [slots[j] for j in order], dst)
             return True
-        # On a stream of its own, after every write queued so far to the slots (the engine's
-        # pages): a backup (kvtier.backup) runs beside the engine's work instead of between it.
+        # On a stream of its own, after the work queued so far on the calling thread's current
+        # stream (a backup's thread: the default stream, which the reference engine computes on),
+        # so a backup (kvtier.backup) runs beside the engine's later work instead of between it.
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))

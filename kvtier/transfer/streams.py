@@ -345,9 +345,12 @@ class LayerLoader(_Mover):
         for g in held.groups:
             keep = [(r, i) for r, i in zip(g.rows.tolist(), g.positions) if i < n]
             sources.append((g.memory, runs([r for r, _ in keep], [i for _, i in keep])))
-        if not self._layerwise(handle, ids, sources):
-            self._rows_then_scatter(handle, ids, sources)
-        self.stream.synchronize()      # the held slots may be reused once the holds end
+        try:
+            if not self._layerwise(handle, ids, sources):
+                self._rows_then_scatter(handle, ids, sources)
+        finally:                       # the held slots (and, after a failure, the pages) may be
+            self.copy_stream.synchronize()   # reused once the holds end: nothing may be in flight
+            self.stream.synchronize()
 
     def _rows_then_scatter(self, handle: LoadHandle, ids: torch.Tensor, sources: list[tuple[torch.Tensor, Runs]]) -> None:
         """Where _layerwise cannot run: whole rows go up first (one copy per run, into device rows
