@@ -18,8 +18,13 @@ LAYOUT = kvtier.KVLayout.mla(num_layers=2, kv_lora_rank=16, rope_dim=8, block_to
 NS = kvtier.Namespace(model="backup-test", revision="r1")
 
 
-def make(backup: bool = True, device_blocks: int = 8, host_blocks: int = 32, disk=None) -> KVAdapter:
-    tiers: list = [kvtier.DeviceTier(blocks=device_blocks, device="cpu"), kvtier.HostTier(blocks=host_blocks)]
+CUDA = torch.cuda.is_available()
+ON_A_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device: run on a GPU machine, see docs/gpu.md")])
+
+
+def make(backup: bool = True, device_blocks: int = 8, host_blocks: int = 32, disk=None, device: str = "cpu") -> KVAdapter:
+    tiers: list = [kvtier.DeviceTier(blocks=device_blocks, device=device), kvtier.HostTier(blocks=host_blocks)]
     if disk is not None:
         tiers.append(kvtier.DiskTier(disk, blocks=32))
     return KVAdapter(kvtier.Store(LAYOUT, tiers, NS, promote=False, backup=backup))
@@ -38,12 +43,14 @@ def compute(a: KVAdapter, first_token: int, blocks: int, tag: float) -> tuple[li
     return list(keys), pages, data
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_A_GPU])
 @pytest.mark.parametrize("backup", [True, False])
-def test_a_backed_up_block_leaves_the_pages_without_a_copy(backup):
+def test_a_backed_up_block_leaves_the_pages_without_a_copy(backup, device):
     """With a backup, a block the engine cached has a host copy soon after, and its eviction
     from the pages moves no bytes (a drop); without one, the eviction demotes it. Either
-    way its bytes are in host memory afterwards."""
-    a = make(backup=backup)
+    way its bytes are in host memory afterwards. On a GPU the backup's copy runs on the
+    device tier's own stream, from the backup's thread."""
+    a = make(backup=backup, device=device)
     st = a.store
     keys, pages, data = compute(a, 0, 6, 10.0)
     a.free(pages)
@@ -56,6 +63,9 @@ def test_a_backed_up_block_leaves_the_pages_without_a_copy(backup):
     assert fresh is not None
     assert st.stats().tier("host").demoted_in - demoted == (0 if backup else 6)
     assert a.lookup(list(range(24))).tiers == ["host"] * 6
+    host = st.tiers[1].memory()
+    for k, d in zip(keys, data):                       # the host copies hold the pages' bytes
+        assert torch.equal(host[st.index.entries[k].slot], d.cpu().view(-1).view(torch.uint8))
     a.free(fresh)
     load = a.load(a.lookup(list(range(24))))
     load.wait()
