@@ -14,8 +14,9 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvtier.errors import ConfigError, KvtierError, LayoutError
 
@@ -46,6 +47,13 @@ EXIT_USAGE = 2
 class Parser(argparse.ArgumentParser):
     """argparse with kvtier's one-line errors (`kvtier: error: ...`, exit 2) instead of a
     usage dump; subcommand parsers inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with a minus and a digit (`--kv-cache -5GiB`) is a value, so it gets
+        # its own check's message; argparse takes only plain negative numbers for values and
+        # said "expected one argument". (No kvtier option looks like a negative number.)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         print(f"kvtier: error: {message} (see `{self.prog} --help`)", file=sys.stderr)

@@ -45,6 +45,8 @@ def test_errors_are_one_line_with_a_hint():
     assert_one_line_error(r, 2, "--capacity", "cannot parse size 'lots'")
     r = kvtier("demo", "--layout", "gpt-9")
     assert_one_line_error(r, 2, "--layout", "kimi-k2")
+    r = kvtier("demo", "--capacity", "-5GiB")           # a value, not an unknown option
+    assert_one_line_error(r, 2, "--capacity", "cannot parse size '-5GiB'")
 
 
 def test_usage_errors_are_one_line_exit_2():
