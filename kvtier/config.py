@@ -51,6 +51,8 @@ class StoreConfig:
     io_threads: int = 1                      # store threads for non-blocking get/put
 
     def __post_init__(self) -> None:
+        if no_host_tier(self.host_capacity):     # 0 or "none" means no host tier, however it is given
+            object.__setattr__(self, "host_capacity", None)
         for name in ("block_tokens", "disk_io_threads", "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -104,7 +106,7 @@ class StoreConfig:
     def from_file(cls, path: str | Path) -> StoreConfig:
         """A config from a JSON or TOML (.toml) file of settings; host_capacity 0 or "none"
         there means no host tier (TOML has no null), as --host-cache 0 / none does."""
-        return cls.from_dict(file_settings(path), where=f"config file {path}")
+        return cls.from_dict(read_settings(path), where=f"config file {path}")
 
     @classmethod
     def default(cls, name: str) -> Any:
@@ -123,12 +125,12 @@ class StoreConfig:
         """A command's config and where each setting came from (for messages that name it as the
         user gave it). `flags` maps a setting to (its flag, the value given or None); a given
         flag overrides the file `path` (or the default). host_capacity 0 or "none": no host tier."""
-        settings = file_settings(path) if path else {}
+        settings = read_settings(path) if path else {}
         config = cls.from_dict(settings, where=f"config file {path}") if path else cls()
         given = {name: (flag, v) for name, (flag, v) in flags.items() if v is not None}
         for name, (flag, v) in given.items():
             try:
-                config = config.replace(**{name: None if name == "host_capacity" and no_host_tier(v) else v})
+                config = config.replace(**{name: v})
             except ConfigError as e:         # the message names the setting; say which flag gave it
                 raise ConfigError(f"{flag}: {e}" if flag != name else str(e)) from None
         return config, SettingSources({name: flag for name, (flag, _) in flags.items()}, frozenset(given),
@@ -214,15 +216,6 @@ def no_host_tier(value: Any) -> bool:
     if isinstance(value, int):
         return value == 0
     return isinstance(value, str) and value.strip().lower() in ("0", "none")
-
-
-def file_settings(path: str | Path) -> dict[str, Any]:
-    """A config file's settings for a StoreConfig (read_settings), with a host_capacity that
-    means no host tier (no_host_tier) as None."""
-    settings = read_settings(path)
-    if "host_capacity" in settings and no_host_tier(settings["host_capacity"]):
-        settings["host_capacity"] = None
-    return settings
 
 
 def check_names(settings: Mapping[str, Any], known: list[str], where: str) -> None:

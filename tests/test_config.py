@@ -182,6 +182,15 @@ def test_no_host_tier_from_json_null_and_from_the_flag_and_a_flag_over_it(tmp_pa
     assert config.host_capacity == 8 << 20 and sources.describe("host_capacity", "8 MiB") == "--host-cache 8 MiB"
 
 
+@pytest.mark.parametrize("given", [None, 0, "0", "none", "None"])
+def test_no_host_tier_reads_the_same_in_python(given):
+    """StoreConfig(host_capacity=0) means what `host_capacity = 0` in a file and
+    `--host-cache 0` mean (it was a "0 B is smaller than one block" error at build)."""
+    assert StoreConfig(host_capacity=given).host_capacity is None
+    assert StoreConfig(host_capacity=given) == StoreConfig(host_capacity=None)
+    assert StoreConfig().replace(host_capacity=given).host_capacity is None
+
+
 @pytest.mark.parametrize("value", ["false", "true", '"lots"', "-1", '"nothing"'])
 def test_other_host_capacities_are_not_read_as_no_host_tier(tmp_path, value):
     f = tmp_path / "kv.toml"

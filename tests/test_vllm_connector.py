@@ -187,6 +187,7 @@ def test_config_file_and_inline_override(tmp_path):
     ({"peers": ["10.0.0.2:7700"]}, "secret"),
     ({"disk_capacity": "1GiB"}, "disk_path"),
     ({"host_capacity": "lots"}, "cannot parse size"),
+    ({"host_capacity": 0}, "always has a host tier"),
     ({"tiers": [{"kind": "disk", "path": "/x", "capacity": "1GiB"}]}, "first tier must be the one host tier"),
     ({"tiers": [], "host_capacity": "1GiB"}, "not both"),
     ({"failure_policy": "ignore"}, "failure_policy"),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import StoreConfig, check_names, read_settings
+from kvtier.config import StoreConfig, check_names, no_host_tier, read_settings
 from kvtier.errors import ConfigError
 from kvtier.keys import checkpoint_revision
 from kvtier.units import parse_bytes
@@ -215,6 +215,9 @@ def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:
         raise ConfigError("give at most one disk tier (one directory per vLLM instance)")
     if "capacity" not in host or any("capacity" not in d for d in disks):
         raise ConfigError("give each tier a capacity, e.g. {'kind': 'host', 'capacity': '8GiB'}")
+    if no_host_tier(host["capacity"]):
+        raise ConfigError(f"the host tier's capacity is {host['capacity']!r}: the connector always has a host "
+                          "tier (vLLM's pages are saved through it); give a size like '8GiB'")
     fields: dict[str, Any] = {"host_capacity": host["capacity"]}
     if disks:
         d = disks[0]
