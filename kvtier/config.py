@@ -51,8 +51,8 @@ class StoreConfig:
     io_threads: int = 1                      # store threads for non-blocking get/put
 
     def __post_init__(self) -> None:
-        if no_host_tier(self.host_capacity):     # 0 or "none" means no host tier, however it is given
-            object.__setattr__(self, "host_capacity", None)
+        if no_host_tier(self.host_capacity) or _zero_size(self.host_capacity):   # 0, "0GiB" or "none":
+            object.__setattr__(self, "host_capacity", None)                    # no host tier, however given
         for name in ("block_tokens", "disk_io_threads", "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -203,6 +203,16 @@ def _finite(v: int | float) -> bool:
     try:
         return math.isfinite(float(v))
     except OverflowError:
+        return False
+
+
+def _zero_size(value: Any) -> bool:
+    """Whether a size string reads as 0 bytes ("0GiB"); anything unparsable is left to the size checks."""
+    if not isinstance(value, str):
+        return False
+    try:
+        return parse_bytes(value) == 0
+    except ConfigError:
         return False
 
 

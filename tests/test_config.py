@@ -182,7 +182,7 @@ def test_no_host_tier_from_json_null_and_from_the_flag_and_a_flag_over_it(tmp_pa
     assert config.host_capacity == 8 << 20 and sources.describe("host_capacity", "8 MiB") == "--host-cache 8 MiB"
 
 
-@pytest.mark.parametrize("given", [None, 0, "0", "none", "None"])
+@pytest.mark.parametrize("given", [None, 0, "0", "none", "None", "0GiB"])
 def test_no_host_tier_reads_the_same_in_python(given):
     """StoreConfig(host_capacity=0) means what `host_capacity = 0` in a file and
     `--host-cache 0` mean (it was a "0 B is smaller than one block" error at build)."""

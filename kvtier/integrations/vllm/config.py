@@ -169,7 +169,11 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
             if "capacity" not in t.args and "blocks" not in t.args:
                 raise ConfigError(f"the {t.kind} tier needs a capacity, e.g. '8GiB'")
             if "capacity" in t.args:
-                parse_bytes(t.args["capacity"])          # fail now, not in the worker
+                c = t.args["capacity"]
+                if t.kind == "host" and (no_host_tier(c) or parse_bytes(c) == 0):
+                    raise ConfigError(f"the host tier's capacity is {c!r}: the connector always has a host "
+                                      "tier (vLLM's pages are saved through it); give a size like '8GiB'")
+                parse_bytes(c)                           # fail now, not in the worker
         if t.kind == "disk" and not t.args.get("path"):
             raise ConfigError("the disk tier needs a path (a directory; one vLLM instance at a time)")
     return specs
@@ -215,9 +219,6 @@ def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:
         raise ConfigError("give at most one disk tier (one directory per vLLM instance)")
     if "capacity" not in host or any("capacity" not in d for d in disks):
         raise ConfigError("give each tier a capacity, e.g. {'kind': 'host', 'capacity': '8GiB'}")
-    if no_host_tier(host["capacity"]):
-        raise ConfigError(f"the host tier's capacity is {host['capacity']!r}: the connector always has a host "
-                          "tier (vLLM's pages are saved through it); give a size like '8GiB'")
     fields: dict[str, Any] = {"host_capacity": host["capacity"]}
     if disks:
         d = disks[0]
