@@ -51,8 +51,8 @@ class StoreConfig:
     io_threads: int = 1                      # store threads for non-blocking get/put
 
     def __post_init__(self) -> None:
-        if no_host_tier(self.host_capacity) or _zero_size(self.host_capacity):   # 0, "0GiB" or "none":
-            object.__setattr__(self, "host_capacity", None)                    # no host tier, however given
+        if no_host_tier(self.host_capacity):     # 0, "0GiB" or "none": no host tier, however it is given
+            object.__setattr__(self, "host_capacity", None)
         for name in ("block_tokens", "disk_io_threads", "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -206,26 +206,24 @@ def _finite(v: int | float) -> bool:
         return False
 
 
-def _zero_size(value: Any) -> bool:
-    """Whether a size string reads as 0 bytes ("0GiB"); anything unparsable is left to the size checks."""
-    if not isinstance(value, str):
-        return False
-    try:
-        return parse_bytes(value) == 0
-    except ConfigError:
-        return False
-
-
 def no_host_tier(value: Any) -> bool:
-    """Whether a host_capacity value means no host tier: None, 0, or "0" / "none" (any case),
-    as `--host-cache` takes it and as a TOML file (which has no null) can write it."""
+    """Whether a host_capacity value means no host tier: None, 0, "none" (any case) or a size
+    string of 0 bytes ("0", "0GiB"), as `--host-cache` takes it and as a TOML file (which has
+    no null) can write it. Anything unparsable is left to the size checks."""
     if value is None:
         return True
     if isinstance(value, bool):              # false is not a size: refused as one
         return False
     if isinstance(value, int):
         return value == 0
-    return isinstance(value, str) and value.strip().lower() in ("0", "none")
+    if not isinstance(value, str):
+        return False
+    if value.strip().lower() == "none":
+        return True
+    try:
+        return parse_bytes(value) == 0
+    except ConfigError:
+        return False
 
 
 def check_names(settings: Mapping[str, Any], known: list[str], where: str) -> None:

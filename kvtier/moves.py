@@ -108,13 +108,12 @@ class Mover:
         in memory), or without rows from their primary copies (held while they are read).
         down_only: only blocks whose primary copy is in a faster tier (a backup must not copy
         a block that was demoted meanwhile back up)."""
+        entries = self.index.entries
         with self._lock:
             if down_only:
-                entries = self.index.entries
                 keys = [k for k in keys if k in entries and entries[k].tier < tier]
             res = self.index.reserve_copies(keys, tier)
             self.apply(res)
-            entries = self.index.entries
             locs = [(entries[k].tier, entries[k].slot) for k in res.keys]
         if not res.keys:
             return 0

@@ -170,7 +170,7 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
                 raise ConfigError(f"the {t.kind} tier needs a capacity, e.g. '8GiB'")
             if "capacity" in t.args:
                 c = t.args["capacity"]
-                if t.kind == "host" and (no_host_tier(c) or parse_bytes(c) == 0):
+                if t.kind == "host" and no_host_tier(c):
                     raise ConfigError(f"the host tier's capacity is {c!r}: the connector always has a host "
                                       "tier (vLLM's pages are saved through it); give a size like '8GiB'")
                 parse_bytes(c)                           # fail now, not in the worker
