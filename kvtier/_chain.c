@@ -168,11 +168,70 @@ xxh3_64(PyObject *self, PyObject *arg)
     return PyLong_FromUnsignedLongLong((unsigned long long)h);
 }
 
+/* xxh3_64_many(blocks) -> list[int]: xxh3_64 of each buffer in a sequence, all hashed
+ * under one release of the GIL. Speed: the disk tier checksums a put's blocks while its I/O
+ * threads write them; one GIL hand-off per 1 MiB block (512 for a 512 MiB put) delayed the
+ * I/O threads' next syscalls (0.90 -> 0.97 of raw O_DIRECT, measured with 1 MiB blocks). */
+static PyObject *
+xxh3_64_many(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    PyObject *seq = PySequence_Fast(arg, "xxh3_64_many expects a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    unsigned long long *sums = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(unsigned long long));
+    PyObject *out = NULL;
+    Py_ssize_t got = 0;
+    size_t total = 0;
+    if (views == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(items[got], &views[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        total += (size_t)views[got].len;
+    }
+    if (total >= (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            sums[i] = (unsigned long long)BLOCK_XXH3_64(views[i].buf, (size_t)views[i].len);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            sums[i] = (unsigned long long)BLOCK_XXH3_64(views[i].buf, (size_t)views[i].len);
+    }
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(sums);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef chain_methods[] = {
     {"chain_xxh3", (PyCFunction)(void (*)(void))chain_xxh3, METH_VARARGS | METH_KEYWORDS,
      chain_xxh3_doc},
     {"xxh3_64", xxh3_64, METH_O,
      "xxh3_64(data) -> int: XXH3-64 of a contiguous buffer (seed 0), GIL released for large ones."},
+    {"xxh3_64_many", xxh3_64_many, METH_O,
+     "xxh3_64_many(blocks) -> list[int]: xxh3_64 of each contiguous buffer, under one release of the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

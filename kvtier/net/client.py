@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kvtier.checksum import block_checksum
+from kvtier.checksum import block_checksum, block_checksums
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
 from kvtier.net.frames import Frame, FrameError, decode, read_prefix
@@ -134,7 +134,7 @@ class PeerClient:
         stores the leading blocks that match theirs."""
         rows = _rows(blocks, len(keys), self.block_bytes, False)[:len(keys)]
         if sums is None or len(sums) < len(keys):
-            sums = [block_checksum(r) for r in rows]
+            sums = block_checksums(rows)
         sums = list(sums[:len(keys)])
         req = Frame("PUT", self.ns, list(keys), payload=len(keys) * self.block_bytes, sums=sums)
         return self._call(req, rows, send_rows=True)
