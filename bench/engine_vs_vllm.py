@@ -109,12 +109,14 @@ def _measure(startup, run, cached_of, tokens_of) -> dict:
 
 # -- the parent -----------------------------------------------------------------------------------
 def _spawn(python: str, kind: str, job: dict, tmp: Path) -> dict:
+    from kvtier.bench.common import child_env
+
     path = tmp / f"{kind}-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(job))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               VLLM_LOGGING_LEVEL="ERROR")
-    if kind == "kvtier":            # this checkout's kvtier, whatever is installed in that python
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    settings = dict(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                    VLLM_LOGGING_LEVEL="ERROR")
+    # kvtier's side runs this checkout's kvtier, whatever is installed in that python
+    env = child_env(**settings) if kind == "kvtier" else {**os.environ, **settings}
     p = subprocess.run([python, str(Path(__file__).resolve()), "--child", kind, str(path)], capture_output=True,
                        text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]

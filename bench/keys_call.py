@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import httpx
 import orjson
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))       # this checkout's kvtier, for its child_env
 SYSTEM = ("You are a coding agent. Read the repository, call the tools you need, and answer the user's "
           "question with a short plan, the files to change and the tests to run. ") * 8
 TOOL = ("def handler(request):\n    body = request.json()\n    if not body.get('id'):\n        raise ValueError('no id')\n"
@@ -50,8 +50,9 @@ def conversation(tokens: int, nonce: str) -> list[dict]:
 
 def serve(kv: str, host: str) -> tuple[subprocess.Popen, str]:
     """A kimi-tiny worker on a free port (one torch thread); (process, its URL)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",        # this checkout first, then what was on the path
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    from kvtier.bench.common import child_env
+
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--model", "kimi-tiny", "--port", "0",
                              "--kv-cache", kv, "--host-cache", host], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.bench.common import child_env  # noqa: F401  (the tests' subprocesses import it from here)
 
 torch.set_num_threads(1)
 
@@ -18,11 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment for a kvtier child process: this checkout first on PYTHONPATH, ahead of
-    what was there (a machine may bring packages on PYTHONPATH, as the GPU machines do)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 _config: list[pytest.Config] = []

@@ -34,6 +34,18 @@ def quiet_threads() -> None:
     torch.set_num_threads(1)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python that must run this kvtier (a bench's server, a
+    test's subprocess, another venv's interpreter): the folder this kvtier is imported from
+    first on PYTHONPATH, ahead of what was there (a machine may bring packages on
+    PYTHONPATH, as the GPU machines do), then `extra`."""
+    import kvtier
+
+    root = str(Path(kvtier.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def _check_repeat(repeat: int) -> None:
     from kvtier.errors import ConfigError
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
