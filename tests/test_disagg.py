@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,7 +43,8 @@ class Router:
         line = self.proc.stdout.readline()
         assert line.startswith("kvtier router: ready on "), line
         self.url = line.split(" on ", 1)[1].split()[0]
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()   # drain its log
+        self.lines: list[str] = []           # its log, drained as it comes
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout], daemon=True).start()
 
     def health(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=10)
@@ -316,11 +318,15 @@ class FakeDecode(FakeServer):
     def __init__(self, mode: str) -> None:
         me = self
         self.posts = 0
+        self.alive = True                      # False: polls get the connection closed, no answer
 
         class Handler(JsonHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:          # /kvtier/load
+                if not me.alive:
+                    self.close_connection = True
+                    return
                 self.send_json(ready("decode", BT))
 
             def do_POST(self) -> None:
@@ -440,9 +446,56 @@ def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_ret
         h = r.health().json()
         assert dying.posts == 1 and h["stats"]["decode_retries"] == 0
         assert [w["sent"] for w in h["workers"] if w["url"] == d.url] == [0]      # answered once, by nobody else
+        # counted and logged: the worker left the rotation (until a poll finds it ready)
+        assert h["stats"]["cut"] == 1
+        assert [w["failures"] for w in h["workers"] if w["url"] == dying.url] == [1]
+        assert any(f"worker {dying.url} (decode): ready -> down (went away mid-answer" in x for x in r.lines), r.lines
+        assert "kvtier_router:streams_cut_total 1.0" in httpx.get(r.url + "/metrics", timeout=10).text
     finally:
         r.stop()
         dying.stop()
+
+
+def test_health_says_down_once_every_decode_worker_that_was_ready_is_gone():
+    """'starting' while a decode worker has never been ready (it may be coming up), 'down'
+    once each was ready and none is now; 503 either way."""
+    fake = FakeDecode("die")
+    r = Router("--decode", fake.url)
+    try:
+        deadline = time.monotonic() + 30
+        while r.health().json()["status"] != "ready":
+            assert time.monotonic() < deadline, r.health().text
+            time.sleep(0.1)
+        fake.alive = False
+        while (h := r.health()).json()["status"] != "down":
+            assert time.monotonic() < deadline + 30, h.text
+            assert h.json()["status"] == "ready", h.text      # never "starting" again
+            time.sleep(0.1)
+        assert h.status_code == 503
+    finally:
+        r.stop()
+        fake.stop()
+
+
+def test_router_disconnects_silent_clients_and_logs_no_traceback_for_one_gone_mid_body():
+    """The router shares the server's HTTP settings: --read-timeout closes a connection that
+    sends nothing, and a client gone half-way through its body is not an internal error."""
+    fake = FakeDecode("die")
+    r = Router("--decode", fake.url, "--read-timeout", "1")
+    try:
+        host, port = r.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            t0 = time.monotonic()
+            assert idle.recv(10) == b"" and time.monotonic() - t0 < 5
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        assert r.health().status_code in (200, 503)            # still up
+        log = "".join(r.lines)
+        assert "Traceback" not in log and "internal error" not in log, log
+    finally:
+        r.stop()
+        fake.stop()
 
 
 def _finished(server) -> dict[str, float]:

@@ -161,6 +161,37 @@ def test_chat_streamed_equals_not_streamed(server):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_created_is_the_requests_time(server):
+    """`created` is when the request arrived (OpenAI's meaning), not when the server started."""
+    c = server.client()
+    time.sleep(1.1)                      # the server started at least this long before
+    t0 = int(time.time())
+    whole = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    chunks = list(c.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True))
+    assert t0 <= whole.created <= time.time()
+    assert chunks and all(t0 <= ch.created <= time.time() for ch in chunks)
+
+
+def test_too_long_blames_the_field_the_client_sent_and_no_max_tokens_fits_the_cache(server):
+    """A prompt too long for the context names the prompt (or messages), not max_tokens the
+    client never sent; a max_tokens too large names max_tokens; a chat without max_tokens on a
+    server whose KV cache holds fewer tokens than the context generates up to what fits."""
+    def error(body: dict) -> dict:
+        r = httpx.post(server.url + ("/v1/chat/completions" if "messages" in body else "/v1/completions"),
+                       json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert error({"messages": [{"role": "user", "content": "x" * 9000}]})["param"] == "messages"
+    assert error({"prompt": "x" * 9000})["param"] == "prompt"
+    assert error({"prompt": "x" * 9000, "max_tokens": 4})["param"] == "prompt"
+    assert error({"prompt": "hi", "max_tokens": 9000})["param"] == "max_tokens"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text     # the 4 MiB KV cache holds 1,632 of the context's 8,192 tokens
+    assert r.json()["usage"]["total_tokens"] <= 1632
+
+
 def test_session_affinity_pins_and_is_echoed(server):
     c = server.client()
     before = sum(server.metrics()["kvtier:store_pinned_bytes"].values())
@@ -198,6 +229,9 @@ def test_session_affinity_pins_and_is_echoed(server):
     ("POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
     ("GET", "/v1/completions", None, 405, "method_not_allowed"),
     ("GET", "/v2/nothing", None, 404, "not_found"),
+    ("GET", "/kvtier/events?limit=0", None, 400, "invalid_value"),
+    ("GET", "/kvtier/events?limit=-5", None, 400, "invalid_value"),
+    ("GET", "/kvtier/events?since=-1", None, 400, "invalid_value"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 70_000}, 413, "request_too_large"),
 ])
 def test_bad_requests_get_openai_error_bodies(server, method, path, body, status, code):
@@ -352,5 +386,51 @@ def test_connections_past_the_cap_get_503_and_the_server_goes_on():
             time.sleep(0.1)
         else:
             raise AssertionError("the server never served again after the idle connection closed")
+    finally:
+        srv.stop()
+
+
+def test_silent_clients_are_disconnected_and_answers_are_not_cut():
+    """Connections that send nothing (or stop half-way through a body) are closed after
+    --read-timeout, so they cannot hold --max-connections; a stalled body gets a 408 JSON
+    error; a client gone mid-body leaves no traceback in the log; a long answer to a client
+    that sends nothing meanwhile is not cut."""
+    srv = Server("--max-connections", "4", "--read-timeout", "1").wait_ready()
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+        time.sleep(0.3)
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
+        for s in idle:                                   # closed by the server: EOF
+            assert s.recv(10) == b""
+            s.close()
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(head)
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+        status, _, body = reply.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), reply
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+
+        for _ in range(3):                               # gone mid-body
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(head)
+                time.sleep(0.2)
+
+        t0 = time.monotonic()
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True,
+                                "stream": True}) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+        assert time.monotonic() - t0 > 1.5, "the answer must outlast --read-timeout for this test to mean anything"
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        log = "\n".join(srv.lines)
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
     finally:
         srv.stop()

@@ -69,6 +69,7 @@ class Stats:
     prefill_retries: int = 0           # a prefill worker failed and another (or the decode worker) took over
     decode_retries: int = 0
     unserved: int = 0                  # answered 5xx: no worker could serve
+    cut: int = 0                       # streams ended by an error chunk: the decode worker went away mid-answer
     pushed_bytes: int = 0              # KV bytes prefill workers pushed to decode workers (--handoff push)
     push_failures: int = 0             # pushes that ended early (the decode worker pulls the rest)
 
@@ -343,7 +344,8 @@ class Router:
             w.sent += 1
             ctype = resp.headers.get("content-type", "")
             if resp.status_code == 200 and ctype.startswith("text/event-stream"):
-                return EventStream(_relay(resp, load, skip=1 if chat else 0), on_close=load.release)
+                return EventStream(_relay(resp, load, skip=1 if chat else 0, stats=self.stats),
+                                   on_close=load.release)
             try:
                 data = await resp.aread()
             except httpx.HTTPError as e:
@@ -376,7 +378,10 @@ class Router:
 
     def health(self) -> tuple[dict, int]:
         ready = any(w.ready for w in self.pools.decode)
-        return ({"status": "ready" if ready else "starting", "policy": self.cfg.policy, "handoff": self.cfg.handoff,
+        # "down": every decode worker was ready once and is down now; "starting": one may
+        # still come up (a refused connection cannot tell a worker starting from a dead one)
+        coming = any(w.status == "starting" or not w.was_ready for w in self.pools.decode)
+        return ({"status": "ready" if ready else "starting" if coming else "down", "policy": self.cfg.policy, "handoff": self.cfg.handoff,
                  "direct_below": self.cfg.direct_below, "calibrated": self.calibrated,
                  "tokens_per_byte": round(self.tokens_per_byte, 4), "stats": vars(self.stats),
                  "prefixes": self.cfg.prefixes,
@@ -410,8 +415,10 @@ class _Load:
             self.w.decode_seqs -= 1
 
 
-async def _relay(resp: httpx.Response, load: _Load, skip: int) -> AsyncIterator[bytes]:
-    """The decode worker's SSE bytes as they come; an error chunk and [DONE] if it dies mid-stream."""
+async def _relay(resp: httpx.Response, load: _Load, skip: int, stats: Stats) -> AsyncIterator[bytes]:
+    """The decode worker's SSE bytes as they come; an error chunk and [DONE] if it dies
+    mid-stream (the worker leaves the rotation until a poll finds it ready: `failures`, and
+    the router's `cut`)."""
     seen = 0
     try:
         async for chunk in resp.aiter_raw():
@@ -420,6 +427,8 @@ async def _relay(resp: httpx.Response, load: _Load, skip: int) -> AsyncIterator[
                 load.prefilled()        # the first token is out: its prompt is computed
             yield chunk
     except httpx.HTTPError as e:
+        load.w.failed(f"went away mid-answer: {type(e).__name__}: {e}")
+        stats.cut += 1
         yield sse_event(ApiError(502, f"the decode worker went away mid-answer: {type(e).__name__}",
                                  code="bad_gateway").body())
         yield b"data: [DONE]\n\n"

@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
     from kvtier.router.rules import POLICIES
     from kvtier.serve.cli import port_arg
+    from kvtier.serve.http import READ_TIMEOUT_S
 
     p.add_argument("--prefill", action="extend", nargs="+", type=url_arg, default=[], metavar="URL",
                    help="prefill workers (kvtier serve --role prefill); repeatable, several URLs each")
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted (413 above it)")
     p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
                    help="concurrent client connections at most (503 past it)")
+    p.add_argument("--read-timeout", type=positive_float, default=READ_TIMEOUT_S, metavar="SECONDS",
+                   help="a client silent this long while sending its request (headers or body) is disconnected, "
+                        "so idle connections cannot fill --max-connections; answers are never cut by it")
     p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="how long a worker may take to answer")
     p.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
@@ -97,15 +101,15 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     from kvtier.router.app import Router, RouterConfig, build_app
     from kvtier.router.workers import Pools, Worker
     from kvtier.serve.cli import _QuietSignals
+    from kvtier.serve.http import uvicorn_config
 
     pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode])
     router = Router(pools, RouterConfig(policy=args.policy, direct_below=args.direct_below,
                                         max_body_bytes=args.max_body_size, request_timeout=args.request_timeout,
                                         poll_interval=args.poll_interval, handoff=args.handoff,
                                         prefixes=args.prefixes))
-    config = uvicorn.Config(build_app(router), lifespan="off", log_level="warning", access_log=False,
-                            http="httptools" if has("httptools") else "h11", limit_concurrency=args.max_connections,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn_config(build_app(router), max_connections=args.max_connections,
+                            shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)
     # SIGTERM/SIGINT stop it the way uvicorn stops, then it exits 0 (uvicorn's own handler
     # would re-raise the signal at the end: an exit "by signal" for a clean stop)
     server = type("RouterUvicorn", (_QuietSignals, uvicorn.Server), {})(config)

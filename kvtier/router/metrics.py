@@ -81,7 +81,9 @@ class _RouterState:
                 ("kvtier_router:prefill_retries", "Prefills retried on another worker (or left to the decode worker).",
                  s.prefill_retries),
                 ("kvtier_router:decode_retries", "Requests sent to another decode worker before any answer.",
-                 s.decode_retries)):
+                 s.decode_retries),
+                ("kvtier_router:streams_cut", "Streamed answers ended by an error chunk: the decode worker went "
+                 "away mid-answer.", s.cut)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c

@@ -40,6 +40,7 @@ class Worker:
     sent: int = 0                      # requests (or prefills) sent
     failures: int = 0
     error: str = ""
+    was_ready: bool = False            # found ready at least once (down since then: not "starting up")
     polled_at: float = 0.0
 
     @property
@@ -52,6 +53,8 @@ class Worker:
 
     def failed(self, why: str) -> None:
         """A call to it failed: out of rotation until a poll finds it ready again."""
+        if self.status != "down":
+            log.warning("worker %s (%s): %s -> down (%s)", self.url, self.pool, self.status, why)
         self.status, self.error = "down", why
         self.failures += 1
 
@@ -93,6 +96,7 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
         status, data = "down", {}
         w.error = f"{type(e).__name__}: {e}" or type(e).__name__
     w.status = status if status in ("ready", "starting") else "down"
+    w.was_ready |= w.status == "ready"
     w.polled_at = time.monotonic()
     if data:
         w.role, w.node = data.get("role"), data.get("node")

@@ -44,7 +44,7 @@ class Service:
     max_body_bytes: int = 4 << 20
     draining: bool = False
     inflight: int = 0
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(time.time()))   # the model card's: when the server started
     disagg: Any = None                # kvtier.serve.disagg.Disagg: the worker's P/D role, or None
     kv_events: Any = None             # kvtier.serve.events.KvEvents, from the first GET /kvtier/events
     _chat: ChatFormatter | None = None
@@ -136,17 +136,23 @@ class Service:
 
     def sampling(self, req: P.GenerationRequest, n_prompt: int) -> SamplingParams:
         limit = self.max_model_len
-        max_tokens = req.max_tokens if req.max_tokens is not None else limit - n_prompt
+        bt = self.llm.adapter.block_tokens
+        capacity = self.llm.adapter.device_tier.capacity_blocks
+        # Without max_tokens, up to the context's end or the KV cache's, whichever comes first
+        # (a server may hold fewer tokens than the model's context).
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(limit, capacity * bt) - n_prompt)
+        # The field to blame: the prompt when it alone is too long or max_tokens was not sent.
+        prompt_at_fault = req.max_tokens is None or n_prompt >= limit
+        param = ("messages" if req.messages else "prompt") if prompt_at_fault else "max_tokens"
+        fix = "shorten the prompt" if prompt_at_fault else "shorten the prompt or lower max_tokens"
         if max_tokens < 1 or n_prompt + max_tokens > limit:
             raise P.bad(f"this model's maximum context length is {limit} tokens; the request asks for "
                         f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt, {max(max_tokens, 1)} to "
-                        f"generate): shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
-        bt = self.llm.adapter.block_tokens
-        pages, capacity = -(-(n_prompt + max_tokens) // bt), self.llm.adapter.device_tier.capacity_blocks
+                        f"generate): {fix}", param, "context_length_exceeded")
+        pages = -(-(n_prompt + max_tokens) // bt)
         if pages > capacity:
             raise P.bad(f"the request needs {pages} KV pages ({n_prompt} + {max_tokens} tokens) but this server's "
-                        f"KV cache has {capacity}: shorten the prompt or lower max_tokens", "max_tokens",
-                        "context_length_exceeded")
+                        f"KV cache has {capacity}: {fix}", param, "context_length_exceeded")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
@@ -202,6 +208,7 @@ class _Answer:
 
     def __init__(self, svc: Service, rid: str, req: P.GenerationRequest, chat: bool, n_prompt: int) -> None:
         self.svc, self.rid, self.req, self.chat, self.n_prompt = svc, rid, req, chat, n_prompt
+        self.created = int(time.time())       # OpenAI's `created`: when this request arrived
         self.text = IncrementalText(svc.llm.tokenizer)
         self.over = False
         self._closed = False
@@ -220,16 +227,16 @@ class _Answer:
         return P.usage(done.prompt_tokens, done.completion_tokens, done.cached_by_tier)
 
     def _chunk(self, piece: str, finish: str | None) -> dict:
-        s, r = self.svc, self.req
+        r = self.req
         if self.chat:
             delta = {"content": piece} if piece or finish is None else {}
-            return P.chat_chunk(self.rid, s.created, r.model, delta, finish, r.include_usage)
-        return P.completion_chunk(self.rid, s.created, r.model, piece, finish, r.include_usage)
+            return P.chat_chunk(self.rid, self.created, r.model, delta, finish, r.include_usage)
+        return P.completion_chunk(self.rid, self.created, r.model, piece, finish, r.include_usage)
 
     async def stream(self, events: asyncio.Queue[list[Event]]) -> AsyncIterator[bytes]:
         s, r = self.svc, self.req
         if self.chat:
-            yield sse_event(P.chat_chunk(self.rid, s.created, r.model, {"role": "assistant", "content": ""}, None,
+            yield sse_event(P.chat_chunk(self.rid, self.created, r.model, {"role": "assistant", "content": ""}, None,
                                          r.include_usage))
         while True:
             for ev in await events.get():
@@ -242,7 +249,7 @@ class _Answer:
                     s.metrics.outcome(ev.reason)
                     yield sse_event(self._chunk(self.text.push([], final=True), ev.reason))
                     if r.include_usage:
-                        yield sse_event(P.usage_chunk(self.rid, s.created, r.model, self.chat, self._usage(ev)))
+                        yield sse_event(P.usage_chunk(self.rid, self.created, r.model, self.chat, self._usage(ev)))
                     yield SSE_DONE
                     return
                 elif isinstance(ev, Failed):
@@ -271,7 +278,7 @@ class _Answer:
                         self.text.push([], final=True)
                         build = P.chat_body if self.chat else P.completion_body
                         ids = list(self.text.ids) if r.return_token_ids else None
-                        return JSON(build(self.rid, s.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
+                        return JSON(build(self.rid, self.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
                     elif isinstance(ev, Failed):
                         self.over = True
                         s.metrics.outcome("error")
@@ -341,14 +348,19 @@ def build_app(svc: Service) -> Any:
         return await block_keys(svc, request)
 
     async def events(request: Request) -> Response:
+        from kvtier.serve.events import MAX_BATCH, KvEvents
+
         svc.check_serving()
         q = request.query_params
         try:
-            since, limit = int(q.get("since", "0")), int(q.get("limit", "4096"))
+            since, limit = int(q.get("since", "0")), int(q.get("limit", str(MAX_BATCH)))
         except ValueError:
             raise P.bad("since and limit must be integers", "since") from None
+        if since < 0:
+            raise P.bad(f"since must be an event number >= 0, got {since}", "since")
+        if limit < 1:
+            raise P.bad(f"limit must be >= 1 (an answer holds at most {MAX_BATCH} events), got {limit}", "limit")
         if svc.kv_events is None:                 # from the first router that asks: idle costs nothing
-            from kvtier.serve.events import KvEvents
             svc.kv_events = KvEvents(svc.llm.store)
         try:
             return JSON(svc.kv_events.since(since, limit, epoch=q.get("epoch"), cursor=q.get("cursor")))

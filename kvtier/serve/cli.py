@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
     from kvtier.engine.generate_cli import dtype_arg, size_or_none
     from kvtier.node_cli import _address, _checked, _peers, _redis_url
+    from kvtier.serve.http import READ_TIMEOUT_S
 
     p.add_argument("--model", default="kimi-tiny", metavar="PRESET_OR_DIR",
                    help="a preset (kimi-tiny: random weights, runs on a CPU) or a Hugging Face checkpoint folder")
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
                    help="concurrent client connections at most (503 past it): clients cannot exhaust file "
                         "descriptors or memory")
+    p.add_argument("--read-timeout", type=positive_float, default=READ_TIMEOUT_S, metavar="SECONDS",
+                   help="a client silent this long while sending its request (headers or body) is disconnected, "
+                        "so idle connections cannot fill --max-connections; answers are never cut by it")
     p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of a preset's random weights")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
@@ -285,6 +289,7 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
 
     from kvtier.serve.app import Service, build_app
     from kvtier.serve.engine_loop import EngineLoop
+    from kvtier.serve.http import uvicorn_config
     from kvtier.serve.metrics import ServeMetrics
 
     from kvtier.serve.disagg import Disagg
@@ -296,9 +301,8 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
                         before_close=lambda: [n.stop() for n in nodes])
     metrics.attach(engine)
     svc = Service(engine, metrics, name, max_body_bytes=args.max_body_size, disagg=disagg)
-    config = uvicorn.Config(build_app(svc), lifespan="off", log_level="warning", access_log=False,
-                            http="httptools" if _has("httptools") else "h11", timeout_graceful_shutdown=5,
-                            limit_concurrency=args.max_connections, timeout_keep_alive=5)
+    config = uvicorn_config(build_app(svc), max_connections=args.max_connections, shutdown_timeout=5,
+                            read_timeout=args.read_timeout)
     server = type("KvtierUvicorn", (_QuietSignals, uvicorn.Server), {})(config)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

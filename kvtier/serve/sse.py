@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from kvtier.serve.protocol import ApiError
@@ -67,8 +67,17 @@ async def on_crash(_request: Request, e: Exception) -> Response:
     return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
 
+async def on_client_gone(_request: Request, _e: Exception) -> Response:
+    """The client went away before its whole request arrived (or went silent: kvtier.serve.http):
+    not the server's error, so nothing is logged; the answer goes nowhere."""
+    log.debug("a client disconnected before sending its whole request")
+    return error_response(ApiError(400, "the client disconnected before sending its whole request",
+                                   code="client_disconnected"))
+
+
 # The exception handlers of every kvtier HTTP app (kvtier serve, kvtier router).
-EXCEPTION_HANDLERS = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+EXCEPTION_HANDLERS = {ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_client_gone,
+                      Exception: on_crash}
 
 
 def sse_event(obj: Any) -> bytes:
