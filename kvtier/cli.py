@@ -152,11 +152,9 @@ def _fail(message: str, code: int) -> int:
 
 def _broken_pipe() -> int:
     """The reader of stdout went away (`kvtier ... | head`): stop quietly, as `cat` does."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())   # so the interpreter's final flush cannot fail again
-    except (OSError, ValueError):
-        pass
+    from kvtier.progress import detach_stdout
+
+    detach_stdout()   # so the interpreter's final flush cannot fail again
     return 128 + 13   # as if killed by SIGPIPE, like other Unix tools in a pipe
 
 

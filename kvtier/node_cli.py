@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvtier.argtypes import positive_float, positive_int, size
 from kvtier.errors import ConfigError
+from kvtier.progress import say
 
 HELP = "serve a store's blocks to peers over TCP (and fetch from peers with --peers or --directory)"
 PROBE_EVERY_S = 0.5     # how often a node looks for peers that were down and are due for a retry
@@ -239,8 +240,8 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         if stop.is_set():
-            print("kvtier node: already stopping (closing the store); kill -9 aborts and loses what is "
-                  "not on disk yet", flush=True)
+            say("kvtier node: already stopping (closing the store); kill -9 aborts and loses what is "
+                "not on disk yet")
         stop.set()
 
     with config.build(layout, ns, remote=remote) as store:
@@ -248,18 +249,17 @@ def run(args: argparse.Namespace) -> int:
                   transport=args.transport, tls=serve_tls, limits=limits) as node:
             for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly
                 signal.signal(sig, on_signal)
-            print(f"kvtier node: serving {ns.model!r} (revision {ns.revision!r}, shard {ns.shard or 'none'}; "
-                  f"{layout.describe()}; {', '.join(where)}) on {node.address}", flush=True)
-            print("kvtier node: Ctrl-C or SIGTERM stops it", flush=True)
+            say(f"kvtier node: serving {ns.model!r} (revision {ns.revision!r}, shard {ns.shard or 'none'}; "
+                f"{layout.describe()}; {', '.join(where)}) on {node.address}")
+            say("kvtier node: Ctrl-C or SIGTERM stops it")
             if remote is not None:
                 remote.probe()                       # logs each peer that does not answer, once
             while not stop.wait(PROBE_EVERY_S):
                 if remote is not None:
                     remote.probe(only_down=True)     # and logs when it answers again
-            print("kvtier node: stopping" + (" (writing host blocks down to disk)" if args.disk else ""),
-                  flush=True)
+            say("kvtier node: stopping" + (" (writing host blocks down to disk)" if args.disk else ""))
         st = store.stats()
         served, refused, held = node.served, node.refused, st.tiers[0].used_blocks
-    print(f"kvtier node: stopped; served {served} requests, refused {refused}, "
-          f"{held} blocks were in host memory", flush=True)
+    say(f"kvtier node: stopped; served {served} requests, refused {refused}, "
+        f"{held} blocks were in host memory")
     return 0

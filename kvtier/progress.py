@@ -6,6 +6,7 @@ piped and `--json` output stay clean. Without rich installed it prints nothing.
 """
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -63,3 +64,24 @@ def progress(description: str, total: float | None = None, enabled: bool = True)
 
 
 _console = None    # rich's Console on stderr, made on first use
+
+
+def detach_stdout() -> None:
+    """Point stdout at /dev/null: its reader went away, and the next write or the interpreter's
+    final flush must not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def say(text: str) -> None:
+    """One status line on stdout (a server's listening, ready, draining, stopped). A reader
+    that went away (a closed pipe, a gone terminal) must not stop a server mid-shutdown: the
+    line is dropped and stdout detached."""
+    try:
+        print(text, flush=True)
+    except (OSError, ValueError):
+        detach_stdout()

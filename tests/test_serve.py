@@ -434,3 +434,24 @@ def test_silent_clients_are_disconnected_and_answers_are_not_cut():
         assert "Traceback" not in log and "internal error" not in log, log[-3000:]
     finally:
         srv.stop()
+
+
+def test_sigterm_stops_a_server_whose_stdout_reader_went_away():
+    """The status lines ("draining", "stopped") cannot be written when whoever started the
+    server stopped reading its stdout (a closed pipe): it still drains and exits 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model", MODEL,
+         "--kv-cache", "4MiB", "--host-cache", "8MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + STARTUP_S
+        while not proc.stdout.readline().startswith("kvtier serve: ready:"):
+            assert time.monotonic() < deadline and proc.poll() is None
+        proc.stdout.close()                  # nobody reads its stdout any more
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.progress import say
 
 HELP = "OpenAI-compatible router over prefill/decode workers (`kvtier serve --role ...`), token- and cache-aware"
 
@@ -124,8 +125,8 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, on_signal)
         await router.start(max_connections=args.max_connections)
-        print(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
-              f"policy {args.policy}, {args.handoff} hand-over; GET {url}/health lists them)", flush=True)
+        say(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
+            f"policy {args.policy}, {args.handoff} hand-over; GET {url}/health lists them)")
         try:
             await server.serve(sockets=[sock])
         finally:
@@ -136,5 +137,5 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
         uvloop.run(main())
     else:
         asyncio.run(main())
-    print("kvtier router: stopped", flush=True)
+    say("kvtier router: stopped")
     return 0

@@ -14,6 +14,7 @@ import errno
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.progress import say
 
 HELP = "serve the reference engine over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)"
 
@@ -208,7 +209,7 @@ def _make_llm(args: argparse.Namespace, cache: Any, cluster: dict[str, Any] | No
             nodes.append(node)
             if disagg is not None:
                 disagg.node = cluster["advertise"] or node.address
-            print(f"kvtier serve: serving blocks to peers on {node.address}", flush=True)
+            say(f"kvtier serve: serving blocks to peers on {node.address}")
         return llm
     return make
 
@@ -312,14 +313,13 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
         stopping = asyncio.Event()
 
         async def shutdown() -> None:
-            print(f"kvtier serve: draining ({svc.inflight} requests in flight, up to {args.shutdown_timeout:g} s)",
-                  flush=True)
+            say(f"kvtier serve: draining ({svc.inflight} requests in flight, up to {args.shutdown_timeout:g} s)")
             await svc.drain(args.shutdown_timeout)
             server.should_exit = True
 
         def on_signal() -> None:
             if stopping.is_set():
-                print("kvtier serve: already stopping", flush=True)
+                say("kvtier serve: already stopping")
                 return
             stopping.set()
             asyncio.ensure_future(shutdown())
@@ -332,9 +332,9 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
             if engine.error is not None:
                 server.should_exit = True
             elif not stopping.is_set():
-                print(f"kvtier serve: ready: {name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
+                say(f"kvtier serve: ready: {name!r} on {url} (OpenAI API at {url}/v1)")
 
-        print(f"kvtier serve: listening on {url}, loading {args.model}", flush=True)
+        say(f"kvtier serve: listening on {url}, loading {args.model}")
         engine.start()
         watcher = asyncio.ensure_future(announce())
         try:
@@ -352,7 +352,7 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
         engine.stop()
     if engine.error is not None:
         raise engine.error
-    print("kvtier serve: stopped (store flushed and closed)", flush=True)
+    say("kvtier serve: stopped (store flushed and closed)")
     return 0
 
 
