@@ -336,13 +336,16 @@ class KVAdapter:
         ([n, pages_per_block], one row per key). Returns at once: a loader thread reads the
         blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
         reads its pages. Blocks past `loaded` (not cached any more, corrupt, or the load
-        failed) are not written: the engine recomputes them."""
+        failed) are not written: the engine recomputes them. A bad call (keys that are not
+        this store's, a closed store, a bad table) raises here, not as a miss."""
+        st = self.store
+        st._check_open()
+        st._check_keys(keys)
         table = self._engine_pages(paged, page_table, keys, unique=True)
         if not len(keys):
             return PagesLoad(0, None)
         if self._loader is None:
             self._loader = LayerLoader(paged, self.layout, threaded=True)
-        st = self.store
         # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
@@ -352,8 +355,9 @@ class KVAdapter:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
         the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
         them; wait() on the result puts them into the store (from any thread)."""
-        table = self._engine_pages(paged, page_table, keys)
         st = self.store
+        st._check_open()
+        table = self._engine_pages(paged, page_table, keys)
         if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
             # Host pages: gathered straight into reserved top-tier slots (one copy), which
             # become cached blocks when the copy is done.

@@ -10,6 +10,7 @@ victims; it never evicts a pinned block's last copy out of its floor.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -55,8 +56,8 @@ class Pins:
         again replaces its previous pin."""
         if not 0 <= tier < len(self.capacities):
             raise ConfigError(f"pin tier {tier} out of range: the store has {len(self.capacities)} tiers")
-        if ttl <= 0:
-            raise ConfigError(f"ttl must be positive seconds, got {ttl}")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf:
+            raise ConfigError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
         self.unpin(session)
         self.expire()
         budget = int(self.pin_budget * self.capacities[tier])

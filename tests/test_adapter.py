@@ -261,6 +261,17 @@ def test_load_into_reports_blocks_it_did_not_write(monkeypatch):
         a.load_into(keys, paged, [[0], [1]])              # a bad call fails at once, in the caller
     with pytest.raises(kvtier.LayoutError, match="one row per block"):
         a.save_from(keys, paged, [[0]])
+    with pytest.raises(kvtier.LayoutError, match="16-byte block key"):
+        a.load_into([1, 2, 3], paged, [[0], [1], [9]])    # not keys: an error, not a miss
+    other = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], kvtier.Namespace(model="another-model"))
+    with pytest.raises(kvtier.ForeignKeysError):
+        a.load_into(other.keys(list(range(12))), paged, [[0], [1], [9]])
+    other.close()
+    a.store.close()
+    with pytest.raises(kvtier.ClosedError):
+        a.load_into(keys, paged, [[0], [1], [9]])
+    with pytest.raises(kvtier.ClosedError):
+        a.save_from(keys, paged, [[0], [1], [9]])
     a.close()
 
 

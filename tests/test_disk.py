@@ -153,6 +153,37 @@ def test_truncated_slab_reopens_and_serves_what_is_left(tmp_path):
     again.close()
 
 
+def test_shrinking_keeps_what_still_fits_and_growing_keeps_all(tmp_path):
+    """Blocks in slots past a smaller tier's end move below it (most recently used first);
+    only what does not fit is dropped. Every block found reads back byte-exact."""
+    store = open_store(tmp_path / "kv", host=4, disk=64)
+    cs = chains(store, 5)                               # 20 blocks, in the disk's highest slots
+    for k in cs:
+        store.put(k, payload(k, LAYOUT.block_bytes))
+    store.close()
+    _, records = read_directory(tmp_path / "kv")
+    assert max(rec[0] for _, rec in records) >= 32      # the case: blocks past the new end
+    smaller = open_store(tmp_path / "kv", host=4, disk=32)
+    assert smaller.stats().recovered_blocks == 20       # all fit in 32 slots
+    for k in cs:
+        loaded, out = read(smaller, k)
+        assert loaded == 4 and torch.equal(out, payload(k, LAYOUT.block_bytes))
+    smaller.close()
+    tiny = open_store(tmp_path / "kv", host=4, disk=12)
+    assert tiny.stats().recovered_blocks == 12          # 12 of 20 fit
+    found = 0
+    for k in cs:
+        n = tiny.lookup(k).blocks
+        loaded, out = read(tiny, k[:n])
+        assert loaded == n and torch.equal(out, payload(k[:n], LAYOUT.block_bytes))
+        found += n
+    assert found > 0
+    tiny.close()
+    grown = open_store(tmp_path / "kv", host=4, disk=128)
+    assert grown.stats().recovered_blocks == 12
+    grown.close()
+
+
 def test_bad_paths_and_sizes(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="not a directory|cannot create"):

@@ -290,8 +290,10 @@ def test_pin_budget_and_unpin(layout, ns):
     assert store.unpin("a") == 3 and store.stats().tiers[0].pinned_blocks == 4   # still pinned by b2
     assert store.unpin("b2") == 3 and store.unpin("b") == 1
     assert store.stats().tiers[0].pinned_blocks == 0 and store.unpin("nobody") == 0
-    with pytest.raises(ConfigError, match="ttl"):
-        store.pin("c", a, ttl=0)
+    for bad in (0, -1, float("nan"), float("inf"), True, "60"):    # nan passed `ttl <= 0`: pinned forever
+        with pytest.raises(ConfigError, match="ttl"):
+            store.pin("c", a, ttl=bad)
+    assert store.stats().pinned_sessions == 0
 
 
 def test_pinned_blocks_arriving_later_are_protected(layout, ns):

@@ -259,6 +259,7 @@ class DiskTier(Tier):
                 self._check_room(size)          # again: the disk may have filled since
                 os.posix_fallocate(fd, 0, size)
             elif os.fstat(fd).st_size > size:
+                self._move_below(slots)
                 os.ftruncate(fd, size)
         except OSError as e:
             try:    # a refused allocation may have taken part of the space: give it back
@@ -271,6 +272,43 @@ class DiskTier(Tier):
                 raise TierSizeError(f"{why} in {self.path} for {size} bytes of disk tier: "
                                     "free some space or give the tier less capacity") from None
             raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
+
+    def _move_below(self, slots: int) -> None:
+        """Before the slab shrinks to `slots`: move the blocks past the new end into free slots
+        below it, most recently used first, so a smaller tier keeps what still fits (the rest
+        is dropped by _load_records). Bytes first, synced, then their records, then the caller
+        cuts the file: a crash part way leaves every record pointing at whole bytes."""
+        sb = self.slot_bytes
+        recs = []
+        with self._env.begin(db=self._db) as txn:
+            for key, raw in txn.cursor():
+                try:
+                    slot, checksum, created, last = msgpack.unpackb(raw)
+                except Exception:      # a damaged record: _load_records drops it
+                    continue
+                if isinstance(slot, int) and 0 <= slot and (slot + 1) * sb <= self._found_bytes:
+                    recs.append((bytes(key), slot, checksum, created, last))
+        below = {r[1] for r in recs if r[1] < slots}
+        past = sorted((r for r in recs if r[1] >= slots), key=lambda r: r[4], reverse=True)
+        free = (s for s in range(slots) if s not in below)
+        moves = list(zip(past, free))
+        if not moves:
+            return
+        buf = mmap.mmap(-1, sb)        # page-aligned, as O_DIRECT needs
+        moved = []
+        try:
+            for rec, dst in moves:
+                if _preadv_all(self._fd, [buf], rec[1] * sb) == sb:
+                    _pwritev_all(self._fd, [buf], dst * sb)
+                    moved.append((rec, dst))
+            os.fsync(self._fd)
+        finally:
+            buf.close()
+        with self._env.begin(db=self._db, write=True) as txn:
+            for (key, _slot, checksum, created, last), dst in moved:
+                txn.put(key, msgpack.packb([dst, checksum, created, last]))
+        log.info("disk tier %s: shrunk to %d slots; moved %d blocks below the new end, %d did not fit",
+                 self.path, slots, len(moved), len(past) - len(moved))
 
     def _check_room(self, size: int) -> None:
         """Refuse a slab of `size` bytes the filesystem has no room for, before allocating any
