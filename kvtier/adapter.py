@@ -27,7 +27,7 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from kvtier.errors import ConfigError, LayoutError, TransferError
+from kvtier.errors import CapacityError, ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.ids import BlockKey, SlotId
 from kvtier.inplace import HeldBlocks
@@ -210,8 +210,12 @@ class KVAdapter:
 
     def allocate(self, n: int) -> list[SlotId] | None:
         """`n` empty pages (device-tier slots) for new tokens, or None when that many cannot be
-        freed (everything else referenced or pinned): preempt a request and try again."""
-        self.device_tier
+        freed (everything else referenced or pinned): preempt a request and try again. More
+        pages than the device tier has at all is a CapacityError: no preemption can help."""
+        capacity = self.device_tier.capacity_blocks
+        if isinstance(n, int) and not isinstance(n, bool) and n > capacity:
+            raise CapacityError(f"allocate({n}): the device tier has {capacity} pages in all; a request this "
+                                "long needs a larger device_capacity (or fewer tokens per request)")
         return self.store.pages.allocate(n)
 
     def cache(self, keys: Sequence[BlockKey], pages: Sequence[SlotId]) -> int:
@@ -234,6 +238,9 @@ class KVAdapter:
         fetched from peers (verified) into allocated pages. The prefix may come back shorter
         than match.blocks (a block failed verification, was evicted since the lookup, or no
         page was free): compute from load.blocks on."""
+        if not isinstance(match, PrefixMatch):
+            raise LayoutError(f"load() takes what lookup(tokens) returned (a PrefixMatch), not "
+                              f"{type(match).__name__}: match = adapter.lookup(tokens); adapter.load(match)")
         st, tier = self.store, self.device_tier
         plan = st.pages.plan(match.keys[:match.blocks])
         n, handle = len(plan.pages), None

@@ -50,6 +50,12 @@ class StoreConfig:
     backup: bool = True                      # copy blocks an engine caches in its pages one tier down, in the background
     io_threads: int = 1                      # store threads for non-blocking get/put
 
+    def __new__(cls, *args: Any, **settings: Any) -> StoreConfig:
+        # Before the dataclass's __init__, whose TypeError for a misspelled keyword names no
+        # close match: StoreConfig(host_capcity="1GiB") says "did you mean 'host_capacity'?".
+        check_names(settings, cls.fields(), "StoreConfig")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if no_host_tier(self.host_capacity):     # 0, "0GiB" or "none": no host tier, however it is given
             object.__setattr__(self, "host_capacity", None)
@@ -235,9 +241,24 @@ def check_names(settings: Mapping[str, Any], known: list[str], where: str) -> No
             raise ConfigError(f"unknown setting {name!r} in the {where}{hint}")
 
 
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a name given twice is a ValueError (TOML refuses it too)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"{k!r} is given twice")
+        out[k] = v
+    return out
+
+
 def read_settings(path: str | Path) -> dict[str, Any]:
-    """One object of settings from a JSON file, or a TOML file (.toml)."""
+    """One object of settings from a JSON file, or a TOML file (.toml); a setting given twice
+    is an error in either (JSON would silently keep the last)."""
     p = Path(path)
+    kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(p.suffix.lower(), "JSON")
+    if kind == "YAML":
+        raise ConfigError(f"{p}: YAML config files are not read; give the same settings as JSON or TOML "
+                          "(docs/config.md)")
     try:
         text = p.read_text()
     except OSError as e:
@@ -245,16 +266,16 @@ def read_settings(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise ConfigError(f"the config file {p} is not text: give a JSON or TOML file") from None
     try:
-        if p.suffix == ".toml":
+        if kind == "TOML":
             try:
                 import tomllib
             except ImportError:      # Python 3.10
                 raise ConfigError(f"{p}: TOML config files need Python 3.11+; use JSON") from None
             data = tomllib.loads(text)
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_repeats)
     except ValueError as e:
-        raise ConfigError(f"{p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+        raise ConfigError(f"{p} is not valid {kind}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold one object of settings, e.g. {{\"host_capacity\": \"8GiB\"}}")
     return data

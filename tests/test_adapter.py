@@ -436,3 +436,25 @@ def test_engine_pages_load_from_host_and_disk_and_stop_at_a_corrupt_block(tmp_pa
     assert again.wait() == bad
     a.close()
     store.close()
+
+
+def test_bad_arguments_at_the_boundary_are_kvtier_errors():
+    """Mistakes a user makes get one of kvtier's errors saying what to pass (they were an
+    AttributeError, a TypeError, numpy's ValueError, or None from allocate)."""
+    a = make(device_blocks=8)
+    pages = [torch.zeros(10, 4, 24) for _ in range(LAYOUT.num_layers)]
+    with pytest.raises(kvtier.LayoutError, match="layout must be a kvtier.KVLayout"):
+        PagedKV(pages, "llama", "mla")
+    with pytest.raises(kvtier.LayoutError, match="pages_per_layer must be a list"):
+        PagedKV.of_pages(None, LAYOUT, 10)
+    paged = PagedKV(pages, LAYOUT, "mla")
+    keys = a.keys(list(range(12)))
+    with pytest.raises(kvtier.LayoutError, match="equal rows"):
+        a.load_into(keys, paged, [[0], [1, 2], [3]])
+    with pytest.raises(kvtier.LayoutError, match="lookup"):
+        a.load(list(range(12)))
+    with pytest.raises(kvtier.CapacityError, match="8 pages in all"):
+        a.allocate(9)                                     # never possible: not None (preempt and retry)
+    assert a.allocate(8) is not None
+    a.close()
+    a.store.close()

@@ -24,6 +24,8 @@ def test_unknown_setting_names_the_closest_known_one():
         StoreConfig.from_dict({"zzz": 1})
     with pytest.raises(kvtier.ConfigError, match="unknown setting 'hots_capacity'"):
         StoreConfig().replace(hots_capacity="1GiB")
+    with pytest.raises(kvtier.ConfigError, match="did you mean 'host_capacity'"):
+        StoreConfig(host_capcity="1GiB")                   # the constructor too (was a bare TypeError)
 
 
 @pytest.mark.parametrize("settings, match", [
@@ -55,6 +57,15 @@ def test_json_and_toml_files(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(kvtier.ConfigError, match="one object of settings"):
         StoreConfig.from_file(tmp_path / "list.json")
+    upper = tmp_path / "KV.TOML"                         # the suffix in any case
+    upper.write_text(t.read_text())
+    assert StoreConfig.from_file(upper) == StoreConfig.from_file(t)
+    (tmp_path / "twice.json").write_text('{"host_capacity": "8MiB", "host_capacity": "1GiB"}')
+    with pytest.raises(kvtier.ConfigError, match="'host_capacity' is given twice"):
+        StoreConfig.from_file(tmp_path / "twice.json")    # not silently the last one
+    (tmp_path / "kv.yaml").write_text("host_capacity: 8MiB\n")
+    with pytest.raises(kvtier.ConfigError, match="YAML config files are not read; give the same settings as JSON"):
+        StoreConfig.from_file(tmp_path / "kv.yaml")
 
 
 def test_build_makes_the_tiers_asked_for(tmp_path):
@@ -93,6 +104,9 @@ def test_cli_config_file_errors_are_one_line(tmp_path):
     assert_one_line_error(run_kvtier("generate", "--prompt", "hi", "--config", str(bad)), 2, "did you mean 'host_capacity'")
     r = run_kvtier("node", "--config", str(tmp_path / "none.toml"), env={**os.environ, "KVTIER_SECRET": "s" * 32})
     assert_one_line_error(r, 2, "cannot read the config file")
+    # a flag the command would ignore is refused, not dropped
+    assert_one_line_error(run_kvtier("generate", "--prompt", "hi", "--disk-cache", "1GiB"), 2,
+                          "--disk-cache sizes a disk tier but there is none: give --disk DIR")
 
 
 def test_cli_flags_override_the_file(tmp_path):

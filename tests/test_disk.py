@@ -195,6 +195,12 @@ def test_bad_paths_and_sizes(tmp_path):
     open_store(tmp_path / "ro").close()
     with pytest.raises(ConfigError, match="read-only: a store writes"):
         kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "ro", blocks=64, read_only=True)], NS)
+    with pytest.raises(ConfigError, match="needs a directory path"):
+        kvtier.DiskTier(None, blocks=8)
+    with pytest.raises(ConfigError, match="direct must be"):
+        kvtier.DiskTier(tmp_path / "d", blocks=8, direct="yes")
+    with pytest.raises(ConfigError, match="io_threads must be a whole number from 1 to 64"):
+        kvtier.DiskTier(tmp_path / "d", blocks=8, io_threads=100_000)   # was ENOMEM at build, lock kept
 
 
 def test_buffered_io_when_asked(tmp_path):

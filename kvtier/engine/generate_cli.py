@@ -133,8 +133,14 @@ def cache_config(args: argparse.Namespace, **more: tuple[str, Any]) -> tuple[Sto
     cache flags given (--host-cache 0 / none: no host tier), and where each setting came from."""
     from kvtier.config import StoreConfig
 
+    from kvtier.errors import ConfigError
+
     flags = {name: (flag, getattr(args, flag[2:].replace("-", "_"))) for name, flag in CACHE_FLAGS.items()}
-    return StoreConfig.from_command(args.config, {**flags, **more})
+    config, sources = StoreConfig.from_command(args.config, {**flags, **more})
+    if args.disk_cache is not None and not config.disk_path:
+        raise ConfigError("--disk-cache sizes a disk tier but there is none: give --disk DIR too (or disk_path "
+                          "in the --config file)")
+    return config, sources
 
 
 def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSources | None = None) -> None:

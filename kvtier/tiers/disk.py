@@ -44,6 +44,7 @@ ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers al
 DISK_FORMAT = 1
 STAGING_BYTES = 8 << 20         # per I/O thread: bytes moved per syscall at most
 MAX_IOV = 512                   # buffers per preadv/pwritev (the kernel allows 1024)
+MAX_IO_THREADS = 64             # a bound on a setting that costs STAGING_BYTES of memory each
 _META = b"meta"
 
 
@@ -65,8 +66,14 @@ class DiskTier(Tier):
                  blocks: int | None = None, name: str | None = None, direct: bool | None = None,
                  io_threads: int = 4, read_only: bool = False) -> None:
         super().__init__(capacity, blocks=blocks, name=name)
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= MAX_IO_THREADS:
+            raise ConfigError(f"io_threads must be a whole number from 1 to {MAX_IO_THREADS} (each holds an "
+                              f"{STAGING_BYTES >> 20} MiB buffer), got {io_threads!r}")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ConfigError(f"a disk tier needs a directory path, got {path!r}")
+        if direct not in (None, True, False):
+            raise ConfigError(f"direct must be None (O_DIRECT where the filesystem allows it), True or False, "
+                              f"got {direct!r}")
         self.path = Path(path)
         self.want_direct = direct
         self.io_threads = io_threads
@@ -119,12 +126,12 @@ class DiskTier(Tier):
             self._check_meta(slots, block_bytes)
             self._open_slab(slots)
             self._load_records(slots)
+            chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
+            self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
         except BaseException:
             self._release_handles()   # a failed open leaves no lock or handle behind
             raise
         self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.name}")
-        chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
-        self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
         self._chunk_slots = min(MAX_IOV, chunk // self.slot_bytes)
         self._free_staging = list(range(self.io_threads))
 

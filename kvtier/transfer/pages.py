@@ -41,6 +41,12 @@ def _page_shape(fmt: str, layout: KVLayout, num_pages: str, page_tokens: str) ->
     return f"[{num_pages}, {page_tokens}, {layout.kv_lora_rank + layout.rope_dim}]"
 
 
+def _check_layout(layout: object) -> None:
+    if not isinstance(layout, KVLayout):
+        raise LayoutError(f"layout must be a kvtier.KVLayout (KVLayout.mha(...) or .mla(...)), not "
+                          f"{type(layout).__name__}")
+
+
 class PagedKV:
     """An engine's paged KV cache (one tensor per layer), checked once against a layout.
 
@@ -50,6 +56,7 @@ class PagedKV:
     """
 
     def __init__(self, pages_per_layer: Sequence[torch.Tensor], layout: KVLayout, page_format: str) -> None:
+        _check_layout(layout)
         if page_format not in PAGE_FORMATS:
             raise LayoutError(f"unknown page_format {page_format!r}; choose one of {', '.join(PAGE_FORMATS)}")
         want = "mla" if page_format == "mla" else "mha"
@@ -126,7 +133,12 @@ class PagedKV:
         then V pages: two runs). A kvtier block holds, layer after layer, its pages' bytes in
         the engine's own order; layout.layer_bytes must equal pages_per_block x page bytes.
         What the bytes mean is the engine's business: say it in layout.variant."""
-        if isinstance(pages_per_layer, torch.Tensor) or len(pages_per_layer) != layout.num_layers:
+        _check_layout(layout)
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise LayoutError(f"num_pages must be a whole number >= 1, got {num_pages!r}")
+        if (isinstance(pages_per_layer, torch.Tensor) or not isinstance(pages_per_layer, (list, tuple))
+                or len(pages_per_layer) != layout.num_layers
+                or not all(isinstance(t, torch.Tensor) for t in pages_per_layer)):
             raise LayoutError(f"pages_per_layer must be a list of {layout.num_layers} tensors (one per layer)")
         first = pages_per_layer[0]
         runs = 2 if first.dim() >= 2 and first.shape[0] == 2 and first.shape[1] == num_pages else 1
@@ -163,7 +175,11 @@ class PagedKV:
                 raise LayoutError(f"block_table has dtype {block_table.dtype}; pass an integer tensor of page ids")
             t = block_table
         else:
-            arr = np.asarray(block_table)
+            try:
+                arr = np.asarray(block_table)
+            except (ValueError, TypeError):        # ragged rows, or not numbers at all
+                raise LayoutError(f"block_table must be [n_blocks, {ppb}] integer page ids (a tensor, an array "
+                                  "or a list of equal rows)") from None
             if arr.size and arr.dtype.kind not in "iu":
                 raise LayoutError(f"block_table must hold integer page ids, got {arr.dtype}")
             t = torch.from_numpy(arr.astype(np.int64, copy=False).reshape(arr.shape))
