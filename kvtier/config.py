@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -210,6 +211,11 @@ def _finite(v: int | float) -> bool:
         return math.isfinite(float(v))
     except OverflowError:
         return False
+
+
+# help() and IDEs show the fields, not __new__'s (*args, **settings)
+StoreConfig.__signature__ = inspect.signature(StoreConfig.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(StoreConfig.__init__).parameters.values())[1:])
 
 
 def no_host_tier(value: Any) -> bool:

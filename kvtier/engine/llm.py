@@ -155,6 +155,12 @@ class LLM:
                                          capture)
 
     # -- requests ----------------------------------------------------------------------
+    @property
+    def request_pages(self) -> int:
+        """KV pages one request may use at most: the device tier's, less the CUDA graphs'
+        scratch page."""
+        return self.adapter.device_tier.capacity_blocks - len(self._lent)
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     session: str | None = None) -> str:
         """Queue one request (text, or token ids); returns its id."""
@@ -176,7 +182,7 @@ class LLM:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                               f"model's {limit} positions")
         pages = -(-(len(ids) + params.max_tokens) // self.adapter.block_tokens)
-        room = self.adapter.device_tier.capacity_blocks - len(self._lent)   # less the graphs' scratch page
+        room = self.request_pages
         if pages > room:
             raise ConfigError(f"this request needs {pages} KV pages but the device tier has {room} for "
                               "requests: give the engine a larger kv_cache")

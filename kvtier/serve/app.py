@@ -137,12 +137,13 @@ class Service:
     def sampling(self, req: P.GenerationRequest, n_prompt: int) -> SamplingParams:
         limit = self.max_model_len
         bt = self.llm.adapter.block_tokens
-        capacity = self.llm.adapter.device_tier.capacity_blocks
+        capacity = self.llm.request_pages
         # Without max_tokens, up to the context's end or the KV cache's, whichever comes first
         # (a server may hold fewer tokens than the model's context).
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(limit, capacity * bt) - n_prompt)
-        # The field to blame: the prompt when it alone is too long or max_tokens was not sent.
-        prompt_at_fault = req.max_tokens is None or n_prompt >= limit
+        # The field to blame: the prompt when it alone is too long (for the context or the KV
+        # cache, with one token to generate) or max_tokens was not sent.
+        prompt_at_fault = req.max_tokens is None or n_prompt >= limit or -(-(n_prompt + 1) // bt) > capacity
         param = ("messages" if req.messages else "prompt") if prompt_at_fault else "max_tokens"
         fix = "shorten the prompt" if prompt_at_fault else "shorten the prompt or lower max_tokens"
         if max_tokens < 1 or n_prompt + max_tokens > limit:

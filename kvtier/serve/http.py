@@ -61,16 +61,26 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S) -> type:
             self._deadline.cancel()
             super().connection_lost(exc)
 
-        def _answering(self) -> bool:
-            """Whether a request of this connection has been read whole and is being answered."""
+        def on_response_complete(self) -> None:
+            self._last_read = time.monotonic()     # idle from here: the client's next request may come
+            super().on_response_complete()
+
+        def _waiting_on_client(self) -> bool:
+            """Whether the server is waiting for the client's bytes: not while it answers a
+            request read whole, not while a pipelined request waits behind another's answer,
+            not while it paused reading itself (flow control)."""
+            if self.flow.read_paused or getattr(self, "pipeline", None):
+                return False
             cycle = self.cycle
-            return cycle is not None and not cycle.more_body and not cycle.response_complete
+            return cycle is None or cycle.response_complete or cycle.more_body
 
         def _check_deadline(self) -> None:
             if self.transport.is_closing():
                 return
+            if not self._waiting_on_client():
+                self._last_read = time.monotonic()  # the silence counts from when it waits again
             silent = time.monotonic() - self._last_read
-            if silent >= read_timeout and not self._answering():
+            if silent >= read_timeout:
                 cycle = self.cycle
                 if cycle is not None and cycle.more_body and not cycle.response_started:
                     self.transport.write(_timed_out(read_timeout))     # its headers came, its body stalled
@@ -85,8 +95,8 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S) -> type:
 def uvicorn_config(app: Any, *, max_connections: int, shutdown_timeout: float,
                    read_timeout: float = READ_TIMEOUT_S) -> Any:
     """The uvicorn.Config of a kvtier HTTP server: at most `max_connections` connections
-    (uvicorn answers 503 past it), kept-alive ones closed after 5 s idle, silent clients
-    after `read_timeout` s, no access log, uvicorn's own logging quiet."""
+    (uvicorn answers 503 past it), kept-alive ones closed 5 s after their last answer, silent
+    clients after `read_timeout` s, no access log, uvicorn's own logging quiet."""
     import uvicorn
 
     return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,

@@ -301,6 +301,8 @@ class DiskTier(Tier):
         moves = list(zip(past, free))
         if not moves:
             return
+        log.info("disk tier %s: shrinking to %d slots: moving %d blocks below the new end", self.path, slots,
+                 len(moves))
         buf = mmap.mmap(-1, sb)        # page-aligned, as O_DIRECT needs
         moved = []
         try:
@@ -314,6 +316,7 @@ class DiskTier(Tier):
         with self._env.begin(db=self._db, write=True) as txn:
             for (key, _slot, checksum, created, last), dst in moved:
                 txn.put(key, msgpack.packb([dst, checksum, created, last]))
+        self._env.sync(True)           # the records on disk before the file is cut (power loss too)
         log.info("disk tier %s: shrunk to %d slots; moved %d blocks below the new end, %d did not fit",
                  self.path, slots, len(moved), len(past) - len(moved))
 
