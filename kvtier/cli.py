@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parents=[common])
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     _add_modules(bsub, BENCHES, [common])
-    bench.set_defaults(run=lambda _args: (bench.print_help(), EXIT_USAGE)[1])
+    bench.set_defaults(run=lambda _args: _missing(bench, "give a benchmark, e.g. `kvtier bench hit-ratio`"))
     return parser
 
 
@@ -140,6 +140,12 @@ def setup_logging(level: str | None) -> None:
         raise ConfigError(f"KVTIER_LOG_LEVEL={name!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
     logging.basicConfig(level=getattr(logging, name.upper()), stream=sys.stderr,
                         format="kvtier: %(levelname)s %(name)s: %(message)s")
+
+
+def _missing(parser: argparse.ArgumentParser, message: str) -> int:
+    """No (sub)command given: what there is (the help, on stderr), then one error line."""
+    parser.print_help(sys.stderr)
+    return _fail(message, EXIT_USAGE)
 
 
 def _fail(message: str, code: int) -> int:
@@ -168,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(str(e), EXIT_USAGE)
     if not hasattr(args, "run"):
-        parser.print_help()
-        return EXIT_USAGE
+        return _missing(parser, "give a command, e.g. `kvtier bench hit-ratio`")
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()

@@ -47,6 +47,10 @@ def test_errors_are_one_line_with_a_hint():
     assert_one_line_error(r, 2, "--layout", "kimi-k2")
     r = kvtier("demo", "--capacity", "-5GiB")           # a value, not an unknown option
     assert_one_line_error(r, 2, "--capacity", "cannot parse size '-5GiB'")
+    r = kvtier()                                        # no command: the help, then the error line
+    assert_one_line_error(r, 2, "give a command")
+    assert "bench" in r.stderr and not r.stdout
+    assert_one_line_error(kvtier("bench"), 2, "give a benchmark")
 
 
 def test_usage_errors_are_one_line_exit_2():

@@ -197,6 +197,8 @@ def test_bad_paths_and_sizes(tmp_path):
         kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "ro", blocks=64, read_only=True)], NS)
     with pytest.raises(ConfigError, match="needs a directory path"):
         kvtier.DiskTier(None, blocks=8)
+    with pytest.raises(ConfigError, match="is not on a disk"):          # not "0 B is free"
+        kvtier.Store(LAYOUT, [kvtier.DiskTier("/proc/kvtier-test", blocks=8)], NS)
     with pytest.raises(ConfigError, match="direct must be"):
         kvtier.DiskTier(tmp_path / "d", blocks=8, direct="yes")
     with pytest.raises(ConfigError, match="io_threads must be a whole number from 1 to 64"):

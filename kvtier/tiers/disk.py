@@ -332,6 +332,9 @@ class DiskTier(Tier):
         need = size - (slab.stat().st_blocks * 512 if slab.is_file() else 0)   # bytes not allocated yet
         st = os.statvfs(where)
         free = st.f_bavail * st.f_frsize
+        if st.f_blocks == 0:              # /proc, /sys: a filesystem with no room for files at all
+            raise ConfigError(f"cannot create a disk tier in {self.path}: {where} is not on a disk (a "
+                              "virtual filesystem such as /proc); give a directory on a disk")
         if need > free:
             raise TierSizeError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
                                 f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
