@@ -470,3 +470,57 @@ def test_bad_salt_or_tls_files_are_one_line_errors(args, needle):
     r = run_kvtier("node", "--listen", "127.0.0.1:0", "--layout", "llama3-8b", "--capacity", "64MiB", *args,
                    env=env, timeout=60)
     assert_one_line_error(r, 2, needle)
+
+
+def _reply(s: socket.socket) -> Frame:
+    """Read one whole reply frame (prefix, header, MAC) off `s` and decode it."""
+    data = b""
+    while len(data) < PREFIX_BYTES:
+        chunk = s.recv(65536)
+        assert chunk, "the node closed before replying"
+        data += chunk
+    p = read_prefix(data[:PREFIX_BYTES], SECRET)
+    need = PREFIX_BYTES + p.length + 32
+    while len(data) < need:
+        chunk = s.recv(65536)
+        assert chunk, "the node closed mid-reply"
+        data += chunk
+    return decode(data[:PREFIX_BYTES], data[PREFIX_BYTES:PREFIX_BYTES + p.length],
+                  data[PREFIX_BYTES + p.length:need], SECRET)
+
+
+def test_a_refusal_never_tells_another_tenant_this_nodes_namespace_seed(node_process):
+    """A peer with the cluster secret but another tenant's salt is refused, and the ERR reply
+    carries the asker's own namespace: with the node's seed it could build this tenant's keys
+    for any prompt it guesses and read them."""
+    node = node_process()
+    other = kvtier.Namespace("abuse-test", salt=b"tenant-b")
+    with socket.create_connection((node.host, node.port), timeout=10) as s:
+        s.sendall(Frame("HAS", seed(other), keys_of([1] * 32, other)).encode(SECRET))
+        reply = _reply(s)
+    assert reply.op == "ERR" and "another namespace" in reply.error
+    assert reply.ns == seed(other) and reply.ns != seed()
+    with socket.create_connection((node.host, node.port), timeout=10) as s:   # a stranger: nothing either
+        s.sendall(crafted_prefix(100, valid=False) + b"\0" * 200)
+        try:
+            assert seed() not in s.recv(65536)
+        except ConnectionResetError:
+            pass
+
+
+def test_a_put_larger_than_the_top_tier_is_refused_before_its_buffer_is_allocated(node_process):
+    """A header announcing 60,000 blocks (490 MB) into a 64-block tier is refused at once, with
+    an ERR reply, and the node's memory does not grow by the announced payload."""
+    node = node_process()
+    peak = node.rss_mib("VmHWM")
+    n = 60_000
+    keys = [os.urandom(16) for _ in range(n)]
+    head = Frame("PUT", seed(), keys, payload=n * LAYOUT.block_bytes, sums=[0] * n).encode(SECRET)
+    with socket.create_connection((node.host, node.port), timeout=10) as s:
+        s.sendall(head)
+        reply = _reply(s)
+    assert reply.op == "ERR" and "cannot fit in this node's top tier of 64 blocks" in reply.error
+    assert node.rss_mib("VmHWM") - peak < RSS_DURING_MIB     # its peak did not move by the payload
+    assert node.client().has(keys_of([1] * 32)) == 4        # and it goes on serving
+    _, err = node.stop()
+    assert "Traceback" not in err and "MemoryError" not in err

@@ -212,6 +212,9 @@ class Node:
         to the node's pre-authentication budget."""
         gate, authenticated = self.gate, False
         reserved = 0
+        # An ERR reply names the requester's own namespace (never this node's seed: a peer with
+        # the cluster secret but another tenant's salt would build this tenant's keys from it).
+        reply_ns = b""
 
         def check(prefix: bytes) -> int:
             nonlocal reserved
@@ -245,6 +248,7 @@ class Node:
                 if not authenticated:
                     authenticated = True
                     gate.authenticated()
+                reply_ns = req.ns
                 if req.ns != self.seed:
                     raise FrameError("request for another namespace (another model, revision, shard, layout "
                                      "or tenant salt): this node serves only its own")
@@ -254,7 +258,7 @@ class Node:
             self.refused += 1
             log.warning("node %s: refused a frame: %s", self.address, e)
             try:
-                await asyncio.wait_for(conn.send(Frame("ERR", self.seed, error=str(e)).encode(self.secret)),
+                await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
                                        self.request_timeout)
             except (OSError, EOFError, asyncio.TimeoutError):
                 pass
@@ -282,6 +286,10 @@ class Node:
             n = len(req.keys)
             if req.payload != n * bb or len(req.sums) != n:
                 raise FrameError(f"PUT of {n} keys must carry {n * bb} bytes and {n} checksums")
+            room = store.tiers[0].capacity_blocks
+            if n > room:              # refused before its buffer is allocated or a byte is read
+                raise FrameError(f"PUT refused: {n} blocks cannot fit in this node's top tier of {room} blocks: "
+                                 "put fewer blocks at a time")
             buf = np.empty((n, bb), dtype=np.uint8)
             await conn.recv_rows(buf)
             try:
