@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvtier.errors import ConfigError
-from kvtier.policies import DEFAULT_POLICY
+from kvtier.policies import DEFAULT_POLICY, make_policy
 from kvtier.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} (see `kvtier policies`)")
+        make_policy(self.policy, 1)          # an unknown name fails here, not when a store is built
         from kvtier.keys import HASHES
         if self.hash not in HASHES:
             raise ConfigError(f"hash must be one of {', '.join(HASHES)}, got {self.hash!r}")

@@ -126,7 +126,7 @@ def test_text_prompts_sampling_and_sessions():
 
 def test_bad_requests_say_what_to_do(block_bytes):
     with LLM("kimi-tiny", cache=StoreConfig(device_capacity=8 * block_bytes, host_capacity=None)) as llm:
-        with pytest.raises(ConfigError, match="larger kv_cache"):
+        with pytest.raises(ConfigError, match="larger KV cache"):
             llm.generate([tokens(1, 200)], GREEDY)
         with pytest.raises(ConfigError, match="token ids must be ints"):
             llm.generate([[1, 2, 10**6]], GREEDY)
@@ -136,6 +136,9 @@ def test_bad_requests_say_what_to_do(block_bytes):
             llm.generate([[1], [2], [3]], [GREEDY, GREEDY])
     with pytest.raises(ConfigError, match="neither a model preset"):
         LLM("/no/such/checkpoint")
+    for bad in (None, 5, ""):                                     # a bare TypeError from pathlib before
+        with pytest.raises(ConfigError, match="model must be a preset name"):
+            LLM(bad)
 
 
 def test_kvtier_generate_cli(capsys, tmp_path):
@@ -238,7 +241,7 @@ def test_the_engine_refuses_another_models_store_and_recovers_from_a_request_it_
         # alone, and the engine serves the next request.
         import numpy as np
         llm.generate([np.array(tokens(50, 60))], GREEDY, sessions=["s"])
-        with pytest.raises(ConfigError, match="larger kv_cache"):
+        with pytest.raises(ConfigError, match="larger KV cache"):
             llm.generate([tokens(51, 140)], GREEDY)
         assert not llm.scheduler.waiting and not llm.scheduler.running
         assert len(llm.generate([tokens(52, 20)], GREEDY)[0].token_ids) == GREEDY.max_tokens

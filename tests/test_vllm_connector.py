@@ -197,6 +197,18 @@ def test_config_file_and_inline_override(tmp_path):
     ({"hash": "md5"}, "hash must be one of"),
     ({"tiers": [{"kind": "host", "capacity": "1GiB", "pinned": True}]}, "unknown setting 'pinned'"),
     ({"config_file": "/nonexistent/kvtier.json"}, "cannot read"),
+    # each refused at the config check and named (they were taken silently, or failed unnamed
+    # or only in vLLM's worker after the model loaded)
+    ({"host_capacity": -5}, "the host tier's capacity: size must be >= 0"),
+    ({"max_pending_save": 0}, r"max_pending_save'\] must be more than 0 bytes"),
+    ({"peers": "10.0.0.1:7700", "secret": "s" * 16}, r"'peers'\] must be a list"),
+    ({"session_param": 5}, r"'session_param'\] must be a non-empty string"),
+    ({"salt": 5}, r"'salt'\] must be a string"),
+    ({"min_hit_blocks": 1.5}, "whole number"),
+    ({"model": 5}, r"'model'\] must be a non-empty string"),
+    ({"policy": "nope"}, "unknown policy 'nope'"),
+    ({"transport": "udp"}, "transport must be one of"),
+    ({"listen": "nohost"}, r"'listen'\]: address 'nohost'"),
 ])
 def test_config_errors_say_what_to_do(extra, match, monkeypatch):
     monkeypatch.delenv("KVTIER_SECRET", raising=False)

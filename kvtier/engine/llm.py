@@ -20,6 +20,7 @@ for the next request that shares the prefix.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ class LLM:
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
                  max_batched_tokens: int = 1024, max_seqs: int = 64, remote: Remote | None = None,
                  speculative: SpeculativeConfig | None = None, cuda_graphs: bool | None = None) -> None:
+        if not isinstance(model, (str, os.PathLike)) or not str(model):
+            raise ConfigError(f"model must be a preset name (e.g. 'kimi-tiny') or a checkpoint folder, got {model!r}")
         if cache is not None and not isinstance(cache, StoreConfig):
             raise ConfigError(f"cache must be a kvtier.StoreConfig(...), not {type(cache).__name__}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -149,7 +152,8 @@ class LLM:
         eagerly, what tests on a CPU check); the graphs' scratch page is lent until close()."""
         page = self.adapter.allocate(1)
         if page is None:
-            raise ConfigError("no free KV page for the CUDA graphs' scratch page: give the engine a larger kv_cache")
+            raise ConfigError("no free KV page for the CUDA graphs' scratch page: give the engine a larger KV cache "
+                              "(StoreConfig(device_capacity=...), --kv-cache)")
         self._lent += page
         self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_pool, page[0], self.scheduler.max_seqs,
                                          capture)
@@ -185,7 +189,7 @@ class LLM:
         room = self.request_pages
         if pages > room:
             raise ConfigError(f"this request needs {pages} KV pages but the device tier has {room} for "
-                              "requests: give the engine a larger kv_cache")
+                              "requests: give the engine a larger KV cache (StoreConfig(device_capacity=...), --kv-cache)")
         if session is not None and (not isinstance(session, str) or not session):
             raise ConfigError("session must be a non-empty string (e.g. the x-session-affinity header)")
         req = Request(f"req-{next(self._ids)}", ids, params, session, generator=make_generator(params, self.model.device))

@@ -82,7 +82,7 @@ class Scheduler:
                     self.waiting.popleft()
                     req.status, req.finish_reason = Status.FINISHED, "error"
                     raise ConfigError(f"request {req.id!r} needs more KV pages than the device tier can free "
-                                      "(the rest is pinned or held): give the engine a larger kv_cache")
+                                      "(the rest is pinned or held): give the engine a larger KV cache (StoreConfig(device_capacity=...))")
                 # Speed: admitting it again costs a lookup and a load; wait until a running
                 # request finishes or is preempted and pages come back.
                 self._blocked = True

@@ -27,6 +27,8 @@ from typing import Any
 from kvtier.config import StoreConfig, check_names, no_host_tier, read_settings
 from kvtier.errors import ConfigError
 from kvtier.keys import checkpoint_revision
+from kvtier.net.address import parse_address
+from kvtier.net.transport import check_transport
 from kvtier.units import parse_bytes
 
 _DEFAULTS = StoreConfig()      # the one set of defaults (docs/config.md)
@@ -119,6 +121,24 @@ def _secret(cfg: dict[str, Any]) -> bytes | None:
     return s
 
 
+def _size(value: Any, what: str) -> int:
+    """A size setting in bytes; its error names the setting."""
+    try:
+        return parse_bytes(value)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+def _text(cfg: dict[str, Any], key: str, default: str | None) -> str | None:
+    """A string setting (None: not given and no default); not empty, not a number or a list."""
+    v = cfg.get(key, default)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty string, got {v!r}")
+    return v
+
+
 def _num(cfg: dict[str, Any], key: str, default: float, lo: float = 0.0) -> float:
     v = cfg.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
@@ -157,7 +177,11 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
                 r["directory"] = cfg["directory"]
                 r["lease_s"] = _num(cfg, "lease_s", 10.0)
             else:
-                r["peers"] = list(cfg["peers"])
+                peers = cfg["peers"]
+                if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
+                    raise ConfigError(f"kv_connector_extra_config['peers'] must be a list of 'HOST:PORT' strings, "
+                                      f"e.g. ['10.0.0.2:7700'], got {peers!r}")
+                r["peers"] = list(peers)
             specs.append(TierSpec("remote", r))
     kinds = [t.kind for t in specs]
     if kinds[0] != "host" or kinds.count("host") != 1:
@@ -173,7 +197,7 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
                 if t.kind == "host" and no_host_tier(c):
                     raise ConfigError(f"the host tier's capacity is {c!r}: the connector always has a host "
                                       "tier (vLLM's pages are saved through it); give a size like '8GiB'")
-                parse_bytes(c)                           # fail now, not in the worker
+                _size(c, f"the {t.kind} tier's capacity")   # fail now, not in the worker
         if t.kind == "disk" and not t.args.get("path"):
             raise ConfigError("the disk tier needs a path (a directory; one vLLM instance at a time)")
     return specs
@@ -198,14 +222,31 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if failure not in ("recompute", "keep"):
         raise ConfigError(f"failure_policy must be 'recompute' or 'keep', got {failure!r}")
     salt = cfg.get("salt", b"")
+    if not isinstance(salt, (str, bytes)):
+        raise ConfigError(f"kv_connector_extra_config['salt'] must be a string (the tenant's salt), got {salt!r}")
+    min_hit = _num(cfg, "min_hit_blocks", 1, 1)
+    if min_hit != int(min_hit):
+        raise ConfigError(f"kv_connector_extra_config['min_hit_blocks'] must be a whole number >= 1, got {min_hit!r}")
+    pending = _size(cfg.get("max_pending_save", "1GiB"), "kv_connector_extra_config['max_pending_save']")
+    if pending <= 0:
+        raise ConfigError("kv_connector_extra_config['max_pending_save'] must be more than 0 bytes (0 would drop "
+                          "every save); give a size like '1GiB'")
+    listen, advertise = _text(cfg, "listen", "127.0.0.1:0"), _text(cfg, "advertise", None)
+    for key, addr in (("listen", listen), ("advertise", advertise)):
+        if addr is not None:
+            try:
+                parse_address(addr)
+            except ConfigError as e:
+                raise ConfigError(f"kv_connector_extra_config[{key!r}]: {e}") from None
+    transport = check_transport(_text(cfg, "transport", "tcp"))
+    store = _store_config(cfg, specs)        # an unknown policy fails here, not in vLLM's worker
     return ConnectorConfig(
-        tiers_spec=specs, store=_store_config(cfg, specs), secret=secret, listen=str(cfg.get("listen", "127.0.0.1:0")),
-        advertise=cfg.get("advertise"), transport=str(cfg.get("transport", "tcp")),
-        model=cfg.get("model"), revision=cfg.get("revision"),
+        tiers_spec=specs, store=store, secret=secret, listen=listen,
+        advertise=advertise, transport=transport,
+        model=_text(cfg, "model", None), revision=_text(cfg, "revision", None),
         salt=salt.encode() if isinstance(salt, str) else bytes(salt),
-        session_param=str(cfg.get("session_param", "x-session-affinity")),
-        max_pending_save=parse_bytes(cfg.get("max_pending_save", "1GiB")), failure_policy=failure,
-        min_hit_blocks=int(_num(cfg, "min_hit_blocks", 1, 1)))
+        session_param=_text(cfg, "session_param", "x-session-affinity"),
+        max_pending_save=pending, failure_policy=failure, min_hit_blocks=int(min_hit))
 
 
 def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:
