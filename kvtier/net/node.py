@@ -254,6 +254,9 @@ class Node:
                                      "or tenant salt): this node serves only its own")
                 await within(self._answer(conn, req), self.request_timeout)
                 self.served += 1
+        except _Answered as e:
+            self.refused += 1
+            log.warning("node %s: refused a frame: %s", self.address, e)
         except FrameError as e:
             self.refused += 1
             log.warning("node %s: refused a frame: %s", self.address, e)
@@ -287,9 +290,19 @@ class Node:
             if req.payload != n * bb or len(req.sums) != n:
                 raise FrameError(f"PUT of {n} keys must carry {n * bb} bytes and {n} checksums")
             room = store.tiers[0].capacity_blocks
-            if n > room:              # refused before its buffer is allocated or a byte is read
-                raise FrameError(f"PUT refused: {n} blocks cannot fit in this node's top tier of {room} blocks: "
-                                 "put fewer blocks at a time")
+            if n > room:              # refused from its header: no buffer of its size is allocated
+                why = f"PUT refused: {n} blocks cannot fit in this node's top tier of {room} blocks: put fewer at a time"
+                await conn.send(Frame("ERR", req.ns, error=why).encode(self.secret))
+                # Its bytes are read into one small buffer and dropped (bounded by the request's
+                # deadline): closing with them unread would reset the connection, and the peer,
+                # still sending, would lose the answer.
+                scratch = np.empty((max(1, (1 << 20) // bb), bb), dtype=np.uint8)
+                left = n
+                while left:
+                    k = min(left, len(scratch))
+                    await conn.recv_rows(scratch[:k])
+                    left -= k
+                raise _Answered(why)
             buf = np.empty((n, bb), dtype=np.uint8)
             await conn.recv_rows(buf)
             try:
@@ -299,6 +312,10 @@ class Node:
             await conn.send(Frame("OK", self.seed, n=stored, re=re).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")
+
+
+class _Answered(FrameError):
+    """A refusal whose ERR reply was sent already: the connection is closed, no second reply."""
 
 
 # The store's side of a request (hashing, disk reads and writes, evictions) runs on a worker
