@@ -254,15 +254,13 @@ class Node:
                                      "or tenant salt): this node serves only its own")
                 await within(self._answer(conn, req), self.request_timeout)
                 self.served += 1
-        except _Answered as e:
-            self.refused += 1
-            log.warning("node %s: refused a frame: %s", self.address, e)
         except FrameError as e:
             self.refused += 1
             log.warning("node %s: refused a frame: %s", self.address, e)
             try:
-                await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
-                                       self.request_timeout)
+                if not isinstance(e, _Answered):          # its ERR went out before its bytes were dropped
+                    await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
+                                           self.request_timeout)
             except (OSError, EOFError, asyncio.TimeoutError):
                 pass
         except (OSError, EOFError, asyncio.TimeoutError):
