@@ -137,6 +137,20 @@ def test_the_scratch_page_goes_back_to_a_store_passed_in():
         store.close()
 
 
+def test_the_scratch_page_is_not_counted_as_a_request_page():
+    """kvtier serve's kv_pages_in_use reads pages_in_use: 0 on an idle engine whose CUDA
+    graphs hold their scratch page (it read 1 on a GPU, forever), and back to 0 after requests."""
+    with LLM("kimi-tiny", device="cpu", cache=StoreConfig(device_capacity="4MiB", host_capacity=None)) as llm:
+        pages = llm.request_pages
+        llm._start_graphs(capture=False)
+        assert llm.request_pages == pages - 1 and llm.pages_in_use == 0
+        llm.add_request(list(range(40)), SamplingParams(max_tokens=5, ignore_eos=True))
+        seen = []
+        while not llm.step():
+            seen.append(llm.pages_in_use)
+        assert seen and min(seen) > 0 and llm.pages_in_use == 0
+
+
 def test_cuda_graphs_need_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal is for CPU-only machines")

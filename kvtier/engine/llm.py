@@ -165,6 +165,13 @@ class LLM:
         scratch page."""
         return self.adapter.device_tier.capacity_blocks - len(self._lent)
 
+    @property
+    def pages_in_use(self) -> int:
+        """KV pages held by requests (owned or referenced by a running request), not counting
+        the engine's own (the CUDA graphs' scratch page): 0 on an idle engine."""
+        pool = self.store.pages
+        return len(pool.owned()) + len(pool.referenced()) - len(self._lent)
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     session: str | None = None) -> str:
         """Queue one request (text, or token ids); returns its id."""

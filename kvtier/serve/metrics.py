@@ -87,9 +87,8 @@ class _StateCollector:
         if llm is None:
             return
         store = llm.store
-        pool = store.pages
-        capacity = llm.adapter.device_tier.capacity_blocks
-        in_use = len(pool.owned()) + len(pool.referenced())
+        capacity = llm.request_pages
+        in_use = llm.pages_in_use
         yield _gauge("kvtier:kv_cache_usage_perc", "Share of KV pages held by requests (1 = full).", m,
                      in_use / capacity if capacity else 0.0)
         yield _gauge("kvtier:kv_pages_in_use", "KV pages held by requests (owned or referenced).", m, in_use)
