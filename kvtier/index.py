@@ -117,6 +117,22 @@ class TierCounters:
     rejected: int = 0       # new blocks refused (admission filter or no room)
 
 
+def _in_chain_order(slots: list[SlotId], descending: bool) -> bool:
+    """Sort a reservation's slots in place so a chain's consecutive blocks get consecutive
+    slots wherever the set allows; True if the order changed (the caller re-pairs them).
+
+    Speed: the free list's order after evictions is arbitrary, and a GPU load or backup moves
+    one DMA per run of consecutive host slots: a kimi-tiny host hit issued 239 of them for
+    254 blocks (session 16, an H200). Which slot a block gets does not matter otherwise:
+    none holds its bytes before the reservation is written.
+    """
+    ordered = sorted(slots, reverse=descending)
+    if ordered == slots:
+        return False
+    slots[:] = ordered
+    return True
+
+
 class TierState:
     """Per-tier bookkeeping: capacity, free slots, policy, counters."""
 
@@ -282,6 +298,9 @@ class BlockIndex:
             self._touch(run)
         if prefix and lo == 0:
             self._touch([k for k in reversed(prefix) if k in ready])
+        if _in_chain_order(res.slots, descending=True):          # res.keys is tail-first
+            for k, slot in zip(res.keys, res.slots):
+                entries[k].slot = slot
         return res
 
     def commit(self, res: Reservation) -> None:
@@ -345,12 +364,18 @@ class BlockIndex:
                 res.rejected += 1
                 ts.counters.rejected += 1
                 continue
-            ts.policy.insert(e.info)
             ts.counters.inserted += 1
             self._copying.add((k, tier))
             res.keys.append(k)
             res.slots.append(slot)
             res.positions.append(i)
+        # Into the policy tail-first, like reserve(): a chain's root ends most recent, so the
+        # tier evicts the chain's tail first (and a later chain's demotions, taking those
+        # slots one victim at a time, get them in chain order too). The copies are held:
+        # no victim among them could have been chosen meanwhile.
+        for k in reversed(res.keys):
+            ts.policy.insert(self.entries[k].info)
+        _in_chain_order(res.slots, descending=False)             # keys in the caller's (chain) order
         return res
 
     # -- slots lent to an engine whose pages are the top tier ---------------------------
