@@ -275,6 +275,30 @@ def test_a_node_stops_cleanly_in_every_state():
     store.close()
 
 
+def test_silent_strangers_cannot_lock_peers_out(node_process):
+    """max_unauthenticated connections that say nothing (no secret needed) used to refuse
+    every new peer until the first frame's deadline passed; now a new connection closes the
+    one that has waited longest, so a peer is served at once (the second time no stranger
+    need go: the first peer's slot is free again), and the node logs it."""
+    node = node_process(timeout=30, limits={"max_unauthenticated": 8})
+    silent = [socket.create_connection((node.host, node.port)) for _ in range(8)]
+    keys = keys_of([1] * 32)
+    try:
+        time.sleep(0.3)                        # all eight accepted and waiting
+        for _ in range(2):
+            c = PeerClient(node.address, SECRET, seed(), LAYOUT.block_bytes, timeout=5)
+            assert c.has(keys) == 4            # a fresh connection each time, served
+            c.close()
+        time.sleep(0.3)
+        gone = [s for s in silent if closed_by_peer(s)]
+        assert gone == silent[:1], "the longest-waiting stranger was closed, the others wait on"
+    finally:
+        for s in silent:
+            s.close()
+    _, err = node.stop()
+    assert "closed to admit newer ones" in err and "Traceback" not in err, err[-2000:]
+
+
 # -- memory ---------------------------------------------------------------------------------
 def test_slow_and_oversized_unauthenticated_clients_cannot_make_a_node_hold_memory(node_process):
     """192 abusive connections at once, 48 of each: a stranger's prefix claiming a 4 MiB

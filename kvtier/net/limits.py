@@ -5,15 +5,20 @@ A connection is unauthenticated until its first frame's MAC verifies. Until then
 hold only a few bytes (the 36-byte frame prefix; a header only once the prefix's tag has
 verified, charged to `pre_auth_bytes` shared by all such connections) and must send that
 first frame within the node's request timeout, counted from accept. Connections over
-`max_connections` in all, or over `max_unauthenticated` not yet authenticated, are closed
-at once, so strangers can never crowd out the cluster's own peers' connections. An
+`max_connections` in all are closed at once. When `max_unauthenticated` connections are
+waiting for their first frame, a new one closes the one that has waited longest: strangers
+that connect and say nothing cannot crowd out the cluster's own peers, which send their
+first frame at once (a peer is refused only by a flood of that many new connections within
+its first round trip). An
 authenticated connection that sends no request for `idle_timeout` seconds is closed too, so
 peers that come and go (or leak clients) cannot hold slots forever; kvtier's own client
 reconnects once, transparently, when it finds its kept connection closed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 
@@ -39,6 +44,15 @@ class NodeLimits:
             raise ConfigError(f"NodeLimits.idle_timeout must be a positive number of seconds, got {v!r}")
 
 
+@dataclass(eq=False)
+class Waiting:
+    """One admitted connection as the gate tracks it: `close` ends it (its task's cancel),
+    set by whoever runs it; `evicted` once the gate closed it to make room."""
+
+    close: Callable[[], object] = field(default=lambda: None)
+    evicted: bool = False
+
+
 class Gate:
     """The node's running counts against its limits (used on the node's event loop only)."""
 
@@ -47,18 +61,34 @@ class Gate:
         self.open = 0                 # connections open
         self.unauthenticated = 0      # of them, not yet authenticated
         self.pre_auth_bytes = 0       # header bytes held for unauthenticated connections
-        self.closed_over_cap = 0      # connections closed at accept: over a cap
+        self.closed_over_cap = 0      # connections closed at accept: over max_connections
         self.closed_idle = 0          # authenticated connections closed after idle_timeout
+        self.evicted = 0              # unauthenticated connections closed to admit a newer one
+        self._waiting: OrderedDict[int, Waiting] = OrderedDict()   # unauthenticated, oldest first
 
-    def admit(self) -> bool:
-        """Count a new (unauthenticated) connection in, or False: close it at once."""
+    def admit(self) -> Waiting | None:
+        """Count a new (unauthenticated) connection in, or None: close it at once. At
+        `max_unauthenticated` the longest-waiting unauthenticated connection is closed
+        instead (counted out here; its own closed() then changes nothing)."""
         lim = self.limits
-        if self.open >= lim.max_connections or self.unauthenticated >= lim.max_unauthenticated:
+        if self.open >= lim.max_connections:
             self.closed_over_cap += 1
-            return False
+            return None
+        if self.unauthenticated >= lim.max_unauthenticated:
+            if not self._waiting:
+                self.closed_over_cap += 1
+                return None
+            _, oldest = self._waiting.popitem(last=False)
+            oldest.evicted = True
+            self.open -= 1
+            self.unauthenticated -= 1
+            self.evicted += 1
+            oldest.close()
+        w = Waiting()
+        self._waiting[id(w)] = w
         self.open += 1
         self.unauthenticated += 1
-        return True
+        return w
 
     def reserve(self, n: int) -> bool:
         """Buffer n header bytes for an unauthenticated connection, or False: over the budget."""
@@ -70,10 +100,15 @@ class Gate:
     def release(self, n: int) -> None:
         self.pre_auth_bytes -= n
 
-    def authenticated(self) -> None:
-        self.unauthenticated -= 1
+    def authenticated(self, w: Waiting) -> None:
+        """`w`'s first frame verified: it no longer counts as unauthenticated."""
+        if self._waiting.pop(id(w), None) is not None:
+            self.unauthenticated -= 1
 
-    def closed(self, authenticated: bool) -> None:
+    def closed(self, w: Waiting) -> None:
+        """`w` is closed (whatever its state); nothing if the gate closed it itself."""
+        if w.evicted:
+            return
         self.open -= 1
-        if not authenticated:
+        if self._waiting.pop(id(w), None) is not None:
             self.unauthenticated -= 1

@@ -34,7 +34,7 @@ from kvtier.net.address import parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
 from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode, read_prefix
-from kvtier.net.limits import Gate, NodeLimits
+from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import ServerConn, TcpServerConn, TlsServerConn, check_transport, within
@@ -166,47 +166,60 @@ class Node:
 
     def _accepted(self, sock: socket.socket) -> None:
         """A new TCP connection: closed at once over the caps, else served on its own task."""
-        if not self.gate.admit():
+        gate, evicted = self.gate, self.gate.evicted
+        w = gate.admit()
+        if gate.evicted != evicted and _sparse(gate.evicted):
+            log.warning("node %s: %d connections that sent nothing closed to admit newer ones (%d waiting "
+                        "at NodeLimits.max_unauthenticated)", self.address, gate.evicted, gate.unauthenticated)
+        if w is None:
             sock.close()
-            if self.gate.closed_over_cap in (1, 10, 100, 1000) or self.gate.closed_over_cap % 10000 == 0:
+            if _sparse(gate.closed_over_cap):
                 log.warning("node %s: %d connections closed at accept: over NodeLimits (%d open, %d "
-                            "unauthenticated)", self.address, self.gate.closed_over_cap, self.gate.open,
-                            self.gate.unauthenticated)
+                            "unauthenticated)", self.address, gate.closed_over_cap, gate.open, gate.unauthenticated)
             return
         assert self._loop is not None
-        self._loop.create_task(self._tcp(sock))
+        task = self._loop.create_task(self._tcp(sock, w))
+        # Cancelled (evicted by the gate, or the node stops) maybe before it ran: close it here.
+        task.add_done_callback(lambda t: sock.close() if t.cancelled() else None)
+        w.close = task.cancel
 
-    async def _tcp(self, sock: socket.socket) -> None:
+    async def _tcp(self, sock: socket.socket, w: Waiting) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout     # the first frame's, counted from accept
         if self._ssl is None:
-            await self._serve(TcpServerConn(sock, self.request_timeout), deadline)
+            await self._serve(TcpServerConn(sock, self.request_timeout), deadline, w)
             return
         try:
             reader = asyncio.StreamReader(limit=1 << 16)
             transport, _ = await asyncio.wait_for(loop.connect_accepted_socket(
                 lambda: asyncio.StreamReaderProtocol(reader), sock, ssl=self._ssl,
                 ssl_handshake_timeout=self.request_timeout), max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:   # closed by the gate to admit a newer one, or the node stops
+            self.gate.closed(w)
+            raise
         except (OSError, EOFError, asyncio.TimeoutError, ssl.SSLError) as e:
-            self.gate.closed(authenticated=False)
+            self.gate.closed(w)
             self.refused += 1
             log.warning("node %s: refused a connection: TLS handshake failed (%s)", self.address,
                         _short(e))
             sock.close()
             return
         writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)
-        await self._serve(TlsServerConn(reader, writer, self.request_timeout), deadline)
+        await self._serve(TlsServerConn(reader, writer, self.request_timeout), deadline, w)
 
     # -- one connection ------------------------------------------------------------------
     async def serve(self, conn: ServerConn) -> None:
         """Answer one peer's requests until it goes away (any transport): counted against
         the node's limits, closed at once over them."""
-        if not self.gate.admit():
+        w = self.gate.admit()
+        if w is None:
             conn.close()
             return
-        await self._serve(conn, asyncio.get_running_loop().time() + self.request_timeout)
+        task = asyncio.current_task()
+        w.close = task.cancel if task is not None else conn.close
+        await self._serve(conn, asyncio.get_running_loop().time() + self.request_timeout, w)
 
-    async def _serve(self, conn: ServerConn, first_deadline: float) -> None:
+    async def _serve(self, conn: ServerConn, first_deadline: float, w: Waiting) -> None:
         """Answer requests on an admitted connection. Until its first frame's MAC verifies it
         is unauthenticated: that frame is due by `first_deadline` and its header is charged
         to the node's pre-authentication budget."""
@@ -247,7 +260,7 @@ class Node:
                 del body
                 if not authenticated:
                     authenticated = True
-                    gate.authenticated()
+                    gate.authenticated(w)
                 reply_ns = req.ns
                 if req.ns != self.seed:
                     raise FrameError("request for another namespace (another model, revision, shard, layout "
@@ -266,7 +279,7 @@ class Node:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass   # the peer went away or stalled: drop the connection
         finally:
-            gate.closed(authenticated)
+            gate.closed(w)
             conn.close()
 
     async def _answer(self, conn: ServerConn, req: Frame) -> None:
@@ -347,6 +360,11 @@ async def _off_loop(cm: AbstractContextManager[T]) -> AsyncIterator[T]:
             raise
     else:
         cm.__exit__(None, None, None)
+
+
+def _sparse(n: int) -> bool:
+    """Whether the n-th occurrence of a repeated event is logged: 1, 10, 100, 1000, then every 10,000th."""
+    return n in (1, 10, 100, 1000) or (n > 0 and n % 10000 == 0)
 
 
 def _short(e: BaseException) -> str:
