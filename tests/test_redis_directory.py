@@ -24,20 +24,22 @@ SECRET = b"cluster-secret-0123456789abcdef"
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}"
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+                                      "--appendonly", "no", *auth], stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                redis.Redis(port=self.port).ping()
+                redis.Redis(port=self.port, password=self.password).ping()
                 return
             except redis.ConnectionError:
                 time.sleep(0.05)
@@ -243,3 +245,33 @@ def test_kvtier_node_started_before_redis_publishes_once_it_is_up():
         _, err = p.communicate(timeout=30)
         srv.stop()
     assert p.returncode == 0 and err == "", err
+
+
+def test_wrong_or_missing_redis_password_is_a_clear_error_at_start(tmp_path):
+    """A password Redis refuses is a setting to fix: `kvtier node` stops at once with one
+    line saying so (it logged "unreachable ... retrying" forever before); the right one works;
+    a password changed on the server later is logged as refused credentials, not an outage."""
+    srv = RedisServer(password="right-one")
+    srv.start()
+    try:
+        url = f"redis://127.0.0.1:{srv.port}"
+        for given, says in ((f"redis://:wrong@127.0.0.1:{srv.port}", "check the password"),
+                            (url, "it asks for a password (none in the URL)")):
+            p = subprocess.run([sys.executable, "-m", "kvtier.cli", "node", "--listen", "127.0.0.1:0",
+                                "--layout", "llama3-8b", "--capacity", "64MiB", "--model", "m", "--directory", given],
+                               capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "KVTIER_SECRET": SECRET.decode()})
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode != 0 and len(lines) == 1, p.stderr
+            assert lines[0].startswith(f"kvtier: error: Redis at {url} refused the credentials") and says in lines[0]
+            assert "wrong" not in lines[0], "the password never goes into messages"
+        d = RedisDirectory(f"redis://:right-one@127.0.0.1:{srv.port}")
+        d.bind(b"n" * 16, lambda *_: 0)
+        assert d.heartbeat("10.0.0.1:7700") is False          # works: a new lease
+        redis.Redis(port=srv.port, password="right-one").config_set("requirepass", "changed")
+        d.r.connection_pool.disconnect()
+        with pytest.raises(kvtier.net.DirectoryError, match="refused the credentials"):
+            d.heartbeat("10.0.0.1:7700")
+        d.close()
+    finally:
+        srv.stop()

@@ -160,7 +160,16 @@ class RedisDirectory(Directory):
             self.r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         except ValueError as e:   # redis-py's own checks of the URL's query options and the like
             raise ConfigError(f"Redis URL {self.url!r}: {e}") from None
+        self._auth = tuple(getattr(redis.exceptions, n) for n in ("AuthenticationError", "AuthorizationError")
+                           if hasattr(redis.exceptions, n))
         self.health = Health(f"Redis at {self.url}", log)
+        try:      # wrong credentials are a setting to fix, not an outage to wait out
+            self.r.ping()
+        except self._auth as e:
+            self.r.close()
+            raise ConfigError(f"{self.health.what} refused the credentials: {self._why(e)}") from None
+        except self._errors:
+            pass  # not answering yet: calls retry with backoff (logged at the first)
         self._lookup = self.r.register_script(_LOOKUP)
         self._forget = self.r.register_script(_FORGET)
 
@@ -170,11 +179,22 @@ class RedisDirectory(Directory):
             raise DirectoryError(f"{self.health.what} unreachable: next try in {self.health.retry_in():.1f} s")
         try:
             out = fn()
+        except self._auth as e:       # e.g. the password changed on the server meanwhile
+            self.health.failed(self._why(e), state="refusing the credentials")
+            raise DirectoryError(f"{self.health.what} refused the credentials: {self._why(e)}") from None
         except self._errors as e:
             self.health.failed(str(e) or type(e).__name__)
             raise DirectoryError(f"{self.health.what}: {e}") from None
         self.health.succeeded()
         return out
+
+    def _why(self, e: Exception) -> str:
+        """Redis's refusal, with what to change (its own words name neither the URL nor the fix)."""
+        has_password = self.r.connection_pool.connection_kwargs.get("password") is not None
+        fix = ("check the password (and user) in the URL" if has_password else
+               "put it in the URL, redis://:PASSWORD@host:port/0")
+        said = str(e).rstrip(".") if has_password else "it asks for a password (none in the URL)"
+        return f"{said or type(e).__name__}; {fix}"
 
     def bind(self, ns: bytes, ask: Callable[[str, Sequence[Key]], int]) -> None:
         super().bind(ns, ask)
