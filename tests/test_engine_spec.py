@@ -106,6 +106,9 @@ def test_speculation_per_request(cycle):
         st = llm.stats()["spec"]
         assert st["drafts"] > 0 and len(st["accepted_per_position"]) == 2 and two.token_ids == off.token_ids
         assert llm.generate([cycle], params)[0].token_ids == off.token_ids
+        many = llm.generate([cycle], SamplingParams(max_tokens=30, ignore_eos=True, num_speculative_tokens=50))[0]
+        st = llm.stats()["spec"]
+        assert many.token_ids == off.token_ids and len(st["accepted_per_position"]) == 4   # the engine's k at most
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=-1)
 

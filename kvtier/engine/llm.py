@@ -273,14 +273,15 @@ class LLM:
 
     def _propose(self) -> None:
         """Ask the proposer for up to k tokens after each decoding request's last one (k: the
-        request's SamplingParams.num_speculative_tokens, else the engine's; not past
-        max_tokens: the target adds one more of its own)."""
+        request's SamplingParams.num_speculative_tokens, else the engine's, and never more than
+        the engine's: what it was configured and sized for; not past max_tokens: the target
+        adds one more of its own)."""
         assert self.proposer is not None and self.speculative is not None
         reqs, ks = [], []
+        most = self.speculative.num_speculative_tokens
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens
-            room = min(self.speculative.num_speculative_tokens if k is None else k,
-                       r.params.max_tokens - len(r.output) - 1)
+            room = min(most if k is None else min(k, most), r.params.max_tokens - len(r.output) - 1)
             r.draft, r.draft_probs = [], None
             if room > 0 and r.num_tokens - r.computed == 1:
                 reqs.append(r)

@@ -34,7 +34,7 @@ class SamplingParams:
     seed: int | None = None                # same seed -> same tokens; None -> fresh entropy
     stop_token_ids: tuple[int, ...] = ()   # generating one of these ends the request (it is kept)
     ignore_eos: bool = False               # keep going past EOS (benchmarks want fixed lengths)
-    num_speculative_tokens: int | None = None   # per request: drafts per step (0 = off); None = the engine's
+    num_speculative_tokens: int | None = None   # per request: drafts per step (0 = off), at most the engine's; None = the engine's
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
