@@ -58,6 +58,20 @@ def test_tiny_top_p_is_argmax() -> None:
         assert sample(logits, params, gens).tolist() == logits.argmax(-1).tolist()
 
 
+def test_values_that_underflow_float32_are_argmax_not_a_crash() -> None:
+    """A temperature of 1e-45 overflowed the float32 logits (inf/nan probabilities: `kvtier
+    generate` died, `serve` answered 500) and a top_p of 1e-300 is 0 in float32 (every token
+    cut). Both now take the top token."""
+    gen = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-45, 1e-38, 1e-300, 1e-6)]
+    params += [SamplingParams(temperature=1.0, top_p=p, seed=1) for p in (1e-300, 1e-46)]
+    gens = [make_generator(p) for p in params]
+    for _ in range(10):
+        logits = torch.randn(len(params), 50, generator=gen) * 30
+        assert sample(logits, params, gens).tolist() == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
 @pytest.mark.parametrize("top_p,support", [(0.45, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
 def test_top_p_nucleus_support_and_weights(top_p: float, support: set[int]) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -20,6 +20,9 @@ __all__ = ["SamplingParams", "sample", "make_generator"]
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 
 
+SAMPLING_EPS = 1e-5   # a temperature below this samples greedily (as vLLM does)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -59,7 +62,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below SAMPLING_EPS are greedy too: dividing float32 logits by them
+        overflows (1e-45 gave inf/nan probabilities), and they are argmax in all but name."""
+        return self.temperature < SAMPLING_EPS
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -114,5 +119,6 @@ def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     drop_sorted = mass_before >= top_p[:, None]
+    drop_sorted[:, 0] = False     # the top token, even for a top_p that is 0 in float32 (1e-300)
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return probs.masked_fill(drop, 0.0)
