@@ -133,15 +133,40 @@ def _in_chain_order(slots: list[SlotId], descending: bool) -> bool:
     return True
 
 
+def _demotions_in_chain_order(moves: list[Move], entries: dict) -> None:
+    """Give the demotions into each tier their destination slots ascending in chain order:
+    victims leave tail-first (least recently used first) and took the lowest free slot each,
+    which put a chain's copy below in descending slots (one DMA or disk write per block).
+    Only where every such slot came from the free list: a slot a later move vacates must
+    keep its place in the order (a move into a slot follows the move out of it)."""
+    vacated = {(m.src_tier, m.src_slot) for m in moves}
+    by_tier: dict[int, list[Move]] = {}
+    for m in moves:
+        if m.dst_tier is not None:
+            by_tier.setdefault(m.dst_tier, []).append(m)
+    for tier, group in by_tier.items():
+        if len(group) < 2 or any((tier, m.dst_slot) in vacated for m in group):
+            continue
+        slots = sorted(m.dst_slot for m in group)                    # type: ignore[type-var]
+        for m, slot in zip(reversed(group), slots):                  # chain order: the reverse of eviction
+            m.dst_slot = slot
+            e = entries[m.key]
+            if e.tier == tier:
+                e.slot = slot
+            elif e.copies and tier in e.copies:
+                e.copies[tier] = slot
+
+
 class TierState:
     """Per-tier bookkeeping: capacity, free slots, policy, counters."""
 
     def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
         self.name = name
         self.capacity = capacity
-        # pop() hands out the highest free slot first: a chain inserted tail-first then
-        # fills ascending slots, which the host tier copies as one range.
-        self.free: list[SlotId] = list(range(capacity))   # type: ignore[arg-type]
+        # pop() hands out the lowest free slot first, so a chain cached in several calls
+        # (an engine's chunks, a backup's batches) takes ascending ranges one after the
+        # other; within a call _in_chain_order sorts them: one run for DMA and disk writes.
+        self.free: list[SlotId] = list(range(capacity - 1, -1, -1))   # type: ignore[arg-type]
         self.policy = policy
         self.counters = TierCounters()
 
@@ -301,6 +326,7 @@ class BlockIndex:
         if _in_chain_order(res.slots, descending=True):          # res.keys is tail-first
             for k, slot in zip(res.keys, res.slots):
                 entries[k].slot = slot
+        _demotions_in_chain_order(res.moves, entries)
         return res
 
     def commit(self, res: Reservation) -> None:
@@ -376,6 +402,7 @@ class BlockIndex:
         for k in reversed(res.keys):
             ts.policy.insert(self.entries[k].info)
         _in_chain_order(res.slots, descending=False)             # keys in the caller's (chain) order
+        _demotions_in_chain_order(res.moves, self.entries)
         return res
 
     # -- slots lent to an engine whose pages are the top tier ---------------------------
@@ -389,12 +416,14 @@ class BlockIndex:
         """
         self.pins.expire()
         slots: list[SlotId] = []
+        first = len(moves)
         for _ in range(n):
             slot = self._take_slot(tier, moves)
             if slot is None:
                 self.tiers[tier].free.extend(slots)
                 return None
             slots.append(slot)
+        _demotions_in_chain_order(moves[first:], self.entries)
         return slots
 
     def free(self, tier: TierId, slots: Sequence[SlotId]) -> None:
@@ -507,13 +536,15 @@ class BlockIndex:
                 continue
             ts.policy.insert(info)
             n += 1
-        ts.free = sorted(free)
+        ts.free = sorted(free, reverse=True)     # lowest first, as at the start
         return n
 
     def without_copy(self, tier: TierId) -> list[Key]:
-        """Readable blocks with no copy in `tier` or below it (what a flush must write down)."""
+        """Readable blocks with no copy in `tier` or below it (what a flush must write down),
+        newest first: a chain's blocks are indexed tail-first (reserve, cache), so each chain
+        comes root first and its copies take ascending slots (one run to write and read)."""
         out = []
-        for k, e in self.entries.items():
+        for k, e in reversed(self.entries.items()):
             if e.ready and e.tier < tier and not (e.copies and max(e.copies) >= tier):
                 out.append(k)
         return out

@@ -154,34 +154,52 @@ def test_truncated_slab_reopens_and_serves_what_is_left(tmp_path):
 
 
 def test_shrinking_keeps_what_still_fits_and_growing_keeps_all(tmp_path):
-    """Blocks in slots past a smaller tier's end move below it (most recently used first);
-    only what does not fit is dropped. Every block found reads back byte-exact."""
+    """A smaller tier keeps its most recently used blocks, wherever they were: those past
+    the new end move into slots below it that less recently used blocks leave; whole
+    chains stay (their roots with them). Every block found reads back byte-exact."""
     store = open_store(tmp_path / "kv", host=4, disk=64)
-    cs = chains(store, 5)                               # 20 blocks, in the disk's highest slots
+    cs = chains(store, 5)                               # 20 blocks, 4 chains of 4
     for k in cs:
         store.put(k, payload(k, LAYOUT.block_bytes))
     store.close()
-    _, records = read_directory(tmp_path / "kv")
-    assert max(rec[0] for _, rec in records) >= 32      # the case: blocks past the new end
     smaller = open_store(tmp_path / "kv", host=4, disk=32)
     assert smaller.stats().recovered_blocks == 20       # all fit in 32 slots
-    for k in cs:
+    for k in cs:                                        # read in order: the last chain is the most recent
         loaded, out = read(smaller, k)
         assert loaded == 4 and torch.equal(out, payload(k, LAYOUT.block_bytes))
     smaller.close()
+    _, records = read_directory(tmp_path / "kv")
+    assert max(rec[0] for _, rec in records) >= 12      # the case: recent blocks past the new end
     tiny = open_store(tmp_path / "kv", host=4, disk=12)
-    assert tiny.stats().recovered_blocks == 12          # 12 of 20 fit
-    found = 0
-    for k in cs:
-        n = tiny.lookup(k).blocks
-        loaded, out = read(tiny, k[:n])
-        assert loaded == n and torch.equal(out, payload(k[:n], LAYOUT.block_bytes))
-        found += n
-    assert found > 0
+    assert tiny.stats().recovered_blocks == 12          # 12 of 20 fit: the 3 most recent chains
+    assert [tiny.lookup(k).blocks for k in cs] == [0, 0, 4, 4, 4]
+    for k in cs[2:]:
+        loaded, out = read(tiny, k)
+        assert loaded == 4 and torch.equal(out, payload(k, LAYOUT.block_bytes))
     tiny.close()
     grown = open_store(tmp_path / "kv", host=4, disk=128)
     assert grown.stats().recovered_blocks == 12
     grown.close()
+
+
+def test_a_restarted_tier_evicts_a_chains_tail_before_its_root(tmp_path):
+    """The blocks of one write or read share their last access; after a restart the tier
+    used to order them by key, and could evict a prefix's root while keeping its tail (no
+    use to a prefix cache). Restarted or not, the same puts leave the same prefix cached."""
+    def run(restart: bool) -> int:
+        path = tmp_path / f"kv{restart}"
+        store = kvtier.Store(LAYOUT, [kvtier.DiskTier(path, blocks=10)], NS)
+        chain, other = chains(store, 1, blocks=10)[0], store.keys([7] * (4 * LAYOUT.block_tokens))
+        store.put(chain, payload(chain, LAYOUT.block_bytes))
+        assert read(store, chain)[0] == 10              # all ten read together: one access time
+        if restart:
+            store.close()
+            store = kvtier.Store(LAYOUT, [kvtier.DiskTier(path, blocks=10)], NS)
+        store.put(other, payload(other, LAYOUT.block_bytes))   # evicts 4
+        n = store.lookup(chain).blocks
+        store.close()
+        return n
+    assert run(False) == run(True) == 6
 
 
 def test_bad_paths_and_sizes(tmp_path):

@@ -281,10 +281,11 @@ class DiskTier(Tier):
             raise ConfigError(f"cannot size the slab file {slab}: {e.strerror}") from None
 
     def _move_below(self, slots: int) -> None:
-        """Before the slab shrinks to `slots`: move the blocks past the new end into free slots
-        below it, most recently used first, so a smaller tier keeps what still fits (the rest
-        is dropped by _load_records). Bytes first, synced, then their records, then the caller
-        cuts the file: a crash part way leaves every record pointing at whole bytes."""
+        """Before the slab shrinks to `slots`: keep the `slots` most recently used blocks
+        (_recency), wherever they are: the others' records go first (synced), then the kept
+        blocks past the new end move into the freed and free slots below it (bytes, synced,
+        then their records), then the caller cuts the file. A crash part way leaves every
+        record pointing at whole bytes; the rest is dropped by _load_records."""
         sb = self.slot_bytes
         recs = []
         with self._env.begin(db=self._db) as txn:
@@ -295,10 +296,20 @@ class DiskTier(Tier):
                     continue
                 if isinstance(slot, int) and 0 <= slot and (slot + 1) * sb <= self._found_bytes:
                     recs.append((bytes(key), slot, checksum, created, last))
-        below = {r[1] for r in recs if r[1] < slots}
-        past = sorted((r for r in recs if r[1] >= slots), key=lambda r: r[4], reverse=True)
-        free = (s for s in range(slots) if s not in below)
+        if not any(r[1] >= slots for r in recs):
+            return
+        keep = sorted(recs, key=lambda r: _recency(r[4], r[1]), reverse=True)[:slots]
+        kept = {r[0] for r in keep}
+        dropped = [r[0] for r in recs if r[0] not in kept]
+        past = [r for r in keep if r[1] >= slots]
+        used = {r[1] for r in keep if r[1] < slots}
+        free = (s for s in range(slots) if s not in used)
         moves = list(zip(past, free))
+        if dropped:                    # their slots may take kept blocks: no record may point there first
+            with self._env.begin(db=self._db, write=True) as txn:
+                for key in dropped:
+                    txn.delete(key)
+            self._env.sync(True)
         if not moves:
             return
         log.info("disk tier %s: shrinking to %d slots: moving %d blocks below the new end", self.path, slots,
@@ -317,8 +328,8 @@ class DiskTier(Tier):
             for (key, _slot, checksum, created, last), dst in moved:
                 txn.put(key, msgpack.packb([dst, checksum, created, last]))
         self._env.sync(True)           # the records on disk before the file is cut (power loss too)
-        log.info("disk tier %s: shrunk to %d slots; moved %d blocks below the new end, %d did not fit",
-                 self.path, slots, len(moved), len(past) - len(moved))
+        log.info("disk tier %s: shrunk to %d slots; moved %d blocks below the new end, dropped %d less "
+                 "recently used", self.path, slots, len(moved), len(recs) - len(keep) + len(past) - len(moved))
 
     def _check_room(self, size: int) -> None:
         """Refuse a slab of `size` bytes the filesystem has no room for, before allocating any
@@ -364,7 +375,7 @@ class DiskTier(Tier):
 
     def recover(self) -> list[tuple[BlockKey, SlotId]]:
         """(key, slot) of every block the directory holds, least recently used first."""
-        order = sorted(self._records, key=lambda s: self._access.get(s, 0.0))
+        order = sorted(self._records, key=lambda s: _recency(self._access.get(s, 0.0), s))
         return [(self._records[s][0], s) for s in order]
 
     # -- moving bytes ----------------------------------------------------------------
@@ -681,6 +692,15 @@ def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
     done = os.pwritev(fd, bufs, offset)
     if done != total:   # regular files only write short when the device is full
         raise TransferError(f"short write to the disk tier ({done} of {total} bytes): is the device full?")
+
+
+def _recency(last_access: float, slot: int) -> tuple[float, int]:
+    """A block's place in least-recently-used order (sort ascending: oldest first). The blocks
+    of one write or read share their last access; among them a higher slot counts as older:
+    a chain's blocks get ascending slots in chain order (kvtier/index.py: _in_chain_order),
+    so its tail goes before its root, as in the index's own order (a tail without its root
+    is never a prefix hit)."""
+    return last_access, -slot
 
 
 def _preadv_all(fd: int, bufs: list, offset: int) -> int:
