@@ -335,3 +335,24 @@ def test_cli_reads_a_fifo(tmp_path, fifo):
     assert a.returncode == b.returncode == 0, b.stderr
     name = lambda out: [{**json.loads(ln), "trace": None} for ln in out.splitlines()]  # noqa: E731
     assert name(a.stdout) == name(b.stdout)
+
+
+def test_the_generator_command_writes_traces_the_reader_takes(tmp_path):
+    """`python -m kvtier.traces.synthetic`: no runpy warning, a Mooncake trace the reader
+    reads back (its --block-tokens wrote traces the reader refused; the option is gone), and
+    a path it cannot write is one `kvtier: error:` line, not a traceback."""
+    import subprocess
+    import sys
+
+    from kvtier.bench.common import child_env
+
+    def gen(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvtier.traces.synthetic", *args], capture_output=True,
+                              text=True, env=child_env(), timeout=120)
+
+    r = gen("--format", "mooncake", "--sessions", "3", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr   # one line, no warning
+    assert read_trace(str(tmp_path / "m.jsonl")).format == "mooncake"
+    r = gen(str(tmp_path))
+    assert r.returncode == 1 and r.stderr.strip() == f"kvtier: error: cannot write {tmp_path}: Is a directory"
+    assert gen("--block-tokens", "16", str(tmp_path / "x.jsonl")).returncode == 2

@@ -5,7 +5,17 @@ from __future__ import annotations
 from kvtier.errors import TraceError
 from kvtier.traces.model import Request, Trace
 from kvtier.traces.read import detect_format, read_trace
-from kvtier.traces.synthetic import AgenticConfig, generate, synthetic_trace, write_trace
+
+_SYNTHETIC = ("AgenticConfig", "generate", "synthetic_trace", "write_trace")
+
+
+def __getattr__(name: str) -> object:
+    """The generator's names, imported when first used: `python -m kvtier.traces.synthetic`
+    then runs a module not imported yet (runpy warned twice on every run otherwise)."""
+    if name in _SYNTHETIC:
+        from kvtier.traces import synthetic
+        return getattr(synthetic, name)
+    raise AttributeError(f"module 'kvtier.traces' has no attribute {name!r}")
 
 __all__ = ["AgenticConfig", "Request", "Trace", "TraceError", "detect_format", "generate",
            "read_trace", "synthetic_trace", "write_trace"]

@@ -24,7 +24,7 @@ import xxhash
 from kvtier.errors import ConfigError
 from kvtier.keys import chain_keys, token_bytes
 from kvtier.traces.model import Request, Trace
-from kvtier.traces.mooncake import mooncake_record
+from kvtier.traces.mooncake import MOONCAKE_BLOCK_TOKENS, mooncake_record
 from kvtier.traces.tokens import TRACE_SEED, token_record
 from kvtier.units import format_bytes
 
@@ -161,9 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=("tokens", "mooncake"), default="tokens")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--sessions", type=positive_int, default=AgenticConfig.sessions)
-    p.add_argument("--block-tokens", type=positive_int, default=512)
     a = p.parse_args(argv)
-    n = write_trace(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=a.block_tokens), a.format)
+    # The Mooncake format's hash ids are per 512-token block (its traces' and kvtier's
+    # reader's): a --block-tokens option here wrote traces the reader then refused.
+    cfg = AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=MOONCAKE_BLOCK_TOKENS)
+    try:
+        n = write_trace(a.out, cfg, a.format)
+    except OSError as e:
+        print(f"kvtier: error: cannot write {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {n} requests to {a.out}", file=sys.stderr)
     return 0
 
