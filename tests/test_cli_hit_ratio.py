@@ -120,6 +120,7 @@ def test_bad_options(args, needle):
 
 @pytest.mark.parametrize("args, needle", [
     (("--nodes", "0"), "--nodes"),
+    (("--nodes", "1000000"), "at most 4096"),          # minutes and gigabytes before the bound
     (("--block-tokens", "0"), "--block-tokens"),      # the trace options are hit-ratio's (shared code)
     (("--capacity", "0%"), "positive"),
     (("--capacity", "2%,5%"), "one per-node size"),

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.sim.cluster import ROUTERS
 
     add_trace_arguments(p)
-    p.add_argument("--nodes", type=positive_int, default=8, help="nodes in the cluster, each with its own cache")
+    p.add_argument("--nodes", type=positive_int, default=8, help="nodes in the cluster, each with its own cache "
+                   "(at most 4096)")
     p.add_argument("--capacity", default="2%",
                    help="each node's cache: '2%%' or '0.02' of the trace's unique blocks, '2000' blocks, "
                         "or '64GiB' with --layout; at or above the unique blocks it is run as exactly "
@@ -61,6 +62,9 @@ def parse_routers(text: str) -> list[str]:
     return routers
 
 
+MAX_NODES = 4096          # nodes a simulated cluster may have
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.bench.hit_ratio import block_bytes_of, check_byte_capacities, load_traces
     from kvtier.errors import ConfigError
@@ -68,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.capacity import parse_capacity
     from kvtier.sim.cluster import simulate
 
+    if args.nodes > MAX_NODES:
+        raise ConfigError(f"--nodes {args.nodes}: at most {MAX_NODES} (each node is a simulated cache of its own; "
+                          "a million took minutes and gigabytes on a five-request trace)")
     routers = parse_routers(args.router)
     policy = DEFAULT_POLICY if args.policy == "recommended" else args.policy
     make_policy(policy, 1)
