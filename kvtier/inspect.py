@@ -47,6 +47,10 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     except ConfigError:
         raise                 # not a disk tier directory: read_directory says so
     except lmdb.Error as e:
+        if os.path.isdir(index) and not os.path.exists(os.path.join(index, "data.mdb")):
+            raise KvtierError(f"the disk tier index {index} holds no data.mdb (removed?): without it the blocks "
+                              f"in {path}/slab.bin cannot be found; a store opened on {path} starts the tier "
+                              "empty") from None
         short = shortfall(Path(index))
         cut = f"; data.mdb is {short[0]} bytes, its newest transaction uses {short[1]}: cut short" if short else ""
         what = f"the disk tier index {index} is damaged ({e}{cut})"
@@ -195,6 +199,9 @@ def _print(report: dict[str, Any], accessed: bool) -> None:
           f"({format_bytes(report['bytes'])} of {format_bytes(report['capacity_blocks'] * report['block_bytes'])})")
     if report["damaged_records"]:
         print(f"  damaged    {report['damaged_records']} records (a store drops them when it opens the tier)")
+    if report["blocks"] and not report["slab_bytes"]:
+        print("  slab       slab.bin is missing or empty: none of these blocks can be read (a store opened "
+              "on the directory drops their records)")
     if accessed:
         print(f"  accessed   newest {report['newest_access_age_s']} s ago, oldest {report['oldest_access_age_s']} s ago")
     if "corrupt_blocks" in report:

@@ -288,6 +288,19 @@ def test_inspect_a_damaged_index_page_says_how_to_move_it_aside(tier):
     assert run_kvtier("inspect", str(tier)).returncode == 0
 
 
+def test_inspect_says_when_the_slab_or_the_index_data_is_gone(tier, tmp_path):
+    """Without slab.bin the report said all was well; without index.lmdb/data.mdb it said the
+    index was damaged and a store could not open it (a store opens it, and starts empty)."""
+    import shutil
+    other = tmp_path / "copy"
+    shutil.copytree(tier, other)
+    (tier / "slab.bin").unlink()
+    r = run_kvtier("inspect", str(tier))
+    assert r.returncode == 0 and "slab.bin is missing or empty: none of these blocks can be read" in r.stdout
+    (other / "index.lmdb" / "data.mdb").unlink()
+    assert_one_line_error(run_kvtier("inspect", str(other)), 1, "holds no data.mdb", "starts the tier empty")
+
+
 def test_verify_does_not_count_a_block_whose_record_changed_meanwhile(tier):
     """A live store reuses slots: the new bytes land before the old block's record goes, so
     a snapshot of the records can name bytes no longer there. A failure counts only if the
