@@ -131,6 +131,18 @@ def test_cluster_bad_options(args, needle):
     assert_one_line_error(run_kvtier("bench", "cluster", *args, *SMALL), 2, needle)
 
 
+def test_generator_options_without_the_generated_trace_are_usage_errors(tmp_path):
+    """--seed and --sessions shape the generated trace only: with a TRACE and no --synthetic
+    they were silently ignored."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"tokens": list(range(40))}) + "\n")
+    assert_one_line_error(run_kvtier("bench", "hit-ratio", str(p), "--seed", "7", "--sessions", "3"), 2,
+                          "--seed and --sessions shape the generated trace", "--synthetic")
+    assert_one_line_error(run_kvtier("bench", "cluster", str(p), "--seed", "7"), 2, "--seed shapes")
+    r = run_kvtier("bench", "hit-ratio", str(p), "--synthetic", "--seed", "7", *SMALL, "--block-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+
+
 def test_block_tokens_zero_on_a_token_level_trace(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"tokens": list(range(40))}) + "\n")

@@ -45,9 +45,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         "None: a generated agentic trace")
     p.add_argument("--synthetic", action="store_true",
                    help="also replay a generated agentic trace (the default when no TRACE is given)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace (default 0)")
-    p.add_argument("--sessions", type=positive_int, default=200,
-                   help="conversations (sessions) in the generated trace")
+    p.add_argument("--seed", type=non_negative_int, default=None, help="seed of the generated trace (default 0)")
+    p.add_argument("--sessions", type=positive_int, default=None,
+                   help="conversations (sessions) in the generated trace (default 200)")
     p.add_argument("--block-tokens", type=positive_int, default=None,
                    help="tokens a block when keying token-level traces and the generated trace "
                         "(default 512; Mooncake traces are fixed at 512)")
@@ -133,9 +133,15 @@ def load_traces(args: argparse.Namespace) -> list[Any]:
     from kvtier.errors import ConfigError
     from kvtier.traces import AgenticConfig, read_trace, synthetic_trace
 
+    generated = args.synthetic or not args.trace
+    if not generated and (args.seed is not None or args.sessions is not None):
+        given = " and ".join(f for f, v in (("--seed", args.seed), ("--sessions", args.sessions)) if v is not None)
+        verb = "shape" if " and " in given else "shapes"
+        raise ConfigError(f"{given} {verb} the generated trace, which is not replayed when a TRACE is given: "
+                          "add --synthetic to replay it too, or leave that out")
     traces = [read_trace(p, block_tokens=args.block_tokens) for p in args.trace]
-    if args.synthetic or not traces:
-        traces.append(synthetic_trace(AgenticConfig(seed=args.seed, sessions=args.sessions,
+    if generated:
+        traces.append(synthetic_trace(AgenticConfig(seed=args.seed or 0, sessions=args.sessions or 200,
                                                     block_tokens=args.block_tokens or 512)))
     for tr in traces:
         if tr.unique_blocks == 0 and tr.format == "mooncake":
