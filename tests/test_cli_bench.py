@@ -101,6 +101,8 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--disk", "/nonexistent/kvtier-test", "--disk-cache", "1KiB"],
      ["--disk-cache", "smaller than one KV block"]),
     (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
+    (["generate", "--prompt", "hi", "--top-p", "0.5"], ["--top-p shapes sampling", "--temperature"]),   # was ignored
+    (["generate", "--prompt", "hi", "--top-p", "0.5", "--seed", "3"], ["--top-p and --seed shape sampling"]),
     (["generate"], ["--prompt"]),
     (["generate", "--prompt-ids", "1,abc,3"], ["--prompt-ids", "'abc'"]),
     (["generate", "--prompt", "hi", "--device", "cuda:0" if not _cuda() else "cuda:99"], ["cuda"]),

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="a Hugging Face checkpoint folder (config.json + safetensors)")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="prompt text; repeat for several (they run as one batch); this or --prompt-ids is required")
-    p.add_argument("--prompt-ids", default=None, metavar="IDS", help="a prompt as comma-separated token ids instead of text")
+    p.add_argument("--prompt-ids", default=None, metavar="IDS",
+                   help="a prompt as comma-separated token ids (with --prompt too: one more prompt in the batch)")
     p.add_argument("--max-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                    help="sampling temperature, >= 0; 0 (the default) is greedy")
@@ -191,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
     cache, sources = cache_config(args)
     check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
                                             args.dtype, cache.block_tokens), sources)
+    greedy_only = [f for f, given in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None)) if given]
+    if greedy_only and args.temperature == 0:
+        raise ConfigError(f"{' and '.join(greedy_only)} {'shape' if len(greedy_only) > 1 else 'shapes'} sampling, "
+                          "and --temperature 0 (the default) is "
+                          "greedy: give a --temperature above 0 too, or leave them out")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):
