@@ -202,6 +202,24 @@ def test_a_restarted_tier_evicts_a_chains_tail_before_its_root(tmp_path):
     assert run(False) == run(True) == 6
 
 
+def test_another_programs_lmdb_is_refused_and_left_alone(tmp_path):
+    """A directory whose index.lmdb another program wrote: the store wrote its own
+    databases into it beside the other's keys; now it refuses, and writes nothing there."""
+    import lmdb
+    (tmp_path / "kv").mkdir()
+    env = lmdb.open(str(tmp_path / "kv" / "index.lmdb"))
+    with env.begin(write=True) as txn:
+        txn.put(b"theirs", b"1")
+    env.close()
+    with pytest.raises(ConfigError, match="kvtier did not write"):
+        open_store(tmp_path / "kv")
+    env = lmdb.open(str(tmp_path / "kv" / "index.lmdb"), readonly=True, lock=False)
+    with env.begin() as txn:
+        assert [bytes(k) for k, _ in txn.cursor()] == [b"theirs"]
+    env.close()
+    assert not (tmp_path / "kv" / "slab.bin").exists()
+
+
 def test_bad_paths_and_sizes(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="not a directory|cannot create"):

@@ -183,6 +183,14 @@ class DiskTier(Tier):
                                   metasync=False)
         except lmdb.Error as e:
             raise ConfigError(f"cannot open the disk tier index in {self.path}: {e}") from None
+        with self._env.begin() as txn:      # the main database lists the named ones
+            names = [bytes(k) for k, _ in txn.cursor()]
+        foreign = [k for k in names if k not in (_META, b"blocks")]
+        if foreign and _META not in names:   # another program's LMDB: never write into it
+            self._env.close()
+            self._env = None
+            raise ConfigError(f"{where} is an LMDB database kvtier did not write (it holds {foreign[0]!r} and "
+                              f"{len(foreign) - 1} more keys): give the disk tier a directory of its own")
         self._meta_db = self._env.open_db(_META, create=not self.read_only)
         self._db = self._env.open_db(b"blocks", create=not self.read_only)
 
