@@ -133,7 +133,10 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
             if not bad:
                 break
             time.sleep(RECHECK_PAUSE_S)
-            current = dict(read_index(path)[1])
+            try:
+                current = dict(read_index(path)[1])
+            except KvtierError:           # the live store is renaming its index (compaction): next round
+                continue
             bad = [(k, current[k]) for k, _ in bad if k in current and _valid(current[k]) and not good(current[k])]
     finally:
         os.close(fd)

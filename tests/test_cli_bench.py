@@ -103,6 +103,7 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--session", ""], ["--session"]),
     (["generate", "--prompt", "hi", "--top-p", "0.5"], ["--top-p shapes sampling", "--temperature"]),   # was ignored
     (["generate", "--prompt", "hi", "--top-p", "0.5", "--seed", "3"], ["--top-p and --seed shape sampling"]),
+    (["generate", "--prompt", "hi", "--seed", "3", "--temperature", "1e-6"], ["--seed shapes sampling"]),  # greedy too
     (["generate"], ["--prompt"]),
     (["generate", "--prompt-ids", "1,abc,3"], ["--prompt-ids", "'abc'"]),
     (["generate", "--prompt", "hi", "--device", "cuda:0" if not _cuda() else "cuda:99"], ["cuda"]),

@@ -206,24 +206,35 @@ def test_a_burst_that_exhausts_file_descriptors_does_not_stop_the_node(node_proc
 
 
 def test_connections_over_the_cap_are_closed_at_once():
+    """At max_connections a new connection takes the place of the longest-waiting one that
+    has not authenticated (silent strangers cannot hold every slot); only when every open
+    connection is an authenticated peer is the new one closed at once."""
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
     with kvtier.Node(store, "127.0.0.1:0", SECRET, limits=NodeLimits(max_connections=4)) as node:
         host, port = node.address.rsplit(":", 1)
         held = [socket.create_connection((host, int(port))) for _ in range(4)]
+        time.sleep(0.3)
+        with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
+            c.ping()                                      # served: the oldest silent one made room
+        held[0].settimeout(10)
+        assert held[0].recv(1) == b""
+        for s in held:
+            s.close()
+        peers = [PeerClient.for_store(store, node.address, SECRET, timeout=5) for _ in range(4)]
+        for _ in range(50):                               # once the node has seen the strangers go
+            try:
+                for c in peers:
+                    c.ping()
+                break
+            except PeerError:
+                time.sleep(0.1)
         extra = socket.create_connection((host, int(port)))
         extra.settimeout(10)
-        assert extra.recv(1) == b""                       # closed by the node, nothing sent
-        for s in held + [extra]:
-            s.close()
-        with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
-            for _ in range(50):                           # once the node has seen them go
-                try:
-                    c.ping()
-                    break
-                except PeerError:
-                    time.sleep(0.1)
-            c.ping()
-        assert node.gate.closed_over_cap >= 1
+        assert extra.recv(1) == b""                       # four authenticated peers: closed at once
+        extra.close()
+        assert node.gate.closed_over_cap >= 1 and node.gate.evicted >= 1
+        for c in peers:
+            c.close()
     store.close()
 
 

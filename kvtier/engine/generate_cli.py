@@ -193,10 +193,10 @@ def run(args: argparse.Namespace) -> int:
     check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
                                             args.dtype, cache.block_tokens), sources)
     greedy_only = [f for f, given in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None)) if given]
-    if greedy_only and args.temperature == 0:
+    if greedy_only and SamplingParams(temperature=args.temperature).greedy:
         raise ConfigError(f"{' and '.join(greedy_only)} {'shape' if len(greedy_only) > 1 else 'shapes'} sampling, "
-                          "and --temperature 0 (the default) is "
-                          "greedy: give a --temperature above 0 too, or leave them out")
+                          "and a --temperature of 0 (the default; below 1e-5 too) is "
+                          "greedy: give a --temperature of at least 1e-5 too, or leave them out")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     show = not args.json
     with progress(f"loading {source} and allocating the cache", enabled=show):

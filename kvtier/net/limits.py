@@ -4,9 +4,10 @@ or broken clients.
 A connection is unauthenticated until its first frame's MAC verifies. Until then it may
 hold only a few bytes (the 36-byte frame prefix; a header only once the prefix's tag has
 verified, charged to `pre_auth_bytes` shared by all such connections) and must send that
-first frame within the node's request timeout, counted from accept. Connections over
-`max_connections` in all are closed at once. When `max_unauthenticated` connections are
-waiting for their first frame, a new one closes the one that has waited longest: strangers
+first frame within the node's request timeout, counted from accept. When
+`max_unauthenticated` connections are waiting for their first frame, or `max_connections`
+are open and some of them are waiting, a new one closes the one that has waited longest
+(only when every open connection is authenticated is a new one closed at once): strangers
 that connect and say nothing cannot crowd out the cluster's own peers, which send their
 first frame at once (a peer is refused only by a flood of that many new connections within
 its first round trip). An
@@ -68,14 +69,12 @@ class Gate:
 
     def admit(self) -> Waiting | None:
         """Count a new (unauthenticated) connection in, or None: close it at once. At
-        `max_unauthenticated` the longest-waiting unauthenticated connection is closed
-        instead (counted out here; its own closed() then changes nothing)."""
+        `max_unauthenticated`, or at `max_connections` with some connection not yet
+        authenticated, the longest-waiting unauthenticated connection is closed instead
+        (counted out here; its own closed() then changes nothing)."""
         lim = self.limits
-        if self.open >= lim.max_connections:
-            self.closed_over_cap += 1
-            return None
-        if self.unauthenticated >= lim.max_unauthenticated:
-            if not self._waiting:
+        if self.open >= lim.max_connections or self.unauthenticated >= lim.max_unauthenticated:
+            if not self._waiting:       # every slot held by authenticated peers
                 self.closed_over_cap += 1
                 return None
             _, oldest = self._waiting.popitem(last=False)

@@ -217,7 +217,12 @@ class Node:
             return
         task = asyncio.current_task()
         w.close = task.cancel if task is not None else conn.close
-        await self._serve(conn, asyncio.get_running_loop().time() + self.request_timeout, w)
+        try:
+            await self._serve(conn, asyncio.get_running_loop().time() + self.request_timeout, w)
+        except asyncio.CancelledError:
+            if not (w.evicted and task is not None):
+                raise
+            task.uncancel()              # closed to admit a newer connection: a normal end here
 
     async def _serve(self, conn: ServerConn, first_deadline: float, w: Waiting) -> None:
         """Answer requests on an admitted connection. Until its first frame's MAC verifies it
@@ -225,6 +230,9 @@ class Node:
         to the node's pre-authentication budget."""
         gate, authenticated = self.gate, False
         reserved = 0
+        if w.evicted:       # evicted as its TLS handshake or first message completed (wait_for kept the result)
+            conn.close()
+            return
         # An ERR reply names the requester's own namespace (never this node's seed: a peer with
         # the cluster secret but another tenant's salt would build this tenant's keys from it).
         reply_ns = b""

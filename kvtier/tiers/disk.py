@@ -34,7 +34,7 @@ from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
 from kvtier.tiers.base import PendingWrite, Tier
-from kvtier.tiers.lmdb_check import extend, readable_copy
+from kvtier.tiers.lmdb_check import extend, readable_copy, shortfall
 from kvtier.units import format_bytes
 
 log = logging.getLogger("kvtier.disk")
@@ -162,6 +162,7 @@ class DiskTier(Tier):
                 self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
             else:
+                _refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
                 self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
                                       metasync=False)
@@ -183,14 +184,6 @@ class DiskTier(Tier):
                                   metasync=False)
         except lmdb.Error as e:
             raise ConfigError(f"cannot open the disk tier index in {self.path}: {e}") from None
-        with self._env.begin() as txn:      # the main database lists the named ones
-            names = [bytes(k) for k, _ in txn.cursor()]
-        foreign = [k for k in names if k not in (_META, b"blocks")]
-        if foreign and _META not in names:   # another program's LMDB: never write into it
-            self._env.close()
-            self._env = None
-            raise ConfigError(f"{where} is an LMDB database kvtier did not write (it holds {foreign[0]!r} and "
-                              f"{len(foreign) - 1} more keys): give the disk tier a directory of its own")
         self._meta_db = self._env.open_db(_META, create=not self.read_only)
         self._db = self._env.open_db(b"blocks", create=not self.read_only)
 
@@ -302,7 +295,8 @@ class DiskTier(Tier):
                     slot, checksum, created, last = msgpack.unpackb(raw)
                 except Exception:      # a damaged record: _load_records drops it
                     continue
-                if isinstance(slot, int) and 0 <= slot and (slot + 1) * sb <= self._found_bytes:
+                if (isinstance(slot, int) and 0 <= slot and (slot + 1) * sb <= self._found_bytes
+                        and isinstance(last, (int, float))):
                     recs.append((bytes(key), slot, checksum, created, last))
         if not any(r[1] >= slots for r in recs):
             return
@@ -700,6 +694,27 @@ def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
     done = os.pwritev(fd, bufs, offset)
     if done != total:   # regular files only write short when the device is full
         raise TransferError(f"short write to the disk tier ({done} of {total} bytes): is the device full?")
+
+
+def _refuse_foreign(where: Path) -> None:
+    """Refuse an index.lmdb another program wrote (no kvtier meta database, keys of its own):
+    a store wrote its databases beside the other program's keys. Read-only and without a
+    lock; an index too short to map safely (lmdb_check) is left to the usual open."""
+    if not (where / "data.mdb").is_file() or shortfall(where) is not None:
+        return
+    try:
+        env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=4, subdir=True)
+    except lmdb.Error:
+        return                                   # damaged: the usual open sets it aside
+    try:
+        with env.begin() as txn:                 # the main database lists the named ones
+            names = [bytes(k) for k, _ in txn.cursor()]
+    finally:
+        env.close()
+    foreign = [k for k in names if k not in (_META, b"blocks")]
+    if foreign and _META not in names:
+        raise ConfigError(f"{where} is an LMDB database kvtier did not write (it holds {foreign[0]!r} and "
+                          f"{len(foreign) - 1} more keys): give the disk tier a directory of its own")
 
 
 def _recency(last_access: float, slot: int) -> tuple[float, int]:
