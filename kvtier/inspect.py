@@ -102,9 +102,8 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
 
     slab = os.path.join(path, "slab.bin")
     sb, bb = meta["slot_bytes"], meta["block_bytes"]
-    ordered = records
     if not os.path.exists(slab):
-        return len(ordered)           # no bytes at all: a store reads every block as a miss
+        return len(records)           # no bytes at all: a store reads every block as a miss
     try:
         if not os.path.isfile(slab):     # before opening: a FIFO's open would wait for a writer
             raise IsADirectoryError(errno.EISDIR, "not a regular file")
@@ -119,7 +118,7 @@ def verify(path: str, meta: dict[str, Any], records: list[tuple[bytes, list]], s
 
     bad: list[tuple[bytes, list]] = []
     try:
-        with progress(f"verifying {len(ordered)} blocks ({format_bytes(len(ordered) * bb)})", len(ordered),
+        with progress(f"verifying {len(records)} blocks ({format_bytes(len(records) * bb)})", len(records),
                       enabled=show) as bar:
             for key, rec in sorted(records, key=lambda kr: kr[1][0]):   # slot order
                 if not good(rec):

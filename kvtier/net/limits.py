@@ -60,12 +60,16 @@ class Gate:
     def __init__(self, limits: NodeLimits) -> None:
         self.limits = limits
         self.open = 0                 # connections open
-        self.unauthenticated = 0      # of them, not yet authenticated
         self.pre_auth_bytes = 0       # header bytes held for unauthenticated connections
         self.closed_over_cap = 0      # connections closed at accept: over max_connections
         self.closed_idle = 0          # authenticated connections closed after idle_timeout
         self.evicted = 0              # unauthenticated connections closed to admit a newer one
-        self._waiting: OrderedDict[int, Waiting] = OrderedDict()   # unauthenticated, oldest first
+        self._waiting: OrderedDict[Waiting, None] = OrderedDict()   # not yet authenticated, oldest first
+
+    @property
+    def unauthenticated(self) -> int:
+        """Open connections not yet authenticated."""
+        return len(self._waiting)
 
     def admit(self) -> Waiting | None:
         """Count a new (unauthenticated) connection in, or None: close it at once. At
@@ -77,16 +81,14 @@ class Gate:
             if not self._waiting:       # every slot held by authenticated peers
                 self.closed_over_cap += 1
                 return None
-            _, oldest = self._waiting.popitem(last=False)
+            oldest, _ = self._waiting.popitem(last=False)
             oldest.evicted = True
             self.open -= 1
-            self.unauthenticated -= 1
             self.evicted += 1
             oldest.close()
         w = Waiting()
-        self._waiting[id(w)] = w
+        self._waiting[w] = None
         self.open += 1
-        self.unauthenticated += 1
         return w
 
     def reserve(self, n: int) -> bool:
@@ -101,13 +103,11 @@ class Gate:
 
     def authenticated(self, w: Waiting) -> None:
         """`w`'s first frame verified: it no longer counts as unauthenticated."""
-        if self._waiting.pop(id(w), None) is not None:
-            self.unauthenticated -= 1
+        self._waiting.pop(w, None)
 
     def closed(self, w: Waiting) -> None:
         """`w` is closed (whatever its state); nothing if the gate closed it itself."""
         if w.evicted:
             return
         self.open -= 1
-        if self._waiting.pop(id(w), None) is not None:
-            self.unauthenticated -= 1
+        self._waiting.pop(w, None)
