@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from kvtier.store import Store
 
 
+#: A new disk tier's size when disk_capacity is not given (allocated up front; refused if it
+#: does not fit). An existing tier keeps its size unless disk_capacity is given: reopening a
+#: 64 GiB folder without the setting must not shrink it (a shrink drops blocks).
+DEFAULT_DISK_CAPACITY = "16GiB"
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """What a store is made of and how it behaves. Sizes are bytes or strings like "8GiB"."""
@@ -39,7 +45,7 @@ class StoreConfig:
     device_capacity: int | str = "256MiB"    # the device tier: the KV pages of an engine whose pages are kvtier's
     host_capacity: int | str | None = "1GiB"  # host memory (pinned where CUDA is); None: no host tier
     disk_path: str | None = None             # a disk tier's directory, kept across runs; None: no disk tier
-    disk_capacity: int | str = "16GiB"       # allocated when the directory is first used (refused if it does not fit)
+    disk_capacity: int | str | None = None   # None: the folder's present size, DEFAULT_DISK_CAPACITY for a new one
     disk_direct: bool | None = None          # O_DIRECT: None = where the filesystem allows it
     disk_io_threads: int = 4                 # parallel disk reads and writes
     policy: str = DEFAULT_POLICY             # eviction (+ admission) policy, kvtier.policies
@@ -66,7 +72,7 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
         for name in ("device_capacity", "host_capacity", "disk_capacity"):
             v = getattr(self, name)
-            if v is None and name == "host_capacity":
+            if v is None and name in ("host_capacity", "disk_capacity"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, str)):
                 raise ConfigError(f"{name} must be a size like '8GiB' or a number of bytes, got {v!r}")
@@ -122,6 +128,13 @@ class StoreConfig:
         return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
     @classmethod
+    def shown_default(cls, name: str) -> str:
+        """A field's default as a help text gives it."""
+        if name == "disk_capacity":
+            return f"the folder's present size, {DEFAULT_DISK_CAPACITY} for a new one"
+        return str(cls.default(name))
+
+    @classmethod
     def from_cli(cls, path: str | None, **flags: Any) -> StoreConfig:
         """A command's config: the file `path` (or the defaults), with the flags the user gave
         (those not None) on top."""
@@ -157,6 +170,7 @@ class StoreConfig:
         pages. `subdir` is appended to disk_path (one store per namespace or rank)."""
         from kvtier.store import Store
         from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
+        from kvtier.tiers.disk import present_blocks
 
         tiers: list[Tier] = []
         if device is not None:
@@ -165,7 +179,10 @@ class StoreConfig:
             tiers.append(HostTier(self.host_capacity, name="host"))
         if self.disk_path is not None:
             path = Path(self.disk_path) / subdir if subdir else Path(self.disk_path)
-            tiers.append(DiskTier(path, self.disk_capacity, name="disk", direct=self.disk_direct,
+            n = present_blocks(path, layout.block_bytes) if self.disk_capacity is None else 0
+            size = ({"blocks": n} if n else
+                    {"capacity": DEFAULT_DISK_CAPACITY if self.disk_capacity is None else self.disk_capacity})
+            tiers.append(DiskTier(path, **size, name="disk", direct=self.disk_direct,
                                   io_threads=self.disk_io_threads))
         if not tiers:
             raise ConfigError("this config has no tier: give host_capacity, disk_path, or a device for engine pages")

@@ -65,12 +65,8 @@ def _shard(text: str) -> str:
     return check_shard(text)
 
 
-def _default(name: str) -> str:
-    from kvtier.config import StoreConfig
-    return str(StoreConfig.default(name))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.config import StoreConfig
     from kvtier.presets import LAYOUT_PRESETS as PRESETS
 
     p.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT", type=_checked(_address, "address"),
@@ -81,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
                         "(default: the defaults of kvtier.StoreConfig)")
     p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
-                   help=f"tokens per block (default: block_tokens, {_default('block_tokens')})")
+                   help=f"tokens per block (default: block_tokens, {StoreConfig.shown_default('block_tokens')})")
     p.add_argument("--model", default=None,
                    help="namespace model id; nodes share blocks only within one namespace "
                         "(default: the --layout preset's name)")
@@ -90,11 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="namespace shard: tpRANK/SIZE (tp0/8 is tensor-parallel rank 0 of 8), ppRANK/SIZE, "
                         "or both as tp0/8,pp1/4 (default: unsharded)")
     p.add_argument("--capacity", default=None, type=size, metavar="SIZE",
-                   help=f"host tier capacity (default: host_capacity, {_default('host_capacity')})")
+                   help=f"host tier capacity (default: host_capacity, {StoreConfig.shown_default('host_capacity')})")
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="directory of a disk tier below the host tier (default: disk_path, none)")
     p.add_argument("--disk-capacity", default=None, type=size, metavar="SIZE",
-                   help=f"disk tier capacity, preallocated at start (default: disk_capacity, {_default('disk_capacity')})")
+                   help=f"disk tier capacity, preallocated at start; a smaller size shrinks an existing tier "
+                        f"(default: disk_capacity, {StoreConfig.shown_default('disk_capacity')})")
     p.add_argument("--peers", default=[], type=_checked(_peers, "peers"), metavar="HOST:PORT,...",
                    help="other nodes to fetch from, comma-separated; each is asked directly (default: none)")
     p.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
@@ -127,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a peer's connection after this long without a request (default 300; "
                         "kvtier clients reconnect by themselves)")
     p.add_argument("--policy", default=None, metavar="NAME",
-                   help=f"eviction policy, e.g. lru or arc+nopartial (default: policy, {_default('policy')})")
+                   help=f"eviction policy, e.g. lru or arc+nopartial (default: policy, {StoreConfig.shown_default('policy')})")
 
 
 def read_secret(path: str | None) -> bytes:
@@ -220,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     directory = remote = None
     where = [f"host {format_bytes(parse_bytes(config.host_capacity))}"]
     if config.disk_path:
-        where.append(f"disk {config.disk_path} {format_bytes(parse_bytes(config.disk_capacity))}")
+        where.append(f"disk {config.disk_path}")
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)

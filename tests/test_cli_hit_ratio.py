@@ -164,6 +164,12 @@ def test_bad_plot_path_fails_before_the_replay(tmp_path, plot, needle):
     assert r.stdout == ""                    # no replay ran (--json would have printed rows)
 
 
+def test_an_empty_plot_name_is_refused():
+    r = run_kvtier("bench", "hit-ratio", "--json", "--plot", "", *SMALL)
+    assert_one_line_error(r, 2, "--plot needs a file name")
+    assert r.stdout == ""
+
+
 def test_bad_policy_names():
     assert_one_line_error(run_kvtier("bench", "hit-ratio", "--policy", "belady+nopartial", *SMALL), 2, "'belady'")
     assert_one_line_error(run_kvtier("bench", "hit-ratio", "--policy", "magic", *SMALL), 2, "unknown policy")

@@ -81,6 +81,27 @@ def test_build_makes_the_tiers_asked_for(tmp_path):
         StoreConfig(host_capacity=None).build(LAYOUT, NS)
 
 
+def test_a_disk_tier_keeps_its_size_unless_one_is_given(tmp_path, monkeypatch):
+    """Reopened without disk_capacity, a tier keeps its present size (a 64 GiB folder opened
+    with the defaults was shrunk to 16 GiB, dropping blocks); a new folder gets the default."""
+    import kvtier.config
+    small = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "kv"), disk_capacity="256KiB")
+    with small.build(LAYOUT, NS) as store:
+        keys = store.keys(list(range(LAYOUT.block_tokens * 3)))
+        store.put(keys, torch.ones(3, LAYOUT.block_bytes, dtype=torch.uint8))
+        n = store.tiers[0].capacity_blocks
+    with small.replace(disk_capacity=None).build(LAYOUT, NS) as store:
+        assert store.tiers[0].capacity_blocks == n and store.lookup(keys).blocks == 3
+    with small.replace(disk_capacity="128KiB").build(LAYOUT, NS) as store:    # given: it shrinks
+        assert store.tiers[0].capacity_blocks == n // 2
+    assert kvtier.config.DEFAULT_DISK_CAPACITY == "16GiB"
+    monkeypatch.setattr(kvtier.config, "DEFAULT_DISK_CAPACITY", "64KiB")    # not 16 GiB of this disk
+    fresh = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "new"))
+    assert fresh.disk_capacity is None
+    with fresh.build(LAYOUT, NS) as store:
+        assert store.tiers[0].capacity_blocks == (64 << 10) // LAYOUT.block_bytes
+
+
 def test_engine_connector_and_cli_share_the_defaults():
     """Each builder takes what it is not told from StoreConfig(): the same object."""
     import inspect
@@ -95,7 +116,7 @@ def test_engine_connector_and_cli_share_the_defaults():
         assert r.returncode == 0
         text = " ".join(r.stdout.split())
         assert f"host_capacity, {defaults.host_capacity}" in text
-        assert f"disk_capacity, {defaults.disk_capacity}" in text
+        assert f"disk_capacity, {StoreConfig.shown_default('disk_capacity')}" in text
 
 
 def test_cli_config_file_errors_are_one_line(tmp_path):

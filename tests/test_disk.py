@@ -241,6 +241,23 @@ def test_bad_paths_and_sizes(tmp_path):
         kvtier.DiskTier(tmp_path / "d", blocks=8, io_threads=100_000)   # was ENOMEM at build, lock kept
 
 
+def test_a_folder_this_user_cannot_write_is_one_config_error(tmp_path, monkeypatch):
+    # (root writes through permission bits, so the refusal is simulated at os.open)
+    real = os.open
+
+    def refuse(path, *a, **kw):
+        if str(path).startswith(str(tmp_path / "kv")):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(ConfigError, match=r"cannot open disk tier .*: Operation not permitted \(.*lock\): "
+                                          "give a directory this user can write"):
+        open_store(tmp_path / "kv")
+    monkeypatch.setattr(os, "open", real)
+    open_store(tmp_path / "kv").close()        # nothing was left locked or half-made
+
+
 def test_buffered_io_when_asked(tmp_path):
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4), kvtier.DiskTier(tmp_path / "kv", blocks=16, direct=False)], NS,
                          promote=False)

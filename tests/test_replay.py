@@ -122,6 +122,29 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert main(["bench", "hit-ratio", str(p), "--policy", "nope"]) == 2
 
 
+def test_plot_keeps_one_colour_per_policy_and_labels_the_capacities():
+    import matplotlib.pyplot as plt
+    from kvtier.bench.hit_ratio_plot import figure
+    tr = Trace("t", [Request([i % 7, 100 + i], 1024) for i in range(40)], 512)
+    pols = ["lru", "arc", "lfu", "s3fifo", "lru+nopartial", "arc+nopartial", "lfu+nopartial",
+            "s3fifo+nopartial", "reuse", "reuse+nopartial", "belady"]
+    results = [replay(tr, p, c) for p in pols for c in (3, 5, 12)]
+    fig = figure(results)
+    try:
+        ax = fig.axes[0]
+        colours = {l.get_label(): l.get_color() for l in ax.get_lines()}
+        assert len(colours) == len(pols)
+        online = [c for label, c in colours.items() if "offline" not in label]
+        assert colours["belady (offline bound)"] not in online     # 10 online lines: the cycle wrapped
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        want = [f"{100 * c / 47:.3g}%" for c in (3, 5, 12)]          # 7 + 40 unique blocks
+        assert labels == want, labels
+        assert not any(t.get_text() for t in ax.get_xticklabels(minor=True))
+    finally:
+        plt.close(fig)
+
+
 def test_cli_synthetic_default(capsys):
     assert main(["bench", "hit-ratio", "--sessions", "8", "--policy", "recommended,belady",
                  "--capacity", "10%", "--json"]) == 0

@@ -188,6 +188,29 @@ def test_finite_numbers_still_read(tmp_path):
     assert read_trace(q).requests[0].output_length == 2
 
 
+@pytest.mark.parametrize("fmt, field", [("mooncake", "input_length"), ("mooncake", "output_length"),
+                                        ("tokens", "output_length")])
+def test_lengths_past_any_context_are_named_not_printed(tmp_path, fmt, field):
+    good = MC if fmt == "mooncake" else TOK
+    p = _write(tmp_path, [good, re.sub(f'"{field}": [0-9]+', f'"{field}": 1e300', good)])
+    with pytest.raises(TraceError, match=f"'{field}' is 1e\\+300 tokens, more than") as e:
+        read_trace(p)
+    assert e.value.line == 2 and len(str(e.value)) < 200
+    q = _write(tmp_path, [re.sub(f'"{field}": [0-9]+', f'"{field}": {2**31}', good)], "q.jsonl")
+    if field == "output_length":     # the bound itself still reads
+        assert read_trace(q).requests[0].output_length == 2**31
+
+
+def test_a_byte_order_mark_is_skipped_and_a_pipe_is_named(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (MC + "\n" + MC + "\n").encode())
+    t = read_trace(str(p))
+    assert len(t) == 2 and t.name == "bom" and t.format == "mooncake"
+    from kvtier.traces.read import trace_name
+    assert trace_name("/dev/fd/63") == "pipe" and trace_name("/proc/self/fd/5") == "pipe"
+    assert trace_name("/data/63.jsonl") == "63"
+
+
 @pytest.mark.parametrize("bad, msg", [
     pytest.param("[" * 100_000 + "]" * 100_000, "nested too deeply", id="deep-line"),
     pytest.param('{"timestamp": 0, "input_length": 10, "hash_ids": [0], "session": ' + "[" * 100_000

@@ -110,6 +110,8 @@ def check_byte_capacities(caps: list, block_bytes: int | None) -> None:
 def check_plot_path(path: str) -> None:
     """Fail now, not after the replay, if the figure could never be written."""
     from kvtier.errors import ConfigError
+    if not path:
+        raise ConfigError("--plot needs a file name, e.g. --plot hit_ratio.png")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity is empty: give e.g. {DEFAULT_CAPACITIES}")
     block_bytes = block_bytes_of(args)
     check_byte_capacities(caps, block_bytes)
-    if args.plot:
+    if args.plot is not None:
         check_plot_path(args.plot)
     traces = load_traces(args)
     runs: list[tuple[Any, list[Row]]] = []

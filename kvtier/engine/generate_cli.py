@@ -46,6 +46,7 @@ def size_or_none(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.config import StoreConfig
     from kvtier.argtypes import non_negative_float, non_negative_int, positive_int, size
     from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, preset_names
 
@@ -81,15 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a kvtier store config (JSON or TOML, see docs/config.md); the flags below override it "
                         "(default: the defaults of kvtier.StoreConfig)")
     p.add_argument("--kv-cache", type=size, default=None, metavar="SIZE",
-                   help=f"device tier: the engine's KV pages (default: device_capacity, {_default('device_capacity')})")
+                   help=f"device tier: the engine's KV pages (default: device_capacity, {StoreConfig.shown_default('device_capacity')})")
     p.add_argument("--host-cache", type=size_or_none, default=None, metavar="SIZE",
-                   help=f"host-memory tier below it; 0 or none for none (default: host_capacity, {_default('host_capacity')})")
+                   help=f"host-memory tier below it; 0 or none for none (default: host_capacity, {StoreConfig.shown_default('host_capacity')})")
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="a folder for a disk tier below host memory, kept across runs (default: disk_path, none)")
     p.add_argument("--disk-cache", type=size, default=None, metavar="SIZE",
-                   help=f"size of the disk tier, allocated up front (default: disk_capacity, {_default('disk_capacity')})")
+                   help=f"size of the disk tier, allocated up front; a smaller size shrinks an existing one "
+                        f"(default: disk_capacity, {StoreConfig.shown_default('disk_capacity')})")
     p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
-                   help=f"tokens per block and page (default: block_tokens, {_default('block_tokens')})")
+                   help=f"tokens per block and page (default: block_tokens, {StoreConfig.shown_default('block_tokens')})")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (n-gram prompt lookup), \'{"method": "draft_model", "model": '
@@ -159,11 +161,6 @@ def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSourc
                               f"block of this model ({block_bytes} bytes = {format_bytes(block_bytes)} at "
                               f"{sources.describe('block_tokens', str(cache.block_tokens))}): give "
                               f"{sources.setter(name)} at least that much, or fewer tokens per block")
-
-
-def _default(name: str) -> str:
-    from kvtier.config import StoreConfig
-    return str(StoreConfig.default(name))
 
 
 def run(args: argparse.Namespace) -> int:

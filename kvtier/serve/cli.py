@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-memory tier; 0 or none for none (default: host_capacity)")
     p.add_argument("--disk", default=None, metavar="DIR", help="a folder for a disk tier (default: disk_path, none)")
     p.add_argument("--disk-cache", type=size, default=None, metavar="SIZE",
-                   help="size of the disk tier (default: disk_capacity)")
+                   help="size of the disk tier; a smaller size shrinks an existing one (default: disk_capacity)")
     p.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per block and page (default: block_tokens)")
     p.add_argument("--pin-ttl", type=positive_float, default=None, metavar="SECONDS",

@@ -128,6 +128,11 @@ class DiskTier(Tier):
             self._load_records(slots)
             chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
             self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
+        except OSError as e:          # no permission, a read-only or immutable folder, a full disk
+            self._release_handles()
+            where = f" ({e.filename})" if e.filename else ""
+            raise ConfigError(f"cannot open disk tier {self.path}: {e.strerror or e}{where}: give a "
+                              "directory this user can write (`kvtier inspect` reads one it cannot)") from None
         except BaseException:
             self._release_handles()   # a failed open leaves no lock or handle behind
             raise
@@ -639,6 +644,16 @@ class DiskTier(Tier):
         if self._scratch is not None:            # a read-only tier's copy of a short index
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+
+
+def present_blocks(path: str | os.PathLike, block_bytes: int) -> int:
+    """How many blocks of `block_bytes` the disk tier in `path` has room for now (0: no tier
+    there yet), so a store opened without a capacity keeps the tier's size."""
+    try:
+        size = (Path(path) / "slab.bin").stat().st_size
+    except OSError:
+        return 0
+    return size // _round_up(block_bytes, ALIGN)
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:

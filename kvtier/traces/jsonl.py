@@ -64,6 +64,21 @@ def non_negative_number(v: Any, name: str, path: str, line: int) -> int | float:
     return v
 
 
+#: The most tokens a trace's length field may give: far past any model's context, and small
+#: enough that every count derived from it (blocks, simulated decode steps) stays sane.
+MAX_TOKEN_COUNT = 1 << 31
+
+
+def token_count(v: Any, name: str, path: str, line: int) -> int:
+    """A length field (input_length, output_length) as a whole number of tokens (a float is
+    truncated); anything but a number in [0, MAX_TOKEN_COUNT] is a TraceError naming the line."""
+    n = non_negative_number(v, name, path, line)
+    if n > MAX_TOKEN_COUNT:
+        raise TraceError(path, line, f"field {name!r} is {_shown(v)} tokens, more than the "
+                         f"{MAX_TOKEN_COUNT:,} a trace may give: check the field's unit (tokens)")
+    return int(n)
+
+
 def session_field(obj: dict[str, Any], path: str, line: int) -> str | None:
     """The record's 'session' as a string (None when absent or null). It must be a string or
     an integer, and a string must be valid Unicode (JSON's "\\ud800" is not), since routers

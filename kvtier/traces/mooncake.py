@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kvtier.errors import TraceError
-from kvtier.traces.jsonl import json_records, non_negative_number, session_field
+from kvtier.traces.jsonl import json_records, non_negative_number, session_field, token_count
 from kvtier.traces.model import Request, Trace
 
 #: Mooncake's traces hash prompts in blocks of this many tokens.
@@ -19,12 +19,14 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 def _int_field(obj: dict[str, Any], name: str, path: str, line: int, required: bool = True) -> int:
     """obj[name] as a whole number (a float is truncated); 0 when optional and absent or null.
-    NaN, infinities and the like are a TraceError naming the line (non_negative_number)."""
+    NaN, infinities, a length past MAX_TOKEN_COUNT and the like are a TraceError naming the line."""
     v = obj.get(name)
     if v is None and not required:
         return 0
     if v is None and name not in obj:
         raise TraceError(path, line, f"field {name!r} is missing: a Mooncake record needs it")
+    if name.endswith("_length"):
+        return token_count(v, name, path, line)
     return int(non_negative_number(v, name, path, line))
 
 

@@ -19,6 +19,7 @@ from kvtier.traces.tokens import DEFAULT_BLOCK_TOKENS, read_tokens
 
 FORMATS = ("mooncake", "tokens")
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
 #: The longest line read: a token-level record of a 2M-token prompt is ~24 MB. Lines are
 #: read with this bound, so an input without line ends (/dev/zero, a stray binary) is an
 #: error after at most this many bytes, never a hang or an unbounded read into memory.
@@ -82,6 +83,8 @@ def _numbered(path: str) -> Iterator[tuple[int, str]]:
                 if len(raw) > MAX_LINE_BYTES:
                     raise TraceError(path, line, f"no line end in {MAX_LINE_BYTES >> 20} MiB: a trace is JSON "
                                      "Lines, one request object a line; check that this is the trace you meant")
+                if line == 1 and raw.startswith(UTF8_BOM):   # editors on Windows write one
+                    raw = raw[len(UTF8_BOM):]
                 text = raw.decode("utf-8")
                 if text.strip():
                     yield line, text
@@ -116,8 +119,11 @@ def detect_format(path: str) -> str:
 
 
 def trace_name(path: str) -> str:
-    """The file name without its directory, '.gz' and extension: 'conversation_trace'."""
+    """The file name without its directory, '.gz' and extension: 'conversation_trace';
+    'pipe' for a shell's process substitution (`<(zcat t.gz)` is /dev/fd/63)."""
     base = os.path.basename(path)
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) == "fd":
+        return "pipe"
     if base.endswith(".gz"):
         base = base[:-3]
     return os.path.splitext(base)[0] or base

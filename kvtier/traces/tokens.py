@@ -14,7 +14,7 @@ import xxhash
 
 from kvtier.keys import chain_keys
 from kvtier.errors import TraceError
-from kvtier.traces.jsonl import json_records, non_negative_number, session_field
+from kvtier.traces.jsonl import json_records, non_negative_number, session_field, token_count
 from kvtier.traces.model import Request, Trace
 
 #: key_{-1} of every token-level trace chain (a constant, so files replay identically).
@@ -38,9 +38,9 @@ def parse_token_line(obj: Any, path: str, line: int, block_tokens: int) -> Reque
     if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                              and 0 <= t < 2**32 for t in toks):
         raise TraceError(path, line, "field 'tokens' must be a list of token ids in [0, 2**32)")
-    out = non_negative_number(obj.get("output_length", 0), "output_length", path, line)
+    out = token_count(obj.get("output_length", 0), "output_length", path, line)
     ts = non_negative_number(obj.get("timestamp", 0), "timestamp", path, line)
-    return token_request(toks, block_tokens, timestamp=float(ts), output_length=int(out),
+    return token_request(toks, block_tokens, timestamp=float(ts), output_length=out,
                          session=session_field(obj, path, line))
 
 
