@@ -95,6 +95,7 @@ class Reservation:
     rejected: int = 0       # blocks not admitted or with no room
     tier: TierId = TOP_TIER
     copy: bool = False      # copies of cached blocks into `tier` (not new blocks)
+    gap: int | None = None  # a put's head-most position left uncached: blocks after it are unreachable
 
     @staticmethod
     def joined(parts: Sequence[Reservation]) -> Reservation:
@@ -102,9 +103,28 @@ class Reservation:
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
+        gaps = [p.gap for p in parts if p.gap is not None]
         return Reservation([k for p in parts for k in p.keys], [s for p in parts for s in p.slots],
                            [i for p in parts for i in p.positions], [], sum(p.present for p in parts),
-                           sum(p.rejected for p in parts), first.tier, first.copy)
+                           sum(p.rejected for p in parts), first.tier, first.copy, min(gaps, default=None))
+
+    def unreachable(self) -> Reservation:
+        """The reserved blocks past the gap (none when there is no gap): a put reserved in parts,
+        tail part first, learns of a gap nearer the root only after its tail parts were given
+        slots; a lookup stops at the gap, so those blocks could never be a hit."""
+        drop = [j for j, i in enumerate(self.positions) if self.gap is not None and i > self.gap]
+        return Reservation([self.keys[j] for j in drop], [self.slots[j] for j in drop],
+                           [self.positions[j] for j in drop], [], 0, 0, self.tier, self.copy)
+
+    def without(self, drop: Reservation) -> Reservation:
+        """This reservation less the blocks of `drop` (counted as rejected)."""
+        if not drop.keys:
+            return self
+        gone = set(drop.keys)
+        keep = [j for j, k in enumerate(self.keys) if k not in gone]
+        return Reservation([self.keys[j] for j in keep], [self.slots[j] for j in keep],
+                           [self.positions[j] for j in keep], self.moves, self.present,
+                           self.rejected + len(drop.keys), self.tier, self.copy, self.gap)
 
 
 @dataclass(slots=True)
@@ -305,11 +325,20 @@ class BlockIndex:
             tokens = last_tokens if (i == n - 1 and last_tokens is not None) else bt
             info = BlockInfo(k, keys[i - 1] if i > 0 else parent, start + i, tokens, bt, start + n, start)
             if not policy.admit(info):
+                self._give_back_tail(res, len(res.keys), i)      # all after i: unreachable
                 res.rejected += 1
                 top.counters.rejected += 1
                 continue
             slot = self._take_slot(TOP_TIER, res.moves)
+            if slot is None and res.keys:
+                # No room, and the walk (tail-first) gave the chain's tail slots: the root
+                # matters more. The tail gives back room for this block and the new ones
+                # before it; the put keeps the longest prefix that fits.
+                need = 1 + sum(1 for j in range(lo, i) if keys[j] not in entries)
+                self._give_back_tail(res, need, n)
+                slot = self._take_slot(TOP_TIER, res.moves)
             if slot is None:
+                self._give_back_tail(res, len(res.keys), i)
                 res.rejected += 1
                 top.counters.rejected += 1
                 continue
@@ -328,6 +357,32 @@ class BlockIndex:
                 entries[k].slot = slot
         _demotions_in_chain_order(res.moves, entries)
         return res
+
+    def _give_back_tail(self, res: Reservation, m: int, gap: int) -> None:
+        """Free the slots of the `m` blocks a put's walk (tail-first) reserved first, the
+        chain's tail, counted rejected; position `gap` and all after it are left uncached (a
+        lookup stops there: nothing reserved after it could ever be a hit)."""
+        gone = min(m, len(res.keys))
+        if gone:
+            gap = min(gap, res.positions[gone - 1])
+        res.gap = gap if res.gap is None else min(res.gap, gap)
+        if not gone:
+            return
+        top = self.tiers[res.tier]
+        for k, slot in zip(res.keys[:gone], res.slots[:gone]):
+            top.policy.remove(k)
+            top.free.append(slot)
+            del self.entries[k]
+        top.counters.inserted -= gone
+        top.counters.rejected += gone
+        res.rejected += gone
+        del res.keys[:gone], res.slots[:gone], res.positions[:gone]
+
+    def drop_unreachable(self, res: Reservation) -> None:
+        """Forget blocks a put reserved past its gap (Reservation.unreachable) once no copy
+        into their slots is landing: counted rejected, their slots free."""
+        self.abort(res)
+        self.tiers[res.tier].counters.rejected += len(res.keys)
 
     def commit(self, res: Reservation) -> None:
         """The reserved blocks (or copies) were written: make them readable."""

@@ -182,9 +182,17 @@ class Mover:
         raise error
 
     def commit(self, parts: Sequence[Reservation]) -> Reservation:
-        """Make the written parts of one save readable at once; returns them as one reservation."""
+        """Make the written parts of one save readable at once; returns them as one reservation.
+        Blocks past the save's gap (a part nearer the root found no room) are forgotten
+        instead: their bytes landed, but no lookup could reach them."""
         res = Reservation.joined(parts)
+        drop = res.unreachable()
+        if drop.keys:
+            self.tiers[drop.tier].release(drop.slots, drop.keys)   # a disk tier drops their records
         with self._lock:
+            if drop.keys:
+                self.index.drop_unreachable(drop)
+            res = res.without(drop)
             self.index.commit(res)
         return res
 

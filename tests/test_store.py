@@ -506,3 +506,49 @@ def test_an_in_place_save_in_parts_is_readable_whole_or_not_at_all(layout, ns, m
     assert parts[0] == [7] and (fail_at in (0,) or parts[1] == [6, 5])      # tail first, then twice as many
     assert store.stats().counters.puts == 1
     store.close()
+
+
+def _pinned_room(store, layout, taken: int) -> None:
+    """Fill `taken` slots of the store's top tier with a pinned chain (never evicted)."""
+    held = store.keys([10_000_000 + t for t in range(layout.block_tokens * taken)])
+    store.put(held, payload(list(held), layout.block_bytes))
+    assert store.pin("held", held, ttl=3600) == taken
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-part", "in-parts"])
+def test_a_put_with_room_for_part_of_it_keeps_the_chains_head(layout, ns, monkeypatch, pipelined):
+    """Room for 7 of a 10-block chain (the rest pinned): the put keeps the 7 nearest the root,
+    where it kept the tail (and no lookup could reach any). In parts (a large put: tail
+    part reserved and written first) the tail parts took the room; once the head part
+    finds none, their blocks are dropped, not kept unreachable: the put stores nothing."""
+    import kvtier.store
+    if pipelined:
+        monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", layout.block_bytes)   # parts of 1, 2, 4, 3 blocks
+    store = make(layout, ns, blocks=10)
+    _pinned_room(store, layout, 3)
+    keys = store.keys(list(range(layout.block_tokens * 10)))
+    rows = payload(list(keys), layout.block_bytes)
+    t = store.put(keys, rows)
+    hit = store.lookup(keys).blocks
+    assert t.blocks == hit and t.blocks + t.rejected == 10
+    assert hit == (0 if pipelined else 7)
+    assert all(store.lookup([k]).blocks == 0 for k in list(keys)[hit:])   # nothing past the prefix
+    out = torch.zeros(hit, layout.block_bytes, dtype=torch.uint8)
+    assert store.get(list(keys)[:hit], out).loaded == hit and torch.equal(out, rows[:hit])
+    s = store.stats()
+    assert s.tiers[0].used_blocks == 3 + hit and s.counters.put_rejected == 10 - hit
+    assert s.tiers[0].rejected == 10 - hit and s.tiers[0].inserted == 3 + hit
+    store.close()
+
+
+def test_an_admission_refusal_mid_chain_stores_nothing_after_it(layout, ns):
+    """A block the admission filter refuses ends what a lookup can reach: the blocks after
+    it are not stored either (they took room from reachable ones)."""
+    store = make(layout, ns, blocks=16)
+    policy = store.index.tiers[0].policy
+    policy.admit = lambda info: info.depth != 2
+    keys = store.keys(list(range(layout.block_tokens * 6)))
+    t = store.put(keys, payload(list(keys), layout.block_bytes))
+    assert (t.blocks, t.rejected) == (2, 4) and store.lookup(keys).blocks == 2
+    assert store.stats().tiers[0].used_blocks == 2
+    store.close()

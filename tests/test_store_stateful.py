@@ -211,6 +211,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.put(keys, payload(keys, form), blocking=blocking)
             return
         quiet = not self.pending
+        before = [self.lookup([k]).blocks for k in keys] if quiet and blocking else []
         t = self.put_keys(keys, form, blocking)
         if not blocking:
             self.pending.append(("put", t, list(keys), None))
@@ -220,6 +221,13 @@ class StoreMachine(RuleBasedStateMachine):
             # Everything was written or already there: the whole slice is readable now.
             for k in keys:
                 assert self.lookup([k]).blocks == 1, "a put that rejected nothing left a block unreadable"
+        elif quiet:
+            # What the put stored is a prefix of what it was given: no block it stored sits
+            # past one it left uncached (a lookup stops there: it could never be a hit).
+            after = [self.lookup([k]).blocks for k in keys]
+            gap = after.index(0) if 0 in after else len(keys)
+            assert not any(a and not b for a, b in zip(after[gap:], before[gap:])), \
+                f"the put stored blocks past position {gap}, which it left uncached"
 
     @rule(seq=st.integers(0, len(SEQS) - 1), form=FORMS, blocking=st.booleans())
     def lookup_get(self, seq, form, blocking) -> None:
