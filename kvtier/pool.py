@@ -176,9 +176,8 @@ class PagePool:
                 if owned is None and retry and st.backup is not None and st.backup.copying:
                     st.index.release(prefix)
                     return None
-                if owned is None:                     # no page for them: keep the top-tier part
-                    st.index.release(prefix[lower[0]:])
-                    n, prefix, locs, lower, owned = lower[0], prefix[:lower[0]], locs[:lower[0]], [], []
+                if owned is None:                     # not a page for each: a shorter prefix
+                    n, prefix, locs, lower, owned = self._shorter(prefix, locs, lower)
             pages = [s for _, s in locs]
             for j, i in enumerate(lower):
                 pages[i] = owned[j]                   # type: ignore[index]
@@ -190,6 +189,38 @@ class PagePool:
             c.get_blocks += n
             c.get_bytes += n * st.layout.block_bytes
         return LoadPlan(prefix, pages, [t for t, _ in locs], lower, [locs[i] for i in lower])
+
+    def _shorter(self, prefix: list[BlockKey], locs: list[tuple[TierId, SlotId]],
+                 lower: list[int]) -> tuple[int, list[BlockKey], list[tuple[TierId, SlotId]], list[int], list[SlotId]]:
+        """(The lock held; no page for every lower-tier block.) The prefix as far as pages go:
+        the top-tier blocks past the first lower one are let go, so the pages they fill can
+        hold blocks nearer the root (a prefix whose head is in host memory and whose tail
+        fills the pages loaded nothing), then it is rebuilt block by block: a block still in
+        the top tier held again, a lower one held and given a page, until one gets none.
+        Returns (n, prefix, locs, lower, owned pages) as _plan keeps them."""
+        st = self._store
+        index, first = st.index, lower[0]
+        index.release(prefix[first:])
+        for k in prefix[first:]:                      # counted again as each is held back
+            index.tiers[index.entries[k].tier].counters.hits -= 1
+        locs, lower, owned = locs[:first], [], []
+        n = first
+        for k in prefix[first:]:
+            e = index.entries.get(k)
+            if e is None or not e.ready:              # dropped to make room for a page
+                break
+            (t, s), = index.acquire([k])
+            if t > 0:
+                page = self._allocate(1)
+                if page is None:
+                    index.release([k])
+                    index.tiers[t].counters.hits -= 1
+                    break
+                owned += page
+                lower.append(n)
+            locs.append((t, s))
+            n += 1
+        return n, prefix[:n], locs, lower, owned
 
     # -- owned / cached -> free ----------------------------------------------------------
     def free(self, pages: Sequence[SlotId]) -> None:

@@ -86,6 +86,37 @@ def test_a_host_hit_is_copied_into_pages_then_cached():
     a.free(load.pages)
 
 
+def test_a_prefix_whose_tail_fills_the_pages_loads_its_head():
+    """The head of a prefix in host memory, its tail in every page: the load lets the tail go
+    to make pages for the head (it loaded nothing, every time); the prefix ends where the
+    pages run out, and every page holds its block's bytes."""
+    a = make(device_blocks=4)
+    tokens = list(range(32))                       # 8 blocks
+    head, head_pages, head_data = compute(a, tokens[:16], 1)
+    a.free(head_pages)
+    keys = a.keys(tokens)
+    tail_pages = a.allocate(4)                     # the head goes down to host memory
+    tail_data = fill(a, tail_pages, 2)
+    assert a.cache(keys[4:], tail_pages) == 4
+    a.free(tail_pages)
+    match = a.lookup(tokens)
+    assert match.tiers == ["host"] * 4 + ["device"] * 4
+    load = a.load(match)
+    load.wait()
+    assert load.blocks == 4 and load.from_tiers == {"host": 4}
+    for s, d in zip(load.pages, head_data):
+        assert torch.equal(a.pool()[s], d)
+    a.free(load.pages)
+    assert a.store.stats().tier("device").hits == 0      # no device block was served
+    match = a.lookup(tokens[:20])                          # the tail went down too, and reads back
+    assert match.blocks == 5
+    load = a.load(match)
+    load.wait()
+    assert load.blocks == 4 and torch.equal(a.pool()[load.pages[0]], head_data[0])
+    a.free(load.pages)
+    assert a.allocate(4) is not None                       # nothing stays referenced
+
+
 def test_caching_a_block_someone_cached_first_keeps_the_page_private():
     a = make()
     tokens = list(range(8))
