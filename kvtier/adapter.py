@@ -22,6 +22,7 @@ docs/adapter.md maps each call onto vLLM's KV-connector API.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence
 
@@ -181,6 +182,10 @@ class KVAdapter:
         self._paged: PagedKV | None = None        # the engine's pages load_into/save_from last moved,
         self._loader: LayerLoader | None = None   # and their movers (made on first use)
         self._saver: Saver | None = None
+        # Movers are chosen and handed work under this lock: a call with another PagedKV
+        # closes the last one's loader, which must not happen between another thread
+        # choosing it and queueing its load ("cannot schedule new futures after shutdown").
+        self._movers_lock = threading.Lock()
 
     # -- tokens -> keys -> lookup -----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
@@ -274,10 +279,11 @@ class KVAdapter:
         beside the engine's compute); how many leading blocks arrive, and the copy.
         in_memory: every block is in a memory tier, so all of them arrive (nothing to verify)
         and this returns without waiting for the loader's thread to hold them."""
-        if self._pool_loader is None:
-            self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout, threaded=True)
-        handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None],
-                                             rows=len(pages) if in_memory else None)
+        with self._movers_lock:
+            if self._pool_loader is None:
+                self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout, threaded=True)
+            handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None],
+                                                 rows=len(pages) if in_memory else None)
         return handle.wait_rows(), handle
 
     def _fetch_peers(self, keys: Sequence[BlockKey], tier: DeviceTier) -> tuple[list[SlotId], LoadHandle | None]:
@@ -332,11 +338,16 @@ class KVAdapter:
         table = paged.table(page_table, unique=unique)
         if table.shape[0] != len(keys):
             raise LayoutError(f"page_table has {table.shape[0]} rows for {len(keys)} keys: one row per block")
+        return table
+
+    def _use(self, paged: PagedKV) -> None:
+        """(With _movers_lock held.) Movers for `paged`: an adapter keeps one engine's (an
+        engine has one PagedKV); another PagedKV replaces them, the last loader's loads
+        still finishing."""
         if self._paged is not paged:
             if self._loader is not None:
-                self._loader.close(wait=False)           # its loads still finish
+                self._loader.close(wait=False)
             self._paged, self._loader, self._saver = paged, None, None
-        return table
 
     def load_into(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesLoad:
         """Load the cached blocks `keys` into the engine's pages named by `page_table`
@@ -351,12 +362,14 @@ class KVAdapter:
         table = self._engine_pages(paged, page_table, keys, unique=True)
         if not len(keys):
             return PagesLoad(0, None)
-        if self._loader is None:
-            self._loader = LayerLoader(paged, self.layout, threaded=True)
         # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
-        return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table, checked=True))
+        with self._movers_lock:
+            self._use(paged)
+            if self._loader is None:
+                self._loader = LayerLoader(paged, self.layout, threaded=True)
+            return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table, checked=True))
 
     def save_from(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
@@ -371,13 +384,16 @@ class KVAdapter:
             done = st.write_in_place(keys, lambda w: copy(paged.views, table[w.positions], w.memory,
                                                           to_blocks=True, rows=w.slots))
             return PagesSave(None, keys, st, done)
-        if self._saver is None:
-            self._saver = Saver(paged, self.layout)
+        with self._movers_lock:
+            self._use(paged)
+            if self._saver is None:
+                self._saver = Saver(paged, self.layout)
+            saver = self._saver
         if paged.device.type == "cuda" and st.tiers[0].memory() is not None:
             # Pages on a GPU: gathered on the device now, layer by layer; wait() reserves host-tier
             # slots and DMAs each layer straight into them (the pinned tier is the DMA target).
-            return PagesSave(self._saver.gather(table, checked=True), keys, st)
-        return PagesSave(self._saver.save(table, checked=True), keys, st)   # type: ignore[arg-type]
+            return PagesSave(saver.gather(table, checked=True), keys, st)
+        return PagesSave(saver.save(table, checked=True), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[BlockKey], ttl: float, tier: int | str | None = None) -> int:
@@ -396,7 +412,9 @@ class KVAdapter:
 
     def close(self) -> None:
         """Stop the loader threads (after the loads in flight)."""
-        for loader in (self._pool_loader, self._loader):
+        with self._movers_lock:
+            loaders = (self._pool_loader, self._loader)
+            self._pool_loader = self._paged = self._loader = self._saver = None
+        for loader in loaders:
             if loader is not None:
                 loader.close()
-        self._pool_loader = self._paged = self._loader = self._saver = None

@@ -2,6 +2,7 @@
 tiers, verified, cache, free) and pages the engine owns (load_into / save_from)."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings, strategies as hst
 import kvtier
 from kvtier.adapter import KVAdapter
 from kvtier.transfer.pages import ChunkPlan, PagedKV
+from kvtier.transfer.streams import LayerLoader
 
 LAYOUT = kvtier.KVLayout.mla(num_layers=3, kv_lora_rank=16, rope_dim=8, block_tokens=4, dtype=torch.float32)
 NS = kvtier.Namespace(model="adapter-test", revision="r1")
@@ -115,6 +117,46 @@ def test_a_prefix_whose_tail_fills_the_pages_loads_its_head():
     assert load.blocks == 4 and torch.equal(a.pool()[load.pages[0]], head_data[0])
     a.free(load.pages)
     assert a.allocate(4) is not None                       # nothing stays referenced
+
+
+def test_two_threads_with_two_engines_pages_share_one_adapter(monkeypatch):
+    """Each call with another PagedKV replaces the adapter's loader; the one a thread chose
+    was closed before it queued its load (RuntimeError: cannot schedule new futures after
+    shutdown). Now every load lands, and close() leaves no loader thread."""
+    import threading
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    a = KVAdapter(store)
+    keys = a.keys(list(range(LAYOUT.block_tokens)))
+    engines = [[torch.zeros(3, *LAYOUT.block_shape[1:]) for _ in range(LAYOUT.num_layers)] for _ in range(2)]
+    for l in range(LAYOUT.num_layers):
+        engines[0][l][0] = 7.0 + l
+    paged = [PagedKV.of_pages(e, LAYOUT, 3) for e in engines]
+    a.save_from(keys, paged[0], [[0]]).wait()
+    errors: list[BaseException] = []
+    real = LayerLoader.load_held
+
+    def slow(self, *args, **kw):            # widen the window between choosing a loader and using it
+        time.sleep(0.002)
+        return real(self, *args, **kw)
+    monkeypatch.setattr(LayerLoader, "load_held", slow)
+
+    def run(p):
+        try:
+            for _ in range(100):
+                assert a.load_into(keys, p, [[2]]).wait() == 1
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(p,)) for p in paged]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for e in engines:
+        assert all(torch.equal(e[l][2], engines[0][l][0]) for l in range(LAYOUT.num_layers))
+    a.close()
+    store.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-load")]
 
 
 def test_caching_a_block_someone_cached_first_keeps_the_page_private():
