@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 #: does not fit). An existing tier keeps its size unless disk_capacity is given: reopening a
 #: 64 GiB folder without the setting must not shrink it (a shrink drops blocks).
 DEFAULT_DISK_CAPACITY = "16GiB"
+#: A bound on disk_io_threads, a setting that costs a thread and a staging buffer each.
+MAX_DISK_IO_THREADS = 64
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ class StoreConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
+        if self.disk_io_threads > MAX_DISK_IO_THREADS:
+            raise ConfigError(f"disk_io_threads must be at most {MAX_DISK_IO_THREADS} (each holds an 8 MiB "
+                              f"buffer), got {self.disk_io_threads}")
         for name in ("device_capacity", "host_capacity", "disk_capacity"):
             v = getattr(self, name)
             if v is None and name in ("host_capacity", "disk_capacity"):
@@ -125,6 +130,7 @@ class StoreConfig:
     @classmethod
     def default(cls, name: str) -> Any:
         """A field's default (for help texts: the one place defaults are written)."""
+        check_names({name: None}, cls.fields(), "StoreConfig")
         return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
     @classmethod
@@ -177,6 +183,8 @@ class StoreConfig:
             tiers.append(DeviceTier(self.device_capacity, device=device, name="device"))
         if self.host_capacity is not None:
             tiers.append(HostTier(self.host_capacity, name="host"))
+        if not isinstance(subdir, str) or Path(subdir).is_absolute() or ".." in Path(subdir).parts:
+            raise ConfigError(f"subdir must be a relative folder name inside disk_path, got {subdir!r}")
         if self.disk_path is not None:
             path = Path(self.disk_path) / subdir if subdir else Path(self.disk_path)
             n = present_blocks(path, layout.block_bytes) if self.disk_capacity is None else 0
@@ -278,6 +286,8 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_settings(path: str | Path) -> dict[str, Any]:
     """One object of settings from a JSON file, or a TOML file (.toml); a setting given twice
     is an error in either (JSON would silently keep the last)."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ConfigError(f"a config file is a path (a string), got {path!r}")
     p = Path(path)
     kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(p.suffix.lower(), "JSON")
     if kind == "YAML":
@@ -300,6 +310,9 @@ def read_settings(path: str | Path) -> dict[str, Any]:
             data = json.loads(text, object_pairs_hook=_no_repeats)
     except ValueError as e:
         raise ConfigError(f"{p} is not valid {kind}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: objects or arrays nested too deeply; a config file is one flat "
+                          "object of settings") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold one object of settings, e.g. {{\"host_capacity\": \"8GiB\"}}")
     return data

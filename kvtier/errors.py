@@ -34,6 +34,11 @@ class TierSizeError(ConfigError, CapacityError):
     machine's memory or the disk's free space. A setting to change (exit 2 in the CLI)."""
 
 
+class TierInUseError(ConfigError):
+    """A disk tier's directory is held by another live store (this process or another): one
+    store at a time writes a directory."""
+
+
 class KeyNotCachedError(KvtierError, LookupError):
     """get() was asked for a block the store does not hold (call lookup() first)."""
 

@@ -50,6 +50,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in _DTYPES.items():
         if dt == dtype:
             return name
+    if isinstance(dtype, str):
+        raise LayoutError(f"dtype must be a torch.dtype (torch.{_ALIASES.get(dtype, dtype)}), not the string {dtype!r}")
     raise LayoutError(f"unsupported KV dtype {dtype}; use one of {', '.join(_DTYPES)}")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.errors import ConfigError
+
 
 @dataclass
 class TierStats:
@@ -75,7 +77,8 @@ class StoreStats:
         for t in self.tiers:
             if t.name == name:
                 return t
-        raise KeyError(name)
+        raise ConfigError(f"no tier named {name!r}: this store's tiers are "
+                          f"{', '.join(repr(t.name) for t in self.tiers)}")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

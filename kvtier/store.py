@@ -155,6 +155,17 @@ class Store:
         if not all(isinstance(t, Tier) for t in tiers):
             raise ConfigError("tiers must be local tiers (DeviceTier, HostTier, DiskTier), fastest first: "
                               "e.g. [HostTier(capacity='8GiB'), DiskTier('/nvme/kv', '200GiB')]")
+        speed = {"device": 0, "host": 1, "disk": 2}
+        ranks = [speed.get(t.kind, 1) for t in tiers]
+        if ranks != sorted(ranks):
+            # Blocks only move down: a disk above host memory kept blocks where nothing reads them
+            # back after a restart (the host tier's were lost at close).
+            raise ConfigError("tiers go fastest first: device, then host, then disk; got "
+                              f"{', '.join(f'{t.name} ({t.kind})' for t in tiers)}")
+        if not isinstance(policy, str) and (not isinstance(policy, Sequence)
+                                            or not all(isinstance(p, str) for p in policy)):
+            raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} or one name per tier, "
+                              f"got {policy!r} (see `kvtier policies`)")
         if remote is not None and not isinstance(remote, Remote):
             raise ConfigError(f"remote must be a kvtier.Remote(peers, secret), not {type(remote).__name__}")
         self.remote = remote                # blocks past the local prefix are fetched from peers
@@ -645,6 +656,7 @@ class Store:
     def unpin(self, session: str) -> int:
         """Release a session's pin; returns how many blocks it held (0 if none)."""
         with self._lock:
+            self._check_open()
             return self.index.pins.unpin(session)
 
     def _tier_index(self, tier: int | str) -> int:
@@ -733,6 +745,7 @@ class Store:
                     self.remote.close()
 
     def __enter__(self) -> Store:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,7 +30,10 @@ def parse_bytes(value: int | str) -> int:
             f"cannot parse size {value!r}: use a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB'"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = float(m.group(1)) * _UNITS[unit]
+    if 0 < n < 1:       # not 0 (0 means "none" where a tier may be left out)
+        raise ConfigError(f"size {value!r} is less than one byte: give a whole number of bytes or a unit, e.g. '512MiB'")
+    return int(n)
 
 
 def format_bytes(n: float) -> str:

@@ -102,6 +102,25 @@ def test_a_disk_tier_keeps_its_size_unless_one_is_given(tmp_path, monkeypatch):
         assert store.tiers[0].capacity_blocks == (64 << 10) // LAYOUT.block_bytes
 
 
+def test_bad_settings_and_arguments_are_config_errors(tmp_path):
+    with pytest.raises(kvtier.ConfigError, match="disk_io_threads must be at most 64"):
+        StoreConfig(disk_io_threads=100)                  # was accepted, then refused as "io_threads" at build()
+    with pytest.raises(kvtier.ConfigError, match="unknown setting 'nope'"):
+        StoreConfig.default("nope")
+    for bad in (None, b"kv.json", ""):
+        with pytest.raises(kvtier.ConfigError, match="a config file is a path"):
+            StoreConfig.from_file(bad)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(kvtier.ConfigError, match="nested too deeply"):
+        StoreConfig.from_file(deep)
+    c = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "kv"), disk_capacity="1MiB")
+    for sub in ("../escape", str(tmp_path / "abs")):
+        with pytest.raises(kvtier.ConfigError, match="subdir must be a relative folder name inside disk_path"):
+            c.build(LAYOUT, NS, subdir=sub)
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "abs").exists()
+
+
 def test_engine_connector_and_cli_share_the_defaults():
     """Each builder takes what it is not told from StoreConfig(): the same object."""
     import inspect

@@ -108,7 +108,7 @@ def test_another_layout_or_namespace_is_refused(tmp_path):
 
 def test_one_process_at_a_time(tmp_path):
     s = open_store(tmp_path / "kv")
-    with pytest.raises(ConfigError, match="in use by another process"):
+    with pytest.raises(kvtier.TierInUseError, match=r"in use by another store \(in this process or another\)"):
         open_store(tmp_path / "kv")
     s.close()
 
@@ -233,6 +233,10 @@ def test_bad_paths_and_sizes(tmp_path):
         kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "ro", blocks=64, read_only=True)], NS)
     with pytest.raises(ConfigError, match="needs a directory path"):
         kvtier.DiskTier(None, blocks=8)
+    with pytest.raises(ConfigError, match="needs a directory path"):
+        kvtier.DiskTier(str(tmp_path / "a\0b"), blocks=8)            # was ValueError: embedded null byte
+    with pytest.raises(ConfigError, match="fastest first"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "up", blocks=4), kvtier.HostTier(blocks=8)], NS)
     with pytest.raises(ConfigError, match="is not on a disk"):          # not "0 B is free"
         kvtier.Store(LAYOUT, [kvtier.DiskTier("/proc/kvtier-test", blocks=8)], NS)
     with pytest.raises(ConfigError, match="direct must be"):
@@ -256,6 +260,17 @@ def test_a_folder_this_user_cannot_write_is_one_config_error(tmp_path, monkeypat
         open_store(tmp_path / "kv")
     monkeypatch.setattr(os, "open", real)
     open_store(tmp_path / "kv").close()        # nothing was left locked or half-made
+
+
+def test_a_capacity_in_bytes_bounds_the_slab(tmp_path):
+    """Slots are 4 KiB-aligned (O_DIRECT): 8 MiB of 512-byte blocks is 2,048 slots of 4 KiB,
+    an 8 MiB slab (it was 16,384 slots: a 64 MiB slab for an 8 MiB tier)."""
+    store = kvtier.Store(ODD, [kvtier.DiskTier(tmp_path / "kv", "8MiB")], NS)
+    assert store.tiers[0].capacity_blocks == 2048
+    assert (tmp_path / "kv" / "slab.bin").stat().st_size == 8 << 20
+    store.close()
+    with pytest.raises(ConfigError, match="smaller than one block \\(4096 bytes"):
+        kvtier.Store(ODD, [kvtier.DiskTier(tmp_path / "small", "1KiB")], NS)
 
 
 def test_buffered_io_when_asked(tmp_path):

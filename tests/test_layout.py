@@ -67,3 +67,10 @@ def test_unsupported_dtype_and_preset():
         kvtier.KVLayout.mha(1, 1, 8, 4, dtype=torch.complex64)
     with pytest.raises(ConfigError, match="kimi-k2"):
         preset_layout("no-such-model", 16)
+
+
+def test_a_dtype_given_as_a_string_is_named_as_such():
+    with pytest.raises(LayoutError, match=r"dtype must be a torch.dtype \(torch.float16\), not the string 'fp16'"):
+        kvtier.KVLayout.mha(2, 2, 8, 16, dtype="fp16")
+    with pytest.raises(LayoutError, match="unsupported KV dtype torch.float64"):
+        kvtier.KVLayout.mha(2, 2, 8, 16, dtype=torch.float64)

@@ -175,6 +175,20 @@ def test_bad_keys_and_config(layout, ns):
         kvtier.HostTier()
     with pytest.raises(ConfigError, match="Namespace"):
         kvtier.Store(layout, [kvtier.HostTier(blocks=4)], "model")
+    with pytest.raises(ConfigError, match="policy must be a policy name"):
+        make(layout, ns, policy=None)
+    # Fastest first: a disk above host memory kept blocks where a restart lost them.
+    with pytest.raises(ConfigError, match="fastest first: device, then host, then disk; got host \\(host\\), device"):
+        kvtier.Store(layout, [kvtier.HostTier(blocks=4), kvtier.DeviceTier(blocks=4, device="cpu")], ns)
+    with pytest.raises(ConfigError, match="no tier named 'gpu': this store's tiers are 'host'"):
+        store.stats().tier("gpu")
+    store.close()
+    with pytest.raises(ClosedError):
+        store.unpin("s")
+    with pytest.raises(ClosedError):
+        with store:
+            pass
+    assert store.stats().tier("host").capacity_blocks == 16     # still reads the last counters
 
 
 @pytest.mark.parametrize("other", [

@@ -12,7 +12,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["8 GiBs", "", "GiB", "-1", -5, 1.5, True, None, "1e3"])
+@pytest.mark.parametrize("bad", ["8 GiBs", "", "GiB", "-1", -5, 1.5, True, None, "1e3", "0.5", "0.9B"])
 def test_parse_bytes_rejects_with_a_hint(bad):
     with pytest.raises(ConfigError, match="size|bytes"):
         parse_bytes(bad)

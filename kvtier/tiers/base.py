@@ -64,15 +64,20 @@ class Tier(ABC):
             n = self.capacity_spec
         else:
             assert self.capacity_bytes is not None
-            n = self.capacity_bytes // block_bytes
+            slot = self.slot_size(block_bytes)
+            n = self.capacity_bytes // slot
             if n == 0:
                 raise TierSizeError(
                     f"tier {self.name!r}: capacity {format_bytes(self.capacity_bytes)} is smaller than one "
-                    f"block ({block_bytes} bytes = {format_bytes(block_bytes)}); give it at least that much")
+                    f"block ({slot} bytes = {format_bytes(slot)}); give it at least that much")
         self.block_bytes = block_bytes
         self.capacity_blocks = n
         self._allocate(n, block_bytes)
         return n
+
+    def slot_size(self, block_bytes: int) -> int:
+        """Bytes one block takes in this tier: a capacity in bytes holds capacity // this."""
+        return block_bytes
 
     @abstractmethod
     def _allocate(self, slots: int, block_bytes: int) -> None: ...

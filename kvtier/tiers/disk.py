@@ -30,7 +30,8 @@ import msgpack
 import numpy as np
 
 from kvtier.checksum import block_checksum, block_checksums
-from kvtier.errors import ClosedError, ConfigError, TierSizeError, TransferError
+from kvtier.config import MAX_DISK_IO_THREADS
+from kvtier.errors import ClosedError, ConfigError, TierInUseError, TierSizeError, TransferError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
 from kvtier.tiers.base import PendingWrite, Tier
@@ -44,7 +45,7 @@ ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers al
 DISK_FORMAT = 1
 STAGING_BYTES = 8 << 20         # per I/O thread: bytes moved per syscall at most
 MAX_IOV = 512                   # buffers per preadv/pwritev (the kernel allows 1024)
-MAX_IO_THREADS = 64             # a bound on a setting that costs STAGING_BYTES of memory each
+MAX_IO_THREADS = MAX_DISK_IO_THREADS   # a bound on a setting that costs STAGING_BYTES of memory each
 _META = b"meta"
 
 
@@ -69,7 +70,7 @@ class DiskTier(Tier):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= MAX_IO_THREADS:
             raise ConfigError(f"io_threads must be a whole number from 1 to {MAX_IO_THREADS} (each holds an "
                               f"{STAGING_BYTES >> 20} MiB buffer), got {io_threads!r}")
-        if not isinstance(path, (str, os.PathLike)) or not str(path):
+        if not isinstance(path, (str, os.PathLike)) or not str(path) or "\0" in str(path):
             raise ConfigError(f"a disk tier needs a directory path, got {path!r}")
         if direct not in (None, True, False):
             raise ConfigError(f"direct must be None (O_DIRECT where the filesystem allows it), True or False, "
@@ -105,8 +106,13 @@ class DiskTier(Tier):
         self.identity = dict(identity or {})
         return super().bind(block_bytes)
 
+    def slot_size(self, block_bytes: int) -> int:
+        """A block's slot on disk is rounded up to ALIGN (O_DIRECT): the slab never exceeds the
+        capacity (it took twice the capacity with 2 KiB blocks)."""
+        return _round_up(block_bytes, ALIGN)
+
     def _allocate(self, slots: int, block_bytes: int) -> None:
-        self.slot_bytes = _round_up(block_bytes, ALIGN)
+        self.slot_bytes = self.slot_size(block_bytes)
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"disk tier path {self.path} is a file, not a directory: give a directory "
                               "(it is created if missing)")
@@ -149,8 +155,8 @@ class DiskTier(Tier):
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = -1
-            raise ConfigError(f"disk tier {self.path} is in use by another process; give each "
-                              f"store its own directory (`kvtier inspect {self.path}` reads it while in use)") from None
+            raise TierInUseError(f"disk tier {self.path} is in use by another store (in this process or "
+                              f"another); give each store its own directory (`kvtier inspect {self.path}` reads it while in use)") from None
 
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from kvtier.adapter import KVAdapter, PagesLoad, PagesSave
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, KvtierError, TierInUseError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import KVSpec, VllmPages, describe_caches
 from kvtier.integrations.vllm.plan import BlockRange, StepPlan, request_keys
@@ -97,9 +97,7 @@ class WorkerSide:
         try:
             self.store = cfg.store.build(layout, self.namespace, remote=cfg.build_remote(),
                                          subdir=self.disk_subdir(layout))
-        except ConfigError as e:
-            if "in use by another process" not in str(e):
-                raise
+        except TierInUseError as e:
             raise ConfigError(f"{e}. Two live vLLM instances cannot share one disk tier: give each its own "
                               "disk_path and let them fetch from each other's node (listen + peers + secret_file, "
                               "see docs/vllm.md); instances that run one after another may share it") from None
