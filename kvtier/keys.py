@@ -265,6 +265,8 @@ def token_bytes(tokens: object) -> bytes:
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise LayoutError(f"token ids must be integers, got a {tokens.dtype} tensor: "
                               "pass an integer tensor (tensor.long() if its values are whole numbers)")
+        if tokens.is_meta:
+            raise LayoutError("tokens on the meta device have no values: pass the real token ids")
         tokens = tokens.detach().cpu().numpy()
     if _U32 is not None and isinstance(tokens, (list, tuple, range)):
         # Speed: a list of ints straight into uint32, ~3x faster than through numpy, and

@@ -179,6 +179,7 @@ def test_keys_of_two_stores_are_never_joined_or_continued():
     (torch.tensor([1, 2, 3, 2**33]), r"\[0, 2\*\*32\), got 8589934592 at position 3"),
     ([[1, 2], [3]], r"flat sequence"),
     ([[1, 2], [3, 4]], r"one-dimensional"),
+    (torch.empty(32, dtype=torch.long, device="meta"), r"meta device have no values"),
 ])
 def test_token_ids_that_are_not_ids_are_refused(bad, match):
     with pytest.raises(LayoutError, match=match):
