@@ -323,12 +323,13 @@ class Store:
         n = len(keys)
         head = max(1, PIPELINE_HEAD_BYTES // self.layout.block_bytes)
         if n < 2 * head or n > self.index.tiers[0].capacity:
-            res = self._reserve(keys)
-            if not res.keys:
-                return Transfer("put", 0, 0, res.present, res.rejected)
+            whole = self._reserve(keys)
+            if not whole.keys:
+                return Transfer("put", 0, 0, whole.present, whole.rejected)
+            res = self._reachable(whole)      # what commit keeps (Mover.commit)
 
             def save() -> None:
-                self._mover.fill(res, rows, res.positions)
+                self._mover.fill(whole, rows, whole.positions)
                 self._written(res, rows)
             return self._run(self._put_transfer(res), save, blocking)
         # Speed: the index's work for a put (about 5 us a block in Python: 3 ms for 512

@@ -566,3 +566,19 @@ def test_an_admission_refusal_mid_chain_stores_nothing_after_it(layout, ns):
     assert (t.blocks, t.rejected) == (2, 4) and store.lookup(keys).blocks == 2
     assert store.stats().tiers[0].used_blocks == 2
     store.close()
+
+
+def test_a_cached_block_a_put_evicts_for_its_own_new_block_counts_as_rejected(layout, ns):
+    """4 slots, 3 pinned, block 4 of a chain cached: a put of blocks 3-4 stores 3 (nearer the
+    root) by evicting 4, which it had counted present: it said present=1, rejected=0 while
+    block 4 was gone."""
+    store = make(layout, ns, blocks=4, pin_budget=0.9)
+    chain = store.keys(list(range(layout.block_tokens * 5)))
+    rows = payload(list(chain), layout.block_bytes)
+    store.put(chain[:3], rows[:3])
+    assert store.pin("s", chain[:3], ttl=3600) == 3
+    store.put(chain[4:5], rows[4:5])
+    t = store.put(chain[3:5], rows[3:5])
+    assert (t.blocks, t.present, t.rejected) == (1, 0, 1)
+    assert store.lookup(chain).blocks == 4 and store.lookup(chain[4:5]).blocks == 0
+    store.close()
