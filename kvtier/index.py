@@ -194,6 +194,13 @@ class TierState:
     def used(self) -> int:
         return self.capacity - len(self.free)
 
+    def give_back(self, slots: Sequence[SlotId]) -> None:
+        """Slots free again, pushed highest first so the free list hands them out lowest first:
+        pages freed together and allocated again (a host hit's pages) come out ascending, as
+        the chain's host slots do, and a load copies one run, not one block at a time (a
+        request's pages freed in order came back descending: 61 copies for 61 blocks)."""
+        self.free.extend(sorted(slots, reverse=True))
+
 
 class BlockIndex:
     """Metadata of every cached block across an ordered list of tiers (0 = top)."""
@@ -371,10 +378,10 @@ class BlockIndex:
         if not gone:
             return
         top = self.tiers[res.tier]
-        for k, slot in zip(res.keys[:gone], res.slots[:gone]):
+        for k in res.keys[:gone]:
             top.policy.remove(k)
-            top.free.append(slot)
             del self.entries[k]
+        top.give_back(res.slots[:gone])
         top.counters.inserted -= gone
         top.counters.rejected += gone
         res.rejected += gone
@@ -431,9 +438,9 @@ class BlockIndex:
         """The write failed: forget the reserved blocks (or copies) and free their slots."""
         t = self.tiers[res.tier]
         t.counters.inserted -= len(res.keys)      # counted at reserve; nothing arrived
-        for k, slot in zip(res.keys, res.slots):
+        t.give_back(res.slots)
+        for k in res.keys:
             t.policy.remove(k)
-            t.free.append(slot)
             if res.copy:
                 self._copying.discard((k, res.tier))
                 self.entries[k].refs -= 1
@@ -499,15 +506,19 @@ class BlockIndex:
         for _ in range(n):
             slot = self._take_slot(tier, moves)
             if slot is None:
-                self.tiers[tier].free.extend(slots)
+                self.tiers[tier].give_back(slots)
                 return None
             slots.append(slot)
         _demotions_in_chain_order(moves[first:], self.entries)
+        # Ascending, like a chain's slots one tier down: the caller fills them in order (a
+        # load, block j into slot j), so a run of host slots lands in a run of pages (one
+        # copy). Victims come tail-first (their slots descending when the chain's were not).
+        slots.sort()
         return slots
 
     def free(self, tier: TierId, slots: Sequence[SlotId]) -> None:
         """Allocated slots the caller no longer needs: free again."""
-        self.tiers[tier].free.extend(slots)
+        self.tiers[tier].give_back(slots)
 
     def cache(self, tier: TierId, keys: Sequence[Key], slots: Sequence[SlotId | None]) -> list[bool]:
         """Allocated slots of `tier` whose bytes the caller wrote become the blocks of `keys`, held.

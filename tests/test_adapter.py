@@ -159,6 +159,37 @@ def test_two_threads_with_two_engines_pages_share_one_adapter(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-load")]
 
 
+def test_a_host_hit_lands_as_one_run_of_slots_into_one_run_of_pages(monkeypatch):
+    """A chain's host slots ascend in chain order (session 16); the pages a load allocates
+    came from evicting the last request's blocks tail-first, so they descended, and every
+    block was a copy of its own (one DMA per block and layer group on a GPU). Now both
+    ascend: one run."""
+    from kvtier.transfer.runs import runs
+    seen = []
+    real = KVAdapter._copy_lower
+
+    def spy(self, plan, tier):
+        seen.append(runs([s for _, s in plan.store_locs], [plan.pages[i] for i in plan.lower]))
+        return real(self, plan, tier)
+    monkeypatch.setattr(KVAdapter, "_copy_lower", spy)
+    a = make(device_blocks=8, host_blocks=32)
+    for round_ in range(3):
+        tokens = [round_ * 1000 + t for t in range(8 * LAYOUT.block_tokens)]
+        keys, pages, data = compute(a, tokens, 10 + round_)
+        a.free(pages)
+        _, other, _ = compute(a, [t + 500 for t in tokens], 20 + round_)   # pushes it down
+        a.free(other)
+        match = a.lookup(tokens)
+        assert match.tiers == ["host"] * 8
+        load = a.load(match)
+        load.wait()
+        assert load.blocks == 8 and len(seen[-1]) == 1, seen[-1]
+        for p, d in zip(load.pages, data):
+            assert torch.equal(a.pool()[p], d)
+        a.cache(load.keys, load.pages)
+        a.free(load.pages)
+
+
 def test_caching_a_block_someone_cached_first_keeps_the_page_private():
     a = make()
     tokens = list(range(8))
