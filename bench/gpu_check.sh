@@ -61,6 +61,7 @@ if [ "$MODE" != suite ]; then
         python3 -m kvtier.cli bench engine --device cuda --preset kimi-small --tiers device,host --repeat 3"
     TAILN=16 step engine_medium 110 python3 -m kvtier.cli bench engine --device cuda --preset kimi-medium --tiers device,host \
         --repeat 2 --prompt-tokens 2048
+    TAILN=6 step host_hit 90 python3 bench/host_hit.py --preset kimi-tiny
     TAILN=14 step adapter 150 python3 -m kvtier.cli bench adapter --device cuda
     TAILN=18 step tiers_device 120 python3 -m kvtier.cli bench tiers --tier device
     TAILN=16 step host_time 60 python3 bench/host_time.py
