@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from conftest import assert_one_line_error, child_env, run_kvtier  # noqa: E402
-from test_serve import MODEL, STARTUP_S, Server, _free_port  # noqa: E402
+from test_serve import JSON_TYPE, MODEL, STARTUP_S, Server, _free_port  # noqa: E402
 from fake_http import FakeServer, JsonHandler, ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,7 +287,7 @@ def test_short_prompts_go_straight_to_decode_and_bad_requests_pass_through(pd):
     assert router.health().json()["stats"]["direct"] == before + 1
     r = httpx.post(router.url + "/v1/completions", json={**_body(PROMPT), "temperature": 7}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=60)
+    r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=60, headers=JSON_TYPE)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -456,6 +456,145 @@ def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_ret
         dying.stop()
 
 
+class HangingWorker(FakeServer):
+    """A worker that looks ready as `role` and never answers a generation or a prefill: it
+    reads the request and waits until the router closes the connection (`closed` lists the
+    paths whose call the router gave up). /tokenize answers, so the router calibrates."""
+
+    def __init__(self, role: str) -> None:
+        me = self
+        self.posts: list[str] = []
+        self.bodies: list[dict] = []
+        self.closed: list[str] = []
+
+        class Handler(JsonHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:          # /kvtier/load
+                self.send_json(ready(role, BT))
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path == "/tokenize":
+                    self.send_json({"count": 40})
+                    return
+                me.posts.append(self.path)
+                me.bodies.append(json.loads(raw))
+                self.connection.settimeout(120)
+                try:
+                    gone = self.connection.recv(1) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    me.closed.append(self.path)
+                self.close_connection = True
+
+        super().__init__(Handler)
+
+
+def _until(check, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_during_prefill_or_decode_cancels_the_workers_call(stream):
+    """A client that disconnects while the router waits on a prefill worker, or on a decode
+    worker's non-streamed answer, closes the router's call to it (so a real worker aborts the
+    request) and the router stops counting that load."""
+    pre, dec = HangingWorker("prefill"), HangingWorker("decode")
+    r = Router("--prefill", pre.url, "--decode", dec.url, "--direct-below", "0")
+    try:
+        _until(lambda: r.health().json()["calibrated"] and r.health().json()["status"] == "ready", r.health().text)
+        body = {**_body("[gone during prefill] " + PROMPT), "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/v1/completions", json=body, timeout=2)
+        _until(lambda: pre.closed == ["/kvtier/prefill"], f"the prefill call was not cancelled: {pre.closed}")
+        assert dec.posts == []
+        r2 = Router("--decode", dec.url)
+        try:
+            _until(lambda: r2.health().json()["status"] == "ready", r2.health().text)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(r2.url + "/v1/completions", json={**_body("[gone during decode]"), "stream": stream},
+                           timeout=2)
+            _until(lambda: dec.closed == ["/v1/completions"], f"the decode call was not cancelled: {dec.closed}")
+            _until(lambda: [w["decode_seqs"] for w in r2.health().json()["workers"]] == [0], r2.health().text)
+            assert 'kvtier_router:requests_total{outcome="abandoned",route="completions"} 1.0' in \
+                httpx.get(r2.url + "/metrics", timeout=10).text
+        finally:
+            r2.stop()
+        assert [w["prefill_tokens"] for w in r.health().json()["workers"]] == [0, 0]
+        assert "Traceback" not in "".join(r.lines + r2.lines)
+    finally:
+        r.stop()
+        pre.stop()
+        dec.stop()
+
+
+def test_the_router_never_passes_a_clients_handoff_on():
+    """`kvtier_handoff` is the router's to set: a client's would make a decode worker dial any
+    host:port."""
+    dec = HangingWorker("decode")
+    r = Router("--decode", dec.url)
+    try:
+        _until(lambda: r.health().json()["status"] == "ready", r.health().text)
+        evil = {**_body("hi"), "kvtier_handoff": {"node": "10.0.0.1:22", "keys": ["00" * 16]}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/v1/completions", json=evil, timeout=1)
+        _until(lambda: dec.bodies, "the decode worker got nothing")
+        assert dec.bodies[0]["prompt"] == "hi" and "kvtier_handoff" not in dec.bodies[0]
+    finally:
+        r.stop()
+        dec.stop()
+
+
+def test_a_router_stopped_mid_stream_cuts_it_quietly_and_exits_zero():
+    """SIGTERM while an answer streams: after --shutdown-timeout the stream is cut (the client
+    sees a broken stream), the router exits 0, and its log says so in one line, no traceback."""
+    class Endless(JsonHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_json(ready("decode", BT))
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            chunk = b'data: {"id": "cmpl-endless", "choices": [{"index": 0, "text": "x"}]}\n\n'
+            try:
+                while True:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:
+                self.close_connection = True
+
+    dec = FakeServer(Endless)
+    r = Router("--decode", dec.url, "--shutdown-timeout", "0.5")
+    try:
+        _until(lambda: r.health().json()["status"] == "ready", r.health().text)
+        lines: list[str] = []
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("POST", r.url + "/v1/completions", json={**_body("hi"), "stream": True}, timeout=30) as s:
+                for line in s.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 1:
+                        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(30) == 0 and lines and "data: [DONE]" not in lines
+        time.sleep(0.2)                        # the log reader thread catches up
+        log = "".join(r.lines)
+        assert "Traceback" not in log and "ERROR" not in log and "CancelledError" not in log, log
+        assert "kvtier router: cutting 1 answer(s) still running after --shutdown-timeout" in log, log
+    finally:
+        r.stop()
+        dec.stop()
+
+
 def test_health_says_down_once_every_decode_worker_that_was_ready_is_gone():
     """'starting' while a decode worker has never been ready (it may be coming up), 'down'
     once each was ready and none is now; 503 either way."""
@@ -488,7 +627,8 @@ def test_router_disconnects_silent_clients_and_logs_no_traceback_for_one_gone_mi
             t0 = time.monotonic()
             assert idle.recv(10) == b"" and time.monotonic() - t0 < 5
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{")
         time.sleep(0.5)
         assert r.health().status_code in (200, 503)            # still up
         log = "".join(r.lines)
@@ -569,6 +709,21 @@ def test_a_router_restart_loses_only_what_was_in_flight(pd):
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_non_streamed_answer_whose_client_left_is_aborted_on_the_decode_worker(pd):
+    """Through the router as on one server: the decode worker stops generating for a client
+    that went away before its (non-streamed) answer was complete."""
+    router, _, d, _, _ = pd
+    before = _finished(d)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json=_body("[Turn 12 (gone, not streamed)]", 1500), timeout=1.5)
+    deadline = time.monotonic() + 30
+    while _finished(d).get("abort", 0) == before.get("abort", 0) or _load(d)["running"]:
+        assert time.monotonic() < deadline, (_finished(d), _load(d))
+        time.sleep(0.2)
+    assert _finished(d).get("length", 0) == before.get("length", 0)      # not generated to the end
+    assert [w["decode_seqs"] for w in router.health().json()["workers"] if w["url"] == d.url] == [0]
 
 
 def test_router_metrics(pd, pd_push):

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-tiny"
 PROMPT = "The agent's shared system prompt: you can call tools, read files and answer. Turn 1."
 STARTUP_S = 120
+JSON_TYPE = {"content-type": "application/json"}
 
 
 def _free_port() -> int:
@@ -209,7 +210,8 @@ def test_session_affinity_pins_and_is_echoed(server):
     m = server.metrics()
     assert sum(m["kvtier:store_pinned_bytes"].values()) > before
     assert m["kvtier:store_pinned_sessions"][()] >= 2
-    bad = httpx.post(server.url + "/v1/completions", content=b"{", headers={"x-session-affinity": "agent-9"})
+    bad = httpx.post(server.url + "/v1/completions", content=b"{",
+                     headers={"x-session-affinity": "agent-9", "content-type": "application/json"})
     assert bad.status_code == 400 and bad.headers["x-session-affinity"] == "agent-9"
 
 
@@ -238,7 +240,7 @@ def test_session_affinity_pins_and_is_echoed(server):
 ])
 def test_bad_requests_get_openai_error_bodies(server, method, path, body, status, code):
     content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    r = httpx.request(method, server.url + path, content=content, timeout=30)
+    r = httpx.request(method, server.url + path, content=content, timeout=30, headers=JSON_TYPE)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

@@ -37,9 +37,9 @@ from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
 from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
 from kvtier.serve.metrics import CONTENT_TYPE
-from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, EchoAffinity, EventStream, read_body,
-                              read_json, sse_event)
+from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
+from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, ClientGone, EchoAffinity, EventStream, read_body,
+                              read_json, sse_event, unless_gone)
 
 log = logging.getLogger("kvtier.router")
 FORWARD = ("content-type", "authorization", AFFINITY)
@@ -210,6 +210,9 @@ class Router:
         except ApiError as e:
             self.metrics.request(route, "rejected" if e.status < 500 else "unserved")
             raise
+        except ClientGone:
+            self.metrics.request(route, "abandoned")
+            raise
         self.metrics.request(route, outcome)
         return answer
 
@@ -218,9 +221,17 @@ class Router:
         body = await read_json(request, self.cfg.max_body_bytes, "router")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_value")
+        for name in INTERNAL_FIELDS:       # set by the router (and workers) only, never by a client
+            body.pop(name, None)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD}
         headers["content-type"] = "application/json"
-        session = request.headers.get(AFFINITY)
+        # From here the answer is being made: a client that disconnects cancels it, and with it
+        # the call to the prefill or decode worker, whose connection closes, so the worker aborts.
+        return await unless_gone(request.receive, self._route(request.url.path, body, headers, chat))
+
+    async def _route(self, path: str, body: dict, headers: dict, chat: bool) -> tuple[Any, str]:
+        """Prefill (if worth it) then decode `body`: the answer and its outcome."""
+        session = headers.get(AFFINITY)
         prompt = prompt_of(body, chat)
         await self._keys(body, chat, prompt)
         decoders = [w for w in self.pools.decode if w.ready]
@@ -243,7 +254,7 @@ class Router:
             self.stats.disaggregated += 1
         else:
             self.stats.direct += 1
-        answer = await self._decode(request.url.path, body, prompt, session, headers, chat, handoff, first)
+        answer = await self._decode(path, body, prompt, session, headers, chat, handoff, first)
         status = getattr(answer, "status_code", 200)          # a decode worker's own error, passed through
         if status >= 400:
             return answer, "rejected" if status < 500 else "unserved"
@@ -334,6 +345,9 @@ class Router:
                 self.stats.unserved += 1
                 raise ApiError(502, f"the decode worker failed before answering: {type(e).__name__}",
                                code="bad_gateway") from None
+            except BaseException:            # cancelled: the client went away
+                load.release()
+                raise
             if resp.status_code == 503:               # not generating (draining, KV full): another may
                 await resp.aclose()
                 load.release()
@@ -363,7 +377,7 @@ class Router:
 
     # -- the other routes ------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
-        """GET /v1/models, POST /tokenize, /detokenize: any ready decode worker answers."""
+        """GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize: any ready decode worker answers."""
         assert self.client is not None
         raw = await read_body(request, self.cfg.max_body_bytes, "router") if request.method == "POST" else None
         for w in [w for w in self.pools.decode if w.ready]:
@@ -465,6 +479,7 @@ def build_app(router: Router) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", forward, methods=["GET"]),
+        Route("/v1/models/{model:path}", forward, methods=["GET"]),
         Route("/tokenize", forward, methods=["POST"]),
         Route("/detokenize", forward, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

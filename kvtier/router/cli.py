@@ -13,6 +13,8 @@ connections (--max-connections, uvicorn's limit_concurrency: past it, 503).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -93,8 +95,27 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+class _QuietCut(logging.Filter):
+    """Once the router is stopping, uvicorn's report of the answers it cuts at --shutdown-timeout
+    (one ERROR line, then a CancelledError traceback per answer: "Exception in ASGI application")
+    becomes one line of ours: the cut is the documented stop, not an error."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.server.should_exit:
+            return True
+        if record.getMessage().startswith("Cancel ") and "graceful shutdown exceeded" in record.getMessage():
+            say(f"kvtier router: cutting {record.args[0] if record.args else 'the'} answer(s) still running after "
+                "--shutdown-timeout")
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
 def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
-    import asyncio
     import signal
 
     import uvicorn
@@ -116,6 +137,8 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     server = type("RouterUvicorn", (_QuietSignals, uvicorn.Server), {})(config)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
+
+    logging.getLogger("uvicorn.error").addFilter(_QuietCut(server))
 
     async def main() -> None:
         def on_signal() -> None:

@@ -2,7 +2,8 @@
 
 Requests are counted as they end, by route (completions, chat) and outcome: disaggregated
 (prefilled on a prefill worker, decoded on another), direct (straight to a decode worker),
-rejected (a 4xx: a bad request), unserved (a 5xx: no worker could serve). Everything else is
+rejected (a 4xx: a bad request), unserved (a 5xx: no worker could serve), abandoned (the
+client disconnected before its answer started: the workers' calls were cancelled). Everything else is
 read when scraped from the router's own state, so it cannot drift: per worker its status,
 the outstanding load the router counts (prefill tokens, decode requests and blocks), calls
 that failed, and the KV it handed over as the worker reports it (bytes pulled by decode
@@ -19,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from kvtier.router.app import Router
 
-OUTCOMES = ("disaggregated", "direct", "rejected", "unserved")
+OUTCOMES = ("disaggregated", "direct", "rejected", "unserved", "abandoned")
 
 
 class RouterMetrics:

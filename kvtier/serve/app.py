@@ -29,7 +29,7 @@ from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submis
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.serve.protocol import ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
-                              read_json, sse_event, wait_disconnect)
+                              read_json, sse_event, unless_gone)
 
 MAX_SESSION_ID = 256
 
@@ -121,12 +121,17 @@ class Service:
         bos = tok.bos_token_id
         return ([bos] if add_special and bos is not None else []) + tok.encode(text)
 
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Checked messages as the chat template renders them: a template that refuses them
+        (its raise_exception, a Jinja error) is the client's 400, not a 500."""
+        try:
+            return self.chat().token_ids(messages)
+        except Exception as e:
+            raise P.bad(f"the chat template refused these messages: {e}", "messages") from None
+
     def prompt_ids(self, req: P.GenerationRequest) -> list[int]:
         if req.messages:
-            try:
-                return self.chat().token_ids(req.messages)
-            except Exception as e:     # a template's raise_exception or a Jinja error
-                raise P.bad(f"the chat template refused these messages: {e}", "messages") from None
+            return self.chat_ids(req.messages)
         if isinstance(req.prompt, str):
             return self.text_ids(req.prompt)
         vocab = self.llm.config.vocab_size
@@ -142,10 +147,11 @@ class Service:
         # (a server may hold fewer tokens than the model's context).
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(limit, capacity * bt) - n_prompt)
         # The field to blame: the prompt when it alone is too long (for the context or the KV
-        # cache, with one token to generate) or max_tokens was not sent.
-        prompt_at_fault = req.max_tokens is None or n_prompt >= limit or -(-(n_prompt + 1) // bt) > capacity
-        param = ("messages" if req.messages else "prompt") if prompt_at_fault else "max_tokens"
-        fix = "shorten the prompt" if prompt_at_fault else "shorten the prompt or lower max_tokens"
+        # cache, with one token to generate) or max_tokens was not sent (a default's, 16 for
+        # completions, is not the client's field).
+        prompt_alone = n_prompt >= limit or -(-(n_prompt + 1) // bt) > capacity
+        param = ("messages" if req.messages else "prompt") if prompt_alone or not req.max_tokens_sent else "max_tokens"
+        fix = "shorten the prompt" if prompt_alone else "shorten the prompt or lower max_tokens"
         if max_tokens < 1 or n_prompt + max_tokens > limit:
             raise P.bad(f"this model's maximum context length is {limit} tokens; the request asks for "
                         f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt, {max(max_tokens, 1)} to "
@@ -261,31 +267,27 @@ class _Answer:
                     return
 
     async def collect(self, events: asyncio.Queue[list[Event]], request: Request) -> Response:
+        """The whole answer, or ClientGone (499) if its client disconnects first (then
+        close() aborts the request)."""
+        return await unless_gone(request.receive, self._collect(events))
+
+    async def _collect(self, events: asyncio.Queue[list[Event]]) -> Response:
         s, r = self.svc, self.req
-        gone = asyncio.ensure_future(wait_disconnect(request.receive))
-        try:
-            while True:
-                getter = asyncio.ensure_future(events.get())
-                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    return Response(status_code=499)          # nobody reads it: the client went away
-                for ev in getter.result():
-                    if isinstance(ev, Tokens):
-                        self.text.push(ev.ids)
-                    elif isinstance(ev, Finished):
-                        self.over = True
-                        s.metrics.outcome(ev.reason)
-                        self.text.push([], final=True)
-                        build = P.chat_body if self.chat else P.completion_body
-                        ids = list(self.text.ids) if r.return_token_ids else None
-                        return JSON(build(self.rid, self.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
-                    elif isinstance(ev, Failed):
-                        self.over = True
-                        s.metrics.outcome("error")
-                        return error_response(ApiError(ev.status, ev.message, code=ev.code))
-        finally:
-            gone.cancel()
+        while True:
+            for ev in await events.get():
+                if isinstance(ev, Tokens):
+                    self.text.push(ev.ids)
+                elif isinstance(ev, Finished):
+                    self.over = True
+                    s.metrics.outcome(ev.reason)
+                    self.text.push([], final=True)
+                    build = P.chat_body if self.chat else P.completion_body
+                    ids = list(self.text.ids) if r.return_token_ids else None
+                    return JSON(build(self.rid, self.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
+                elif isinstance(ev, Failed):
+                    self.over = True
+                    s.metrics.outcome("error")
+                    return error_response(ApiError(ev.status, ev.message, code=ev.code))
 
 
 # -- the other routes ------------------------------------------------------------------------
@@ -300,12 +302,21 @@ def build_app(svc: Service) -> Any:
     async def chat_completions(request: Request) -> Any:
         return await generate(svc, request, chat=True)
 
-    async def models(_request: Request) -> Response:
-        card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "kvtier",
-                "root": svc.model_name, "parent": None}
+    def card() -> dict[str, Any]:
+        """The served model's card, as GET /v1/models lists it."""
+        out = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "kvtier",
+               "root": svc.model_name, "parent": None}
         if svc.phase == "ready":
-            card["max_model_len"] = svc.max_model_len
-        return JSON({"object": "list", "data": [card]})
+            out["max_model_len"] = svc.max_model_len
+        return out
+
+    async def models(_request: Request) -> Response:
+        return JSON({"object": "list", "data": [card()]})
+
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id} (the openai SDK's models.retrieve): the card, or 404 model_not_found."""
+        svc.check_model(request.path_params["model"])
+        return JSON(card())
 
     async def health(_request: Request) -> Response:
         phase = svc.phase
@@ -326,7 +337,7 @@ def build_app(svc: Service) -> Any:
         if not isinstance(add_special, bool):
             raise P.bad("add_special_tokens must be true or false", "add_special_tokens")
         if "messages" in body:
-            ids = svc.chat().token_ids(P.parse_messages(body["messages"]))
+            ids = svc.chat_ids(P.parse_messages(body["messages"]))
         elif isinstance(body.get("prompt"), str):
             ids = svc.text_ids(body["prompt"], add_special)
         else:
@@ -379,6 +390,7 @@ def build_app(svc: Service) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

@@ -16,9 +16,18 @@ from typing import Any, Callable
 from kvtier.errors import ConfigError
 
 
-def plain_template(messages: list[dict[str, str]]) -> str:
-    """The template for models without one: one "role: content" block per message."""
-    return "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant:"
+def plain_template(messages: list[dict[str, Any]]) -> str:
+    """The template for models without one: one "role: content" block per message; an
+    assistant's tool calls follow its content, one `[tool call ID: NAME(ARGUMENTS)]` line each,
+    and a tool result's role names its call: `tool (ID): content`."""
+    return "".join(_plain(m) for m in messages) + "assistant:"
+
+
+def _plain(m: dict[str, Any]) -> str:
+    role = f"{m['role']} ({m['tool_call_id']})" if "tool_call_id" in m else m["role"]
+    calls = "".join(f"\n[tool call {c['id']}: {c['function']['name']}({c['function']['arguments']})]"
+                    for c in m.get("tool_calls", ()))
+    return f"{role}: {m['content']}{calls}\n\n"
 
 
 class ChatFormatter:
@@ -26,14 +35,14 @@ class ChatFormatter:
 
     def __init__(self, tokenizer: Any, tokenizer_path: str | Path | None) -> None:
         self.tokenizer = tokenizer
-        self._render: Callable[[list[dict[str, str]]], str] | None = None
+        self._render: Callable[[list[dict[str, Any]]], str] | None = None
         self.source = "plain"
         template = _read_template(tokenizer_path)
         if template is not None:
             self._render = _jinja(template, tokenizer)
             self.source = "checkpoint"
 
-    def token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         if self._render is None:
             bos = self.tokenizer.bos_token_id
             return ([bos] if bos is not None else []) + self.tokenizer.encode(plain_template(messages))
@@ -58,7 +67,7 @@ def _read_template(path: str | Path | None) -> str | None:
     return t if isinstance(t, str) and t else None
 
 
-def _jinja(template: str, tokenizer: Any) -> Callable[[list[dict[str, str]]], str]:
+def _jinja(template: str, tokenizer: Any) -> Callable[[list[dict[str, Any]]], str]:
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:
@@ -75,7 +84,7 @@ def _jinja(template: str, tokenizer: Any) -> Callable[[list[dict[str, str]]], st
         tid = getattr(tokenizer, f"{which}_token_id")
         names[f"{which}_token"] = tokenizer.decode([tid], skip_special=False) if tid is not None else ""
 
-    def render(messages: list[dict[str, str]]) -> str:
+    def render(messages: list[dict[str, Any]]) -> str:
         return compiled.render(messages=messages, add_generation_prompt=True, **names)
 
     return render

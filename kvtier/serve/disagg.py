@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.serve")
 ROLES = ("both", "prefill", "decode")
-HANDOFF_FIELD = "kvtier_handoff"
+HANDOFF_FIELD = P.HANDOFF_FIELD
 MAX_HANDOFF_KEYS = 1 << 14
 COMPUTE_PIN_S = 600.0      # a prefill's blocks stay pinned while it computes (then for Disagg.pin_ttl)
 
@@ -165,7 +165,7 @@ async def block_keys(svc: Service, request: Request) -> Any:
 async def prefill(svc: Service, request: Request) -> Any:
     """POST /kvtier/prefill: compute the prompt's KV here and say where it is."""
     from kvtier.serve.app import session_of
-    from kvtier.serve.sse import JSON
+    from kvtier.serve.sse import JSON, unless_gone
 
     d = svc.disagg
     if d is None or d.node is None:
@@ -186,24 +186,30 @@ async def prefill(svc: Service, request: Request) -> Any:
     # arrive), so no other request evicts them between compute and the decode worker's pull.
     adapter.pin(pin, keys, COMPUTE_PIN_S)
     t0 = time.perf_counter()
-    svc.begin()
     over = False
-    try:
-        svc.engine.submit(Submission(rid, ids, params, session,
-                                     lambda batch: loop.call_soon_threadsafe(events.put_nowait, batch)))
-        while not over:
+
+    async def computed() -> int:
+        """The prompt's tokens loaded from the store, once the engine has computed the rest."""
+        nonlocal over
+        while True:
             for ev in await events.get():
                 if isinstance(ev, Failed):
                     over = True
                     raise ApiError(ev.status, ev.message, code=ev.code)
                 if isinstance(ev, Finished):
                     over = True
-                    cached = sum(ev.cached_by_tier.values())
+                    return sum(ev.cached_by_tier.values())
+
+    svc.begin()
+    try:
+        svc.engine.submit(Submission(rid, ids, params, session,
+                                     lambda batch: loop.call_soon_threadsafe(events.put_nowait, batch)))
+        cached = await unless_gone(request.receive, computed())    # the router gave up: ClientGone
     except BaseException:
         adapter.unpin(pin)
         raise
     finally:
-        if not over:                              # cancelled: the router went away
+        if not over:                              # the router went away (or cancelled the call)
             svc.engine.abort(rid)
         svc.end()
     adapter.pin(pin, keys, d.pin_ttl)             # now a short, bounded wait for the pull

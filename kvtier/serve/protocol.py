@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TIERS = ("device", "host", "disk", "remote")   # where cached prompt tokens can come from
-MAX_SEED = 2**64 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1         # vLLM takes any int64; torch.Generator seeds are uint64
+HANDOFF_FIELD = "kvtier_handoff"              # a decode worker's hand-over (serve/disagg.py): router-made
+INTERNAL_FIELDS = (HANDOFF_FIELD,)            # body fields a router sets, never passed on from a client
 
 
 class ApiError(Exception):
@@ -46,6 +48,7 @@ class GenerationRequest:
 
     model: str
     max_tokens: int | None            # None: up to the model's context
+    max_tokens_sent: bool = False     # the client gave max_tokens (else a default: not the field to blame)
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -55,7 +58,7 @@ class GenerationRequest:
     include_usage: bool = False
     return_token_ids: bool = False    # vLLM's extension: choices[0].token_ids (non-streamed answers)
     prompt: str | list[int] = ""     # /v1/completions: text or token ids
-    messages: list[dict[str, str]] = field(default_factory=list)   # /v1/chat/completions
+    messages: list[dict[str, Any]] = field(default_factory=list)   # /v1/chat/completions
 
 
 # -- field checks ------------------------------------------------------------------------
@@ -115,6 +118,27 @@ def _unsupported(body: dict) -> None:
         raise bad("stop strings are not supported by this server; use stop_token_ids", "stop", "unsupported")
     if body.get("tools") or body.get("functions"):
         raise bad("tools are not supported by this server", "tools", "unsupported")
+    # what would change the answer if honoured: sent with its no-op value it is fine
+    for name, neutral, fix in _NEUTRAL:
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or v not in neutral):
+            raise bad(f"{name} is not supported by this server ({fix}), got {v!r}", name, "unsupported")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad(f"tool_choice {choice!r} is not supported by this server: tools are not (leave it out, or "
+                  "\"auto\" or \"none\")", "tool_choice", "unsupported")
+
+
+# Fields the engine cannot honour, the values that ask for nothing, and what to do instead.
+_NEUTRAL: tuple[tuple[str, tuple, str], ...] = (
+    ("logit_bias", ({},), "leave it out or empty"),
+    ("response_format", ({"type": "text"},), "leave it out or {\"type\": \"text\"}: no JSON mode or schemas"),
+    ("suffix", ("",), "leave it out: no insertion"),
+    ("top_k", (-1, 0), "leave it out, -1 or 0; use top_p"),
+    ("min_p", (0,), "leave it out or 0; use top_p"),
+    ("min_tokens", (0,), "leave it out or 0"),
+    ("repetition_penalty", (1,), "leave it out or 1"),
+)
 
 
 def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
@@ -130,7 +154,9 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
         if v is not None:
             max_tokens = v
             break
-    seed = _int(body, "seed", 0, MAX_SEED)
+    seed = _int(body, "seed", MIN_SEED, MAX_SEED)
+    if seed is not None:
+        seed %= MAX_SEED + 1           # a negative seed (int64, as vLLM takes) as its two's complement, as torch does
     stops = body.get("stop_token_ids")
     if stops is None:
         stops = []
@@ -146,7 +172,7 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
             raise bad("stream_options is only allowed with stream: true", "stream_options")
         include_usage = _bool(opts, "include_usage")
     return GenerationRequest(
-        model=model, max_tokens=max_tokens,
+        model=model, max_tokens=max_tokens, max_tokens_sent=max_tokens is not None,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=seed, stop_token_ids=tuple(stops), ignore_eos=_bool(body, "ignore_eos"),
@@ -183,8 +209,11 @@ def parse_chat(body: Any) -> GenerationRequest:
     return req
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """[{"role", "content"}] with text content (a string, or a list of {"type": "text"} parts)."""
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """[{"role", "content"}] with text content (a string, or a list of {"type": "text"} parts),
+    and the fields an agent's history carries, checked and kept for the chat template (as vLLM
+    passes them): `name`, an assistant's `tool_calls` ([{"id", "type": "function", "function":
+    {"name", "arguments"}}]), a tool result's `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {\"role\": ..., \"content\": ...}", "messages")
     out = []
@@ -207,8 +236,32 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be text", f"{where}.content")
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        for name in ("name", "tool_call_id"):
+            v = m.get(name)
+            if v is not None:
+                if not isinstance(v, str):
+                    raise bad(f"{where}.{name} must be a string, got {v!r}", f"{where}.{name}")
+                msg[name] = v
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad(f"{where}.tool_calls must be a list of tool calls, on an assistant message",
+                          f"{where}.tool_calls")
+            msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        out.append(msg)
     return out
+
+
+def _tool_call(c: Any, where: str) -> dict[str, Any]:
+    """One assistant tool call, {"id", "type": "function", "function": {"name", "arguments"}}, checked."""
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(c, dict) or not isinstance(c.get("id"), str) or c.get("type", "function") != "function" \
+            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or not isinstance(fn.get("arguments"), str):
+        raise bad(f"{where} must be {shape}", where)
+    return {"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
 
 
 # -- response bodies ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
 from starlette.exceptions import HTTPException
@@ -24,6 +24,12 @@ _AFFINITY_B = AFFINITY.encode()
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its answer was being made: the work was cancelled and
+    the answer goes nowhere (answered 499, nothing logged)."""
 
 
 def dumps(obj: Any) -> bytes:
@@ -67,6 +73,11 @@ async def on_crash(_request: Request, e: Exception) -> Response:
     return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
 
+async def on_answer_unwanted(_request: Request, _e: Exception) -> Response:
+    """ClientGone: nobody reads this answer; nginx's 499 "client closed request"."""
+    return Response(status_code=499)
+
+
 async def on_client_gone(_request: Request, _e: Exception) -> Response:
     """The client went away before its whole request arrived (or went silent: kvtier.serve.http):
     not the server's error, so nothing is logged; the answer goes nowhere."""
@@ -77,7 +88,7 @@ async def on_client_gone(_request: Request, _e: Exception) -> Response:
 
 # The exception handlers of every kvtier HTTP app (kvtier serve, kvtier router).
 EXCEPTION_HANDLERS = {ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_client_gone,
-                      Exception: on_crash}
+                      ClientGone: on_answer_unwanted, Exception: on_crash}
 
 
 def sse_event(obj: Any) -> bytes:
@@ -87,8 +98,22 @@ def sse_event(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def check_json_type(request: Request) -> None:
+    """415 unless the body is declared JSON (`application/json`, any parameters): a web page
+    can POST text/plain, form-encoded or untyped bodies to a local server without a CORS
+    preflight, and must not be able to start generations that way (vLLM refuses them too)."""
+    ctype = request.headers.get("content-type")
+    if (ctype or "").split(";", 1)[0].strip().lower() != "application/json":
+        got = f"got {ctype!r}" if ctype is not None else "got none"
+        raise ApiError(415, f"the request body must be sent with Content-Type: application/json ({got}); "
+                            "with curl: -H 'Content-Type: application/json'", param="content-type",
+                       code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int, who: str = "server") -> bytes:
-    """The raw body: 413 past `limit` bytes (checked before and while reading); `who` names the taker."""
+    """The raw JSON body: 415 unless declared JSON, 413 past `limit` bytes (checked before and
+    while reading); `who` names the taker."""
+    check_json_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body is {length} bytes; this {who} takes at most {limit}",
@@ -117,6 +142,25 @@ async def wait_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def unless_gone(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (so whatever it
+    awaits, a worker's answer or the engine's tokens, is given up and its `finally` runs) and
+    ClientGone is raised. Call after the body was read: until the answer starts, this is how
+    a non-streamed answer (or a stream not yet started) notices that nobody waits for it."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
 
 
 class EventStream:
