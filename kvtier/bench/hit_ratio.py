@@ -141,17 +141,21 @@ def load_traces(args: argparse.Namespace) -> list[Any]:
         verb = "shape" if " and " in given else "shapes"
         raise ConfigError(f"{given} {verb} the generated trace, which is not replayed when a TRACE is given: "
                           "add --synthetic to replay it too, or leave that out")
-    traces = [read_trace(p, block_tokens=args.block_tokens) for p in args.trace]
-    if generated:
-        traces.append(synthetic_trace(AgenticConfig(seed=args.seed or 0, sessions=args.sessions or 200,
-                                                    block_tokens=args.block_tokens or 512)))
-    for tr in traces:
-        if tr.unique_blocks == 0 and tr.format == "mooncake":
+    from kvtier.progress import progress
+    # A spinner: a large trace, or small blocks (--block-tokens 1: 26 M keys), take seconds
+    # to read and key before the replay's own bar starts.
+    with progress("reading and keying the traces", enabled=not getattr(args, "json", False)):
+        traces = [read_trace(p, block_tokens=args.block_tokens) for p in args.trace]
+        if generated:
+            traces.append(synthetic_trace(AgenticConfig(seed=args.seed or 0, sessions=args.sessions or 200,
+                                                        block_tokens=args.block_tokens or 512)))
+        empty = [tr for tr in traces if tr.unique_blocks == 0]
+    for tr in empty:
+        if tr.format == "mooncake":
             raise ConfigError(f"trace {tr.name} has no blocks (every request's hash_ids is empty): "
                               "nothing to replay; check that this is the trace you meant")
-        if tr.unique_blocks == 0:
-            raise ConfigError(f"trace {tr.name} has no full block of {tr.block_tokens} tokens (every "
-                              "prompt is shorter), so nothing can be cached: give a smaller --block-tokens")
+        raise ConfigError(f"trace {tr.name} has no full block of {tr.block_tokens} tokens (every "
+                          "prompt is shorter), so nothing can be cached: give a smaller --block-tokens")
     return traces
 
 
