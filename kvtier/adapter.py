@@ -328,8 +328,8 @@ class KVAdapter:
     # -- the engine owns its pages -------------------------------------------------------
     def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[BlockKey],
                       unique: bool = False) -> torch.Tensor:
-        """Check the call; keep movers for `paged` (an engine has one PagedKV); the table, checked
-        (once: the movers are told so, so no second check and no copy back from a GPU)."""
+        """Check the call; the table, checked (once: the movers are told so, so no second check
+        and no copy back from a GPU)."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
         if paged.layout != self.layout:

@@ -319,10 +319,12 @@ class BlockIndex:
         # Speed: index a plain list, not BlockKeys (its __getitem__ is Python code).
         keys = list(keys)
         run: list[Key] = []          # consecutive cached blocks, refreshed in one call
+        present_at: list[int] = []   # positions counted present (their blocks may become victims)
         for i in range(hi - 1, lo - 1, -1):
             k = keys[i]
             if k in entries:
                 res.present += 1
+                present_at.append(i)
                 if k in ready:
                     run.append(k)
                 continue             # being written by another put: leave it to that one
@@ -358,7 +360,7 @@ class BlockIndex:
         if run:
             self._touch(run)
         if res.moves:
-            self._lost_own_blocks(res, keys)
+            self._lost_own_blocks(res, keys, present_at + list(range(hi, n)))
         if prefix and lo == 0:
             self._touch([k for k in reversed(prefix) if k in ready])
         if _in_chain_order(res.slots, descending=True):          # res.keys is tail-first
@@ -387,16 +389,19 @@ class BlockIndex:
         res.rejected += gone
         del res.keys[:gone], res.slots[:gone], res.positions[:gone]
 
-    def _lost_own_blocks(self, res: Reservation, keys: list[Key]) -> None:
+    def _lost_own_blocks(self, res: Reservation, keys: list[Key], counted: list[int]) -> None:
         """A put's cached blocks may be the victims of its own new ones (a full tier, the rest
         pinned): one dropped from the store is not present after all, and a lookup stops
         there. It counts as rejected, and the put's gap moves to it (Mover.commit then
-        forgets the blocks reserved past it). (Any part's: a put in parts reserves its tail
-        part first.)"""
+        forgets the blocks reserved past it). `counted`: the positions counted present, by
+        this walk or by the tail parts reserved before it (a put in parts); not those nearer
+        the root that a later part walks (it finds a victim missing and reserves it anew), nor
+        one this walk found missing already (counted rejected, or reserved, there)."""
         dropped = {m.key for m in res.moves if m.dst_tier is None}
         if not dropped:
             return
-        for i, k in enumerate(keys):
+        for i in counted:
+            k = keys[i]
             if k in dropped and k not in self.entries:
                 res.present -= 1
                 res.rejected += 1
@@ -496,9 +501,10 @@ class BlockIndex:
         self.pins.expire()
         free = self.tiers[tier].free
         if len(free) >= n:
-            # Speed: the free list's top n in one slice, as n pops would give them (lowest
-            # first): a load of 512 host blocks spent 0.3 ms here, one _take_slot call each.
-            slots = free[len(free) - n:][::-1]
+            # Speed: the free list's top n in one slice, as n pops would take them: a load of
+            # 512 host blocks spent 0.3 ms here, one _take_slot call each. Sorted as below:
+            # the free list is runs pushed at different times, not one ascending order.
+            slots = sorted(free[len(free) - n:])
             del free[len(free) - n:]
             return slots
         slots: list[SlotId] = []

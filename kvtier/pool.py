@@ -220,6 +220,7 @@ class PagePool:
                 lower.append(n)
             locs.append((t, s))
             n += 1
+        owned.sort()                                  # ascending, as allocate() gives them: one copy run
         return n, prefix[:n], locs, lower, owned
 
     # -- owned / cached -> free ----------------------------------------------------------

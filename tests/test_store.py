@@ -582,3 +582,39 @@ def test_a_cached_block_a_put_evicts_for_its_own_new_block_counts_as_rejected(la
     assert (t.blocks, t.present, t.rejected) == (1, 0, 1)
     assert store.lookup(chain).blocks == 4 and store.lookup(chain[4:5]).blocks == 0
     store.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-part", "in-parts"])
+def test_a_put_that_evicts_its_own_older_head_re_reserves_it(layout, ns, monkeypatch, pipelined):
+    """The chain's cached head is the least recent: the put's new tail blocks evict it, and
+    the walk (or the head part, in parts) stores it again. In parts its loss was counted
+    too (present -2, rejected 5, 1 block kept)."""
+    import kvtier.store
+    if pipelined:
+        monkeypatch.setattr(kvtier.store, "PIPELINE_HEAD_BYTES", 2 * layout.block_bytes)
+    store = make(layout, ns, blocks=4)
+    chain = store.keys(list(range(layout.block_tokens * 4)))
+    rows = payload(list(chain), layout.block_bytes)
+    store.put(chain[:2], rows[:2])
+    other = store.keys([9000 + i for i in range(layout.block_tokens * 2)])
+    store.put(other, payload(list(other), layout.block_bytes))      # newer: the tier is full
+    t = store.put(chain, rows)
+    c = store.stats().counters
+    assert (t.blocks, t.present, t.rejected) == (4, 0, 0) and store.lookup(chain).blocks == 4
+    assert c.put_present == 0 and c.put_rejected == 0 and store.stats().tiers[0].rejected == 0
+    store.close()
+
+
+def test_a_block_refused_after_its_own_put_evicted_it_counts_once(layout, ns):
+    store = make(layout, ns, blocks=4)
+    chain = store.keys(list(range(layout.block_tokens * 4)))
+    rows = payload(list(chain), layout.block_bytes)
+    store.put(chain[:3], rows[:3])
+    x = store.keys([777] * layout.block_tokens)
+    store.put(x, payload(list(x), layout.block_bytes))             # the 4th slot: full now
+    store.index.tiers[0].policy.admit = lambda info: info.depth != 2
+    t = store.put(chain, rows)
+    c = store.stats().counters
+    assert (t.blocks, t.present, t.rejected) == (0, 2, 2) and store.lookup(chain).blocks == 2
+    assert c.put_rejected == 2 == store.stats().tiers[0].rejected
+    store.close()

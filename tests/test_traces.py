@@ -207,7 +207,7 @@ def test_a_byte_order_mark_is_skipped_and_a_pipe_is_named(tmp_path):
     t = read_trace(str(p))
     assert len(t) == 2 and t.name == "bom" and t.format == "mooncake"
     from kvtier.traces.read import trace_name
-    assert trace_name("/dev/fd/63") == "pipe" and trace_name("/proc/self/fd/5") == "pipe"
+    assert trace_name("/dev/fd/63") == "pipe-63" and trace_name("/proc/self/fd/5") == "pipe-5"
     assert trace_name("/data/63.jsonl") == "63"
 
 

@@ -95,7 +95,10 @@ def serve(index: BlockIndex, req: Request, capacity_blocks: int, hit: int | None
         new = new[:capacity_blocks]
         last = None                  # the partial tail is cut off: every kept block is full
     r = index.reserve(new, prefix=head, start=n, parent=keys[n - 1] if n else None, last_tokens=last)
-    index.commit(r)
+    drop = r.unreachable()           # as the store's Mover.commit: blocks past a gap are not kept
+    if drop.keys:
+        index.drop_unreachable(drop)
+    index.commit(r.without(drop))
     return n
 
 

@@ -137,8 +137,10 @@ class DiskTier(Tier):
         except OSError as e:          # no permission, a read-only or immutable folder, a full disk
             self._release_handles()
             where = f" ({e.filename})" if e.filename else ""
-            raise ConfigError(f"cannot open disk tier {self.path}: {e.strerror or e}{where}: give a "
-                              "directory this user can write (`kvtier inspect` reads one it cannot)") from None
+            hint = ("give a directory this user can write (`kvtier inspect` reads one it cannot)"
+                    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
+                    "check the disk and the directory, or give another one")
+            raise ConfigError(f"cannot open disk tier {self.path}: {e.strerror or e}{where}: {hint}") from None
         except BaseException:
             self._release_handles()   # a failed open leaves no lock or handle behind
             raise

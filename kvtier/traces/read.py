@@ -120,10 +120,10 @@ def detect_format(path: str) -> str:
 
 def trace_name(path: str) -> str:
     """The file name without its directory, '.gz' and extension: 'conversation_trace';
-    'pipe' for a shell's process substitution (`<(zcat t.gz)` is /dev/fd/63)."""
+    'pipe-63' for a shell's process substitution (`<(zcat t.gz)` is /dev/fd/63)."""
     base = os.path.basename(path)
     if base.isdigit() and os.path.basename(os.path.dirname(path)) == "fd":
-        return "pipe"
+        return f"pipe-{base}"       # two of them in one command are two traces
     if base.endswith(".gz"):
         base = base[:-3]
     return os.path.splitext(base)[0] or base
