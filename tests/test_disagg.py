@@ -28,6 +28,7 @@ from fake_http import FakeServer, JsonHandler, ready  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 BT = 16
 HANDOFF_TTL = 6          # seconds the prefill worker keeps a hand-over's blocks pinned
+SECRET = b"0123456789abcdef-pd-test-secret"   # the workers' --secret-file
 PROMPT = ("The agent's shared system prompt: you can call tools, read files and answer. " * 4) + "Turn 1."
 
 
@@ -79,7 +80,7 @@ class Router:
 def pd(tmp_path_factory):
     """(router, prefill, decode, reference): the router starts first, then its workers."""
     secret = tmp_path_factory.mktemp("pd") / "secret"
-    secret.write_text("0123456789abcdef-pd-test-secret")
+    secret.write_bytes(SECRET)
     pp, dp = _free_port(), _free_port()
     while dp == pp:                            # a port just freed may be handed out again
         dp = _free_port()
@@ -173,6 +174,14 @@ def _held(server, keys: list[str]) -> int:
     return m.match(server.url, [bytes.fromhex(k) for k in keys])
 
 
+def _hand(node: str, keys: list[str]) -> dict:
+    """A hand-over as a prefill worker of the test cluster signs it."""
+    from kvtier.serve.roles import HANDOFF, sign, signing_key
+
+    return {"node": node, "keys": keys,
+            "signature": sign(signing_key(SECRET), HANDOFF, node, [bytes.fromhex(k) for k in keys])}
+
+
 def _remote_tokens(server, body: dict) -> int:
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -202,10 +211,10 @@ def test_handed_over_blocks_stay_pinned_on_the_prefill_worker_until_the_ttl(pd):
         flood = _body([1 + (i * 131 + j * 7) % 500 for j in range(700)], 1)
         assert httpx.post(p.url + "/v1/completions", json=flood, timeout=120).status_code == 200
     # the decode worker still pulls the handed-over prompt whole; the other one is gone
-    assert _remote_tokens(d, {**pinned, "kvtier_handoff": {"node": hand["node"], "keys": hand["keys"]}}) == n * BT
+    assert _remote_tokens(d, {**pinned, "kvtier_handoff": _hand(hand["node"], hand["keys"])}) == n * BT
     loose_keys = _wrapped(p, "/kvtier/keys", loose)["keys"]
     assert len(loose_keys) >= n
-    assert _remote_tokens(d, {**loose, "kvtier_handoff": {"node": hand["node"], "keys": loose_keys}}) == 0
+    assert _remote_tokens(d, {**loose, "kvtier_handoff": _hand(hand["node"], loose_keys)}) == 0
     deadline = time.monotonic() + HANDOFF_TTL + 10                # released on expiry
     while _load(p)["pinned_blocks"] and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -400,15 +409,35 @@ def test_decode_worker_that_cannot_fetch_recomputes(pd):
                       timeout=120).json()
     assert hand["keys"] and hand["node"]
     dead = f"127.0.0.1:{_free_port()}"                 # the prefill worker's node is gone
-    got = httpx.post(d.url + "/v1/completions", json={**_body(prompt), "kvtier_handoff": {"node": dead, "keys": hand["keys"]}},
+    got = httpx.post(d.url + "/v1/completions", json={**_body(prompt), "kvtier_handoff": _hand(dead, hand["keys"])},
                      timeout=120).json()
     want = _complete(ref.client(), prompt).choices[0].text
     assert got["choices"][0]["text"] == want
     assert got["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
     # keys of other weights are ignored, not trusted
-    other = httpx.post(d.url + "/v1/completions", json={**_body(prompt + "!"), "kvtier_handoff": {
-        "node": hand["node"], "keys": ["00" * 16] * len(hand["keys"])}}, timeout=120).json()
+    other = httpx.post(d.url + "/v1/completions", json={**_body(prompt + "!"), "kvtier_handoff": _hand(
+        hand["node"], ["00" * 16] * len(hand["keys"]))}, timeout=120).json()
     assert other["usage"]["prompt_tokens_details"]["kvtier_cached_by_tier"]["remote"] == 0
+
+
+def test_workers_act_only_on_what_the_cluster_signed(pd):
+    """A hand-over or push target someone made up (no secret) is a 400, before anything is dialled;
+    the prefill worker's own signed answer is what the decode worker takes."""
+    _, p, d, _, _ = pd
+    prompt = "[Turn 9 (signed)] " + PROMPT
+    hand = _wrapped(p, "/kvtier/prefill", _body(prompt))
+    assert hand["signature"] == _hand(hand["node"], hand["keys"])["signature"]
+    evil = {"node": f"127.0.0.1:{_free_port()}", "keys": hand["keys"]}
+    for forged in (evil, {**evil, "signature": hand["signature"]}):
+        r = httpx.post(d.url + "/v1/completions", json={**_body(prompt), "kvtier_handoff": forged}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kvtier_handoff", r.text
+    signed = {k: hand[k] for k in ("node", "keys", "signature")}
+    assert _remote_tokens(d, {**_body(prompt), "kvtier_handoff": signed}) == len(hand["keys"]) * BT
+    load = _load(d)
+    for push_to in (load["node"], {"node": evil["node"], "signature": load["node_signature"]}):
+        r = httpx.post(p.url + "/kvtier/prefill", json={"api": "completions", "request": _body(prompt),
+                                                        "push_to": push_to}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "push_to", r.text
 
 
 def test_a_decode_worker_answering_503_or_gone_before_generating_is_replaced_by_the_next(pd):

@@ -150,3 +150,67 @@ def test_shape_mismatch_is_an_error() -> None:
         sample(torch.zeros(2, 5), [SamplingParams()], [None])
     with pytest.raises(ConfigError, match="batch, vocab"):
         sample(torch.zeros(5), [SamplingParams()], [None])
+
+
+# -- top_k and min_p, as vLLM defines them ---------------------------------------------------------
+
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+
+
+def _counts(params: SamplingParams, steps: int = 2000) -> torch.Tensor:
+    return torch.bincount(torch.tensor(_draw(PROBS.log(), params, steps)), minlength=len(PROBS))
+
+
+@pytest.mark.parametrize("top_k,kept", [(1, 1), (2, 2), (3, 3), (5, 5), (99, 5), (0, 5), (-1, 5)])
+def test_top_k_samples_from_the_k_most_likely_in_proportion(top_k: int, kept: int) -> None:
+    counts = _counts(SamplingParams(temperature=1.0, top_k=top_k, seed=1))
+    assert counts[kept:].sum() == 0 and (counts[:kept] > 0).all()
+    if kept > 1:
+        assert _chi2(counts[:kept].float(), PROBS[:kept] / PROBS[:kept].sum()) < 20
+
+
+@pytest.mark.parametrize("min_p,kept", [(0.0, 5), (0.2, 4), (0.3, 3), (0.5, 2), (0.76, 1), (1.0, 1)])
+def test_min_p_drops_tokens_below_min_p_times_the_top_tokens_probability(min_p: float, kept: int) -> None:
+    counts = _counts(SamplingParams(temperature=1.0, min_p=min_p, seed=2))
+    assert counts[kept:].sum() == 0 and (counts[:kept] > 0).all()
+
+
+def test_top_k_ties_with_the_kth_token_are_kept() -> None:
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.0]).log()        # the 2nd and 3rd tie
+    counts = torch.bincount(torch.tensor(_draw(logits, SamplingParams(temperature=1.0, top_k=2, seed=3), 500)),
+                            minlength=4)
+    assert counts[3] == 0 and (counts[:3] > 0).all()
+
+
+def test_top_p_cuts_what_top_k_kept_renormalised() -> None:
+    """top-k 2 keeps 0.4 and 0.3 (4/7 and 3/7 of what is left): top-p 0.5 then keeps the first alone."""
+    assert set(_draw(PROBS.log(), SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=4), 300)) == {0}
+    assert set(_draw(PROBS.log(), SamplingParams(temperature=1.0, top_p=0.5, seed=4), 300)) == {0, 1}
+
+
+def test_top_k_and_min_p_cut_their_own_row_only() -> None:
+    logits = PROBS.log().repeat(3, 1)
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=5), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=1.0, min_p=0.5, seed=5)]
+    gens = [make_generator(p) for p in params]
+    rows = torch.stack([sample(logits, params, gens) for _ in range(1000)])
+    assert set(rows[:, 0].tolist()) == {0} and set(rows[:, 1].tolist()) == {0, 1, 2, 3, 4}
+    assert set(rows[:, 2].tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("kw", [{"top_k": -2}, {"top_k": 1.5}, {"top_k": True}, {"top_k": None},
+                                {"min_p": -0.1}, {"min_p": 1.01}, {"min_p": float("nan")}, {"min_p": True}])
+def test_bad_top_k_or_min_p_is_a_config_error(kw: dict) -> None:
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        SamplingParams(temperature=1.0, **kw)
+
+
+def test_a_request_cut_by_top_k_or_min_p_does_not_speculate() -> None:
+    """Speculative verification draws from the top-p cut distribution only, so such a request
+    takes no drafts (and asking for them is an error); greedy requests are not cut at all."""
+    assert SamplingParams(temperature=1.0, top_k=5).num_speculative_tokens == 0
+    assert SamplingParams(temperature=1.0, min_p=0.1).num_speculative_tokens == 0
+    assert SamplingParams(temperature=1.0, top_k=-1).num_speculative_tokens is None
+    assert SamplingParams(temperature=0.0, top_k=5).num_speculative_tokens is None
+    with pytest.raises(ConfigError, match="speculative"):
+        SamplingParams(temperature=1.0, top_k=5, num_speculative_tokens=2)

@@ -348,6 +348,43 @@ def test_sigterm_drains_then_exits_zero(draining):
     assert any("stopped" in line for line in b.lines)
 
 
+def _until(ok, why, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
+def test_a_second_sigterm_ends_the_answers_in_flight_now():
+    """Draining with a long --shutdown-timeout, a second SIGTERM stops waiting (as uvicorn and
+    vLLM do): the answer in flight ends with an error chunk and the server exits 0."""
+    b = Server("--device", "cpu", "--shutdown-timeout", "3600").wait_ready()
+    try:
+        seen: list[str] = []
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "long stream", "max_tokens": 1500, "stream": True, "temperature": 0,
+                    "ignore_eos": True}
+            with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        seen.append(line[6:])
+
+        t = threading.Thread(target=stream)
+        t.start()
+        _until(lambda: seen, b.lines)                             # generating
+        b.proc.send_signal(signal.SIGTERM)
+        _until(lambda: any("kvtier serve: draining" in line for line in b.lines), b.lines)
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.proc.wait(120) == 0, b.lines
+        t.join(60)
+        assert seen[-1] == "[DONE]" and json.loads(seen[-2])["error"]["code"] == "shutting_down", seen[-3:]
+        assert "second stop signal" in json.loads(seen[-2])["error"]["message"]
+        assert any("stopping now" in line for line in b.lines), b.lines
+    finally:
+        b.stop()
+
+
 # -- the command line -----------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """`kvtier serve`'s request handling without a model: the routes over a stand-in engine that
-is ready and never generates (every request here is answered before it would reach the
-engine), with a byte-level tokenizer, so what a chat template rendered reads back as text."""
+is ready and answers each request with scripted events (by default: finished at once, nothing
+generated), with a byte-level tokenizer, so what a chat template rendered reads back as text."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,8 @@ from starlette.testclient import TestClient  # noqa: E402
 from kvtier.engine.tokenizer import ByteTokenizer  # noqa: E402
 from kvtier.serve import protocol as P  # noqa: E402
 from kvtier.serve.app import Service, build_app  # noqa: E402
+from kvtier.serve.disagg import Disagg  # noqa: E402
+from kvtier.serve.engine_loop import Event, Finished, Submission, Tokens  # noqa: E402
 from kvtier.serve.metrics import ServeMetrics  # noqa: E402
 
 MODEL = "kimi-tiny"
@@ -37,15 +39,54 @@ AGENT = [{"role": "user", "content": "weather in Paris?"},
          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 
 
-def _client(tokenizer_dir: Path | None) -> TestClient:
+BT = 16
+
+
+def _keys(ids: list[int]) -> list[bytes]:
+    """The stand-in's block keys: one per full block, made of the block's tokens."""
+    return [bytes(t % 256 for t in ids[i:i + BT]) for i in range(0, len(ids) - len(ids) % BT, BT)]
+
+
+class Engine:
+    """A ready engine that answers a submission with `script(sub)`'s events and records it."""
+
+    def __init__(self, llm: SimpleNamespace) -> None:
+        self.llm, self.error = llm, None
+        self.ready = threading.Event()
+        self.ready.set()
+        self.subs: list[Submission] = []
+        self.failed: list[str] = []
+        self.script = lambda sub: [Finished("length", len(sub.prompt), 0, {})]
+
+    def submit(self, sub: Submission) -> None:
+        self.subs.append(sub)
+        sub.deliver(list(self.script(sub)))
+
+    def abort(self, _rid: str) -> None:
+        pass
+
+    def counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def fail_all(self, message: str) -> None:
+        self.failed.append(message)
+
+
+def _service(tokenizer_dir: Path | None = None, request_pages: int = 10_000, disagg: Disagg | None = None) -> Service:
     tok = ByteTokenizer(512)
     llm = SimpleNamespace(tokenizer=tok, info=SimpleNamespace(tokenizer_path=tokenizer_dir),
                           config=SimpleNamespace(max_position_embeddings=CONTEXT, vocab_size=512),
-                          adapter=SimpleNamespace(block_tokens=16), request_pages=10_000)
-    ready = threading.Event()
-    ready.set()
-    engine = SimpleNamespace(llm=llm, ready=ready, error=None)
-    return TestClient(build_app(Service(engine, ServeMetrics(MODEL), MODEL)), raise_server_exceptions=False)
+                          adapter=SimpleNamespace(block_tokens=BT, keys=_keys,
+                                                  device_tier=SimpleNamespace(capacity_blocks=request_pages)),
+                          request_pages=request_pages, eos=tok.eos_token_id,
+                          scheduler=SimpleNamespace(running=[], waiting=[]),
+                          store=SimpleNamespace(layout=SimpleNamespace(block_bytes=1024),
+                                                stats=lambda: SimpleNamespace(tiers=[])))
+    return Service(Engine(llm), ServeMetrics(MODEL), MODEL, disagg=disagg)
+
+
+def _client(tokenizer_dir: Path | None = None, **kw) -> TestClient:
+    return TestClient(build_app(_service(tokenizer_dir, **kw)), raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +154,7 @@ def test_bad_tool_fields_are_400s_naming_them(plain, message, param):
     ("logit_bias", {"50256": -100}), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("suffix", "def f():"), ("top_k", 40), ("min_p", 0.05), ("min_tokens", 8), ("repetition_penalty", 1.2),
+    ("suffix", "def f():"), ("min_tokens", 8), ("repetition_penalty", 1.2),
 ])
 def test_fields_the_engine_cannot_honour_are_refused(plain, field, value):
     for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": AGENT[:1]})):
@@ -172,3 +213,273 @@ def test_json_with_a_charset_is_json(plain):
     r = plain.post("/tokenize", content=json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
                    headers={"content-type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200 and r.json()["count"] == 3
+
+
+# -- signed hand-overs (serve/disagg.py, serve/roles.py) --------------------------------------
+
+def _key() -> bytes:
+    from kvtier.serve.roles import signing_key
+    return signing_key(b"0123456789abcdef-api-test-secret")
+
+
+class Hints:
+    """A decode worker's HandoffDirectory, recording the hints it is given."""
+
+    def __init__(self) -> None:
+        self.hints: list[tuple[list[bytes], str]] = []
+
+    def hint(self, keys: list[bytes], node: str) -> None:
+        self.hints.append((keys, node))
+
+
+class NoPush:
+    """A Pusher that must not be used."""
+
+    blocks = bytes = failures = 0
+    seconds = 0.0
+
+    def push(self, *_a, **_k):
+        raise AssertionError("nothing may be pushed")
+
+
+def _decode_worker(node: str = "127.0.0.1:9002") -> tuple[TestClient, Service, Hints]:
+    hints = Hints()
+    svc = _service(disagg=Disagg("decode", node=node, key=_key(), handoff=hints, pusher=NoPush()))
+    return TestClient(build_app(svc), raise_server_exceptions=False), svc, hints
+
+
+PREFILL_NODE = "10.1.2.3:9001"
+LONG = "x" * 40                      # BOS + 40 bytes: 41 tokens, 2 full blocks before the last token
+
+
+def _handoff(node: str = PREFILL_NODE, keys: list[bytes] | None = None, **extra) -> dict:
+    from kvtier.serve.roles import HANDOFF, sign
+    keys = _keys([256] + [ord("x")] * 40)[:2] if keys is None else keys
+    return {"node": node, "keys": [k.hex() for k in keys], "signature": sign(_key(), HANDOFF, node, keys), **extra}
+
+
+def test_a_signed_handoff_is_taken():
+    client, svc, hints = _decode_worker()
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": LONG, P.HANDOFF_FIELD: _handoff()})
+    assert r.status_code == 200, r.text
+    assert hints.hints == [(_keys([256] + [ord("x")] * 40)[:2], PREFILL_NODE)] and len(svc.engine.subs) == 1
+
+
+def _forged() -> list[dict]:
+    from kvtier.serve.roles import PUSH_TARGET, sign
+    good = _handoff()
+    return [{k: v for k, v in good.items() if k != "signature"},                  # unsigned
+            {**good, "signature": None}, {**good, "signature": "zz"}, {**good, "signature": 7},
+            {**good, "node": "10.6.6.6:22"},                                          # another node
+            {**good, "keys": good["keys"][:1]},                                       # other keys
+            {**good, "signature": good["signature"].upper()[:-2] + "00"},
+            {**good, "signature": sign(_key(), PUSH_TARGET, PREFILL_NODE, [])},     # another purpose's
+            _handoff(keys=[]) | {"node": "10.6.6.6:22"}]
+
+
+@pytest.mark.parametrize("i", range(len(_forged())))
+@pytest.mark.parametrize("route,body", [("/v1/completions", {"prompt": LONG}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]})])
+def test_an_unsigned_or_tampered_handoff_is_refused(i, route, body):
+    client, svc, hints = _decode_worker()
+    r = client.post(route, json={"model": MODEL, **body, P.HANDOFF_FIELD: _forged()[i]})
+    err = _error(r, 400, P.HANDOFF_FIELD, "invalid_signature")
+    assert "signature" in err["message"]
+    assert hints.hints == [] and svc.engine.subs == [] and svc.disagg.handed_over == 0
+
+
+def test_a_handoff_signed_with_another_secret_is_refused():
+    from kvtier.serve.roles import HANDOFF, sign, signing_key
+    client, _, hints = _decode_worker()
+    hand = _handoff()
+    hand["signature"] = sign(signing_key(b"another cluster's secret"), HANDOFF, hand["node"],
+                             [bytes.fromhex(k) for k in hand["keys"]])
+    _error(client.post("/v1/completions", json={"model": MODEL, "prompt": LONG, P.HANDOFF_FIELD: hand}),
+           400, P.HANDOFF_FIELD, "invalid_signature")
+    assert hints.hints == []
+
+
+def test_the_load_signs_the_decode_workers_node_as_it_is_reached():
+    from kvtier.serve.roles import PUSH_TARGET, signed
+    client, _, _ = _decode_worker(node="0.0.0.0:9002")
+    load = client.get("/kvtier/load").json()
+    assert load["node"] == "testserver:9002"              # the wildcard, as this request reached the worker
+    assert signed(_key(), PUSH_TARGET, load["node"], [], load["node_signature"])
+
+
+@pytest.mark.parametrize("push_to", ["10.6.6.6:22", {"node": "10.6.6.6:22"}, {"node": "10.6.6.6:22", "signature": "00"},
+                                     "signed for another node", "a hand-over's signature"])
+def test_a_prefill_worker_pushes_only_to_a_signed_decode_node(push_to):
+    from kvtier.serve.roles import HANDOFF, PUSH_TARGET, sign
+    if push_to == "signed for another node":
+        push_to = {"node": "10.6.6.6:22", "signature": sign(_key(), PUSH_TARGET, "10.0.0.2:9002")}
+    elif push_to == "a hand-over's signature":
+        push_to = {"node": "10.6.6.6:22", "signature": sign(_key(), HANDOFF, "10.6.6.6:22")}
+    svc = _service(disagg=Disagg("prefill", node="127.0.0.1:9001", key=_key(), pusher=NoPush()))
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    r = client.post("/kvtier/prefill", json={"api": "completions", "request": {"model": MODEL, "prompt": LONG},
+                                             "push_to": push_to})
+    _error(r, 400, "push_to", "invalid_value" if isinstance(push_to, str) else "invalid_signature")
+    assert svc.engine.subs == []
+
+
+def test_push_to_in_a_v1_body_is_no_push():
+    """push_to is read on the internal /kvtier/prefill only: in a client's body it is an unknown field."""
+    svc = _service(disagg=Disagg("prefill", node="127.0.0.1:9001", key=_key(), pusher=NoPush()))
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": LONG, "push_to": "10.6.6.6:22"})
+    assert r.status_code == 200 and len(svc.engine.subs) == 1
+
+
+# -- stop_token_ids: the stop token's text and stop_reason, as vLLM answers them ---------------
+
+EOS = ByteTokenizer(512).eos_token_id
+
+
+def _generating(ids: list[int], reason: str) -> tuple[TestClient, Service]:
+    """A server whose engine answers every request with `ids` (in two steps), then `reason`."""
+    svc = _service()
+    svc.engine.script = lambda sub: [Tokens(ids[:1]), Tokens(ids[1:]), Finished(reason, len(sub.prompt), len(ids), {})]
+    return TestClient(build_app(svc), raise_server_exceptions=False), svc
+
+
+def _streamed(client: TestClient, route: str, body: dict) -> list[dict]:
+    with client.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def _text(choice: dict) -> str:
+    if "text" in choice:
+        return choice["text"]
+    return (choice.get("message") or choice.get("delta", {})).get("content") or ""
+
+
+ROUTES = [("/v1/completions", {"prompt": "hi"}),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+
+
+@pytest.mark.parametrize("route,body", ROUTES)
+@pytest.mark.parametrize("ids,reason,extra,text,stop_reason", [
+    ([104, 105, 46], "stop", {"stop_token_ids": [46]}, "hi", 46),                              # "." stopped it
+    ([104, 105, 46], "stop", {"stop_token_ids": [46], "include_stop_str_in_output": True}, "hi.", 46),
+    ([104, 105, EOS], "stop", {}, "hi", None),                                                 # EOS: no stop_reason
+    ([104, 105, EOS], "stop", {"stop_token_ids": [EOS]}, "hi", None),                         # EOS is checked first
+    ([104, 105, EOS], "stop", {"stop_token_ids": [EOS], "ignore_eos": True}, "hi", EOS),
+    ([104, 105, 46], "length", {"stop_token_ids": [46]}, "hi.", None),                        # not stopped by it
+])
+def test_a_stop_tokens_text_is_left_out_and_named_in_stop_reason(route, body, ids, reason, extra, text, stop_reason):
+    client, _ = _generating(ids, reason)
+    full = {"model": MODEL, **body, **extra}
+    r = client.post(route, json={**full, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (_text(choice), choice["finish_reason"], choice["stop_reason"]) == (text, reason, stop_reason)
+    assert choice["token_ids"] == ids                                                          # the id stays
+    chunks = [c["choices"][0] for c in _streamed(client, route, full)]
+    assert "".join(_text(c) for c in chunks) == text
+    assert [c["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_reason]
+    assert chunks[-1]["finish_reason"] == reason
+
+
+def test_include_stop_str_in_output_must_be_a_bool():
+    _error(_client().post("/v1/completions", json={"model": MODEL, "prompt": "hi", "include_stop_str_in_output": "no"}),
+           400, "include_stop_str_in_output", "invalid_value")
+
+
+# -- max_model_len: what one request may hold here --------------------------------------------
+
+SMALL_PAGES = 102                     # a KV cache of 102 pages of 16 tokens: 1,632 of the context's 8,192
+
+
+def test_max_model_len_is_what_the_kv_cache_holds_when_that_is_less_than_the_context():
+    client = _client(request_pages=SMALL_PAGES)
+    limit = SMALL_PAGES * BT
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == limit
+    assert client.get(f"/v1/models/{MODEL}").json()["max_model_len"] == limit
+    assert client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}).json()["max_model_len"] == limit
+    fits = {"model": MODEL, "prompt": "x" * (limit - 2), "max_tokens": 1}     # BOS + limit - 2 bytes + 1
+    assert client.post("/v1/completions", json=fits).status_code == 200
+    err = _error(client.post("/v1/completions", json={**fits, "max_tokens": 2}), 400, "max_tokens",
+                 "context_length_exceeded")
+    assert f"maximum context length is {limit} tokens" in err["message"] and str(CONTEXT) in err["message"]
+    _error(client.post("/v1/completions", json={**fits, "prompt": "x" * limit}), 400, "prompt",
+           "context_length_exceeded")
+
+
+def test_max_model_len_is_the_context_when_the_kv_cache_holds_more(plain):
+    assert plain.get("/v1/models").json()["data"][0]["max_model_len"] == CONTEXT
+    err = _error(plain.post("/v1/completions", json={"model": MODEL, "prompt": "x" * CONTEXT}), 400, "prompt",
+                 "context_length_exceeded")
+    assert f"maximum context length is {CONTEXT} tokens;" in err["message"]
+
+
+def test_models_keeps_max_model_len_while_draining():
+    svc = _service(request_pages=SMALL_PAGES)
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    svc.draining = True
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == SMALL_PAGES * BT
+    assert client.get("/health").status_code == 503
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+
+def test_a_second_stop_signal_ends_the_requests_in_flight_at_once():
+    """`kvtier serve`'s second SIGTERM / Ctrl-C calls Service.cut(): the drain stops waiting for
+    its (here, hour-long) timeout and ends what is in flight, with an error that says why."""
+    import asyncio
+
+    svc = _service()
+    ended: list[str] = []
+
+    def fail_all(message: str) -> None:       # as the engine does: each request in flight ends
+        ended.append(message)
+        svc.end()
+
+    svc.engine.fail_all = fail_all
+
+    async def main() -> None:
+        svc.begin()
+        drain = asyncio.ensure_future(svc.drain(3600))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not drain.done() and ended == [] and svc.phase == "draining"
+        svc.cut()
+        await asyncio.wait_for(drain, 60)
+
+    asyncio.run(main())
+    assert len(ended) == 1 and "second stop signal" in ended[0]
+
+
+def test_a_drain_with_nothing_in_flight_ends_at_once_and_cuts_nothing():
+    import asyncio
+
+    svc = _service()
+    asyncio.run(asyncio.wait_for(svc.drain(3600), 60))
+    assert svc.engine.failed == []
+
+
+# -- top_k and min_p -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route,body", ROUTES)
+@pytest.mark.parametrize("fields,top_k,min_p", [({}, 0, 0.0), ({"top_k": 40, "min_p": 0.05}, 40, 0.05),
+                                                ({"top_k": -1, "min_p": 0}, 0, 0.0), ({"top_k": 1, "min_p": 1}, 1, 1.0)])
+def test_top_k_and_min_p_reach_the_sampler(route, body, fields, top_k, min_p):
+    svc = _service()
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    r = client.post(route, json={"model": MODEL, **body, "temperature": 0.7, **fields})
+    assert r.status_code == 200, r.text
+    params = svc.engine.subs[0].params
+    assert (params.top_k, params.min_p, params.temperature) == (top_k, min_p, 0.7)
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("top_k", True),
+                                         ("min_p", -0.1), ("min_p", 1.5), ("min_p", "0.1"), ("min_p", True)])
+def test_bad_top_k_or_min_p_is_a_400_naming_it(plain, field, value):
+    for route, body in ROUTES:
+        err = _error(plain.post(route, json={"model": MODEL, **body, field: value}), 400, field, "invalid_value")
+        assert field in err["message"]

@@ -1,4 +1,5 @@
-"""Turn a step's logits into next tokens: greedy, or temperature + top-p (nucleus) sampling.
+"""Turn a step's logits into next tokens: greedy, or temperature sampling cut by min-p,
+top-k and top-p (nucleus), in that order, as vLLM applies them.
 
 Each request that samples owns a `torch.Generator` seeded from its `SamplingParams.seed`
 (`make_generator`), and its row is drawn with that generator alone, so a seeded request
@@ -38,6 +39,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # generating one of these ends the request (it is kept)
     ignore_eos: bool = False               # keep going past EOS (benchmarks want fixed lengths)
     num_speculative_tokens: int | None = None   # per request: drafts per step (0 = off), at most the engine's; None = the engine's
+    top_k: int = 0                         # sample from the k most likely tokens (ties at the k-th kept); 0 or -1: all
+    min_p: float = 0.0                     # drop tokens less likely than min_p x the top token's; 0: none
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -48,6 +51,11 @@ class SamplingParams:
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
                 or not 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ConfigError(f"top_k must be an int >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
+        if (isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float))
+                or not 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be in [0, 1] (0 = no cut), got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise ConfigError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         stops = tuple(self.stop_token_ids)
@@ -59,6 +67,13 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or k < 0):
             raise ConfigError(f"num_speculative_tokens must be None (the engine's) or an int >= 0 (0 = off), got {k!r}")
+        if not self.greedy and (self.top_k > 0 or self.min_p > 0):
+            # speculative verification (spec/verify.py) draws from the top-p cut distribution
+            # only: a request cut by top-k or min-p does not speculate, so it samples exactly
+            if k:
+                raise ConfigError("top_k and min_p do not combine with speculative decoding yet: give "
+                                  "num_speculative_tokens=0 (or None), or leave top_k and min_p out")
+            object.__setattr__(self, "num_speculative_tokens", 0)
 
     @property
     def greedy(self) -> bool:
@@ -102,12 +117,36 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     idx = torch.tensor(rows, device=logits.device)
     temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float32)
     probs = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)
+    min_p = [params[i].min_p for i in rows]
+    if any(p > 0 for p in min_p):
+        probs = _min_p_filter(probs, torch.tensor(min_p, device=logits.device, dtype=torch.float32))
+    top_k = [max(params[i].top_k, 0) for i in rows]
+    if any(top_k):
+        probs = _top_k_filter(probs, torch.tensor(top_k, device=logits.device))
     top_p = [params[i].top_p for i in rows]
     if any(p < 1.0 for p in top_p):
+        probs = probs / probs.sum(dim=-1, keepdim=True)      # the nucleus of what min-p and top-k kept
         probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=torch.float32))
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return out
+
+
+def _min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token less likely than min_p times its row's top token (min_p 0: none). The
+    top token always stays (min_p <= 1)."""
+    floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return probs.masked_fill(probs < floor, 0.0)
+
+
+def _top_k_filter(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k most probable tokens (k 0: all; a tie with the k-th is kept, as vLLM keeps
+    it), zero the rest."""
+    vocab = probs.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    sorted_p = torch.sort(probs, dim=-1, descending=True).values
+    kth = sorted_p.gather(-1, (k - 1)[:, None])
+    return probs.masked_fill(probs < kth, 0.0)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ A generation request (POST /v1/completions, /v1/chat/completions):
    one is tried; with none left the decode worker computes the prompt itself. A 4xx (a bad
    request) is the client's answer, as one server would give it;
 3. a decode worker is chosen by the rule and sent the client's body plus
-   `kvtier_handoff: {node, keys}`; it pulls the prefix from that node and streams. A decode
+   `kvtier_handoff: {node, keys, signature}` as the prefill worker signed it (the router holds
+   no secret and changes none of it); it pulls the prefix from that node and streams. A decode
    worker that cannot be reached, or answers 503 before generating, is replaced by the
    next; nothing is retried once a response started, so no request is answered twice;
 4. the answer passes through unchanged (ids, chunks, [DONE], usage): the client sees one
@@ -245,7 +246,8 @@ class Router:
             target, uncached = self.pick(decoders, prompt, session, "decode")
             if uncached >= self.cfg.direct_below:
                 # push: the decode worker is chosen now, and the prefill worker sends it the blocks
-                push_to = _reachable(target.node, target) if self.cfg.handoff == "push" and target.node else None
+                push_to = {"node": target.node, "signature": target.node_signature} \
+                    if self.cfg.handoff == "push" and target.node else None
                 handoff, answer = await self._prefill(body, prompt, session, headers, chat, push_to)
                 if answer is not None:
                     return answer, "rejected"
@@ -261,10 +263,11 @@ class Router:
         return answer, "disaggregated" if handoff is not None else "direct"
 
     async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                       chat: bool, push_to: str | None = None) -> tuple[dict | None, Response | None]:
+                       chat: bool, push_to: dict | None = None) -> tuple[dict | None, Response | None]:
         """Prefill on a prefill worker: (the hand-over, None), (None, a 4xx to answer), or
         (None, None) when no prefill worker could do it (the decode worker computes).
-        `push_to`: the decode worker's node, which the prefill worker PUTs the blocks to."""
+        `push_to`: the decode worker's signed node ({node, signature} from its /kvtier/load),
+        which the prefill worker PUTs the blocks to."""
         assert self.client is not None
         tried: set[str] = set()
         outer: dict[str, Any] = {"api": "chat" if chat else "completions", "request": body}
@@ -296,7 +299,9 @@ class Router:
                 return None, Response(r.content, r.status_code, media_type="application/json")
             try:
                 data = r.json()
-                hand = {"node": _reachable(data["node"], w), "keys": list(data["keys"])}
+                hand = {"node": data["node"], "keys": list(data["keys"]), "signature": data.get("signature")}
+                if not isinstance(hand["node"], str):
+                    raise TypeError("node")
             except (ValueError, KeyError, TypeError):
                 w.failed("prefill answered a body that is not a hand-over")
                 self.stats.prefill_retries += 1
@@ -448,14 +453,6 @@ async def _relay(resp: httpx.Response, load: _Load, skip: int, stats: Stats) -> 
         yield b"data: [DONE]\n\n"
     finally:
         await resp.aclose()
-
-
-def _reachable(node: str, w: Worker) -> str:
-    """A node that listens on a wildcard address is reached at its worker's host."""
-    host, _, port = node.rpartition(":")
-    if host in ("0.0.0.0", "::", "[::]", ""):
-        return f"{w.host}:{port}"
-    return node
 
 
 def build_app(router: Router) -> Any:

@@ -15,7 +15,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -29,7 +28,8 @@ class Worker:
     pool: str                          # "prefill" or "decode" (a `both` worker is listed with --decode)
     status: str = "unknown"            # unknown, starting, ready, down
     role: str | None = None            # what it reports: both, prefill, decode
-    node: str | None = None            # its kvtier node, host:port
+    node: str | None = None            # its kvtier node, host:port, as it reports it
+    node_signature: str | None = None  # decode workers: their signature of `node`, passed on as a push target
     block_tokens: int = 16
     kv_events: bool = False            # it publishes GET /kvtier/events (router/blocks.py)
     pulled_bytes: int = 0              # KV it handed over, as it reports it (decode: pulled, prefill: pushed)
@@ -46,10 +46,6 @@ class Worker:
     @property
     def ready(self) -> bool:
         return self.status == "ready"
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
 
     def failed(self, why: str) -> None:
         """A call to it failed: out of rotation until a poll finds it ready again."""
@@ -99,7 +95,7 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
     w.was_ready |= w.status == "ready"
     w.polled_at = time.monotonic()
     if data:
-        w.role, w.node = data.get("role"), data.get("node")
+        w.role, w.node, w.node_signature = data.get("role"), data.get("node"), data.get("node_signature")
         w.block_tokens = int(data.get("block_tokens") or w.block_tokens)
         w.kv_events = data.get("kv_events") is True
         w.pulled_bytes = int(data.get("pulled_bytes") or 0)

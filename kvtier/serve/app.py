@@ -49,8 +49,14 @@ class Service:
     kv_events: Any = None             # kvtier.serve.events.KvEvents, from the first GET /kvtier/events
     _chat: ChatFormatter | None = None
     _idle: asyncio.Event | None = None
+    _cut: asyncio.Event | None = None
 
     # -- life ------------------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        """The model is loaded (and still is while draining)."""
+        return self.engine.ready.is_set() and self.engine.error is None
+
     @property
     def phase(self) -> str:
         if self.draining:
@@ -82,20 +88,36 @@ class Service:
                 self._idle.set()
         return self._idle
 
+    def cut(self) -> None:
+        """Stop waiting for the requests in flight (a second SIGTERM or Ctrl-C while draining):
+        drain() ends them now, as it would at its timeout."""
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        self._cut.set()
+
     async def drain(self, timeout: float) -> None:
         """Refuse new requests (503), let those in flight finish for up to `timeout`
-        seconds, then end the rest with an error (streams get an error chunk and [DONE])."""
+        seconds (or until cut()), then end the rest with an error (streams get an error
+        chunk and [DONE])."""
         self.draining = True
         idle = self._idle_event()
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        waits = [asyncio.ensure_future(idle.wait()), asyncio.ensure_future(self._cut.wait())]
         try:
-            await asyncio.wait_for(idle.wait(), timeout)
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if idle.is_set():
+            return
+        why = "was cut by a second stop signal" if self._cut.is_set() else \
+            f"did not finish within the shutdown timeout ({timeout:g} s)"
+        self.engine.fail_all(f"the server is shutting down: this request {why}")
+        try:
+            await asyncio.wait_for(idle.wait(), 10)
         except asyncio.TimeoutError:
-            self.engine.fail_all(f"the server is shutting down: this request did not finish within the "
-                                 f"shutdown timeout ({timeout:g} s)")
-            try:
-                await asyncio.wait_for(idle.wait(), 10)
-            except asyncio.TimeoutError:
-                pass
+            pass
 
     # -- the model -------------------------------------------------------------------------
     @property
@@ -103,8 +125,16 @@ class Service:
         return self.engine.llm
 
     @property
-    def max_model_len(self) -> int:
+    def context(self) -> int:
+        """The model's context length (positions)."""
         return int(self.llm.config.max_position_embeddings)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + generated) one request may have here: the model's context,
+        or fewer when the KV cache holds fewer for one request. What /v1/models and /tokenize
+        report and the context-length error names, so a client sizing prompts by it fits."""
+        return min(self.context, self.llm.request_pages * self.llm.adapter.block_tokens)
 
     def chat(self) -> ChatFormatter:
         if self._chat is None:
@@ -140,29 +170,24 @@ class Service:
         return list(req.prompt)
 
     def sampling(self, req: P.GenerationRequest, n_prompt: int) -> SamplingParams:
-        limit = self.max_model_len
-        bt = self.llm.adapter.block_tokens
-        capacity = self.llm.request_pages
-        # Without max_tokens, up to the context's end or the KV cache's, whichever comes first
-        # (a server may hold fewer tokens than the model's context).
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(limit, capacity * bt) - n_prompt)
-        # The field to blame: the prompt when it alone is too long (for the context or the KV
-        # cache, with one token to generate) or max_tokens was not sent (a default's, 16 for
-        # completions, is not the client's field).
-        prompt_alone = n_prompt >= limit or -(-(n_prompt + 1) // bt) > capacity
+        limit = self.max_model_len            # the context, or what the KV cache holds if less
+        # Without max_tokens, up to that limit.
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, limit - n_prompt)
+        # The field to blame: the prompt when it alone is too long (with one token to generate)
+        # or max_tokens was not sent (a default's, 16 for completions, is not the client's field).
+        prompt_alone = n_prompt >= limit
         param = ("messages" if req.messages else "prompt") if prompt_alone or not req.max_tokens_sent else "max_tokens"
         fix = "shorten the prompt" if prompt_alone else "shorten the prompt or lower max_tokens"
         if max_tokens < 1 or n_prompt + max_tokens > limit:
-            raise P.bad(f"this model's maximum context length is {limit} tokens; the request asks for "
+            why = "" if limit == self.context else \
+                f" on this server (the model's {self.context}, capped by what its KV cache holds for one request)"
+            raise P.bad(f"this model's maximum context length is {limit} tokens{why}; the request asks for "
                         f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt, {max(max_tokens, 1)} to "
                         f"generate): {fix}", param, "context_length_exceeded")
-        pages = -(-(n_prompt + max_tokens) // bt)
-        if pages > capacity:
-            raise P.bad(f"the request needs {pages} KV pages ({n_prompt} + {max_tokens} tokens) but this server's "
-                        f"KV cache has {capacity}: {fix}", param, "context_length_exceeded")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                                  top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         except ConfigError as e:
             raise P.bad(str(e)) from None
 
@@ -218,6 +243,8 @@ class _Answer:
         self.created = int(time.time())       # OpenAI's `created`: when this request arrived
         self.text = IncrementalText(svc.llm.tokenizer)
         self.over = False
+        self.stop_reason: int | None = None   # vLLM's: the stop token id that ended it (None: EOS, length)
+        self.held: list[int] = []             # the stop token: in token_ids, not in the text
         self._closed = False
 
     def close(self) -> None:
@@ -233,12 +260,31 @@ class _Answer:
     def _usage(self, done: Finished) -> dict:
         return P.usage(done.prompt_tokens, done.completion_tokens, done.cached_by_tier)
 
+    def _visible(self, batch: list[Event]) -> list[Event]:
+        """`batch` with the token that stopped the request (a stop token or EOS) kept out of
+        the text, as vLLM does unless include_stop_str_in_output (it stays in token_ids); and
+        stop_reason noted: the id when one of stop_token_ids ended it, None for EOS."""
+        done = batch[-1] if batch else None
+        last = next((i for i in range(len(batch) - 1, -1, -1) if isinstance(batch[i], Tokens) and batch[i].ids), None)
+        if not isinstance(done, Finished) or done.reason != "stop" or last is None:
+            return batch
+        tok = batch[last].ids[-1]
+        r = self.req
+        if tok in r.stop_token_ids and (r.ignore_eos or tok != self.svc.llm.eos):   # EOS first, as vLLM checks
+            self.stop_reason = tok
+        if r.include_stop_str_in_output:
+            return batch
+        self.held = [tok]
+        return batch[:last] + [Tokens(batch[last].ids[:-1])] + batch[last + 1:]
+
     def _chunk(self, piece: str, finish: str | None) -> dict:
         r = self.req
         if self.chat:
             delta = {"content": piece} if piece or finish is None else {}
-            return P.chat_chunk(self.rid, self.created, r.model, delta, finish, r.include_usage)
-        return P.completion_chunk(self.rid, self.created, r.model, piece, finish, r.include_usage)
+            return P.chat_chunk(self.rid, self.created, r.model, delta, finish, r.include_usage,
+                                self.stop_reason if finish else None)
+        return P.completion_chunk(self.rid, self.created, r.model, piece, finish, r.include_usage,
+                                  self.stop_reason if finish else None)
 
     async def stream(self, events: asyncio.Queue[list[Event]]) -> AsyncIterator[bytes]:
         s, r = self.svc, self.req
@@ -246,7 +292,7 @@ class _Answer:
             yield sse_event(P.chat_chunk(self.rid, self.created, r.model, {"role": "assistant", "content": ""}, None,
                                          r.include_usage))
         while True:
-            for ev in await events.get():
+            for ev in self._visible(await events.get()):
                 if isinstance(ev, Tokens):
                     piece = self.text.push(ev.ids)
                     if piece:
@@ -274,7 +320,7 @@ class _Answer:
     async def _collect(self, events: asyncio.Queue[list[Event]]) -> Response:
         s, r = self.svc, self.req
         while True:
-            for ev in await events.get():
+            for ev in self._visible(await events.get()):
                 if isinstance(ev, Tokens):
                     self.text.push(ev.ids)
                 elif isinstance(ev, Finished):
@@ -282,8 +328,9 @@ class _Answer:
                     s.metrics.outcome(ev.reason)
                     self.text.push([], final=True)
                     build = P.chat_body if self.chat else P.completion_body
-                    ids = list(self.text.ids) if r.return_token_ids else None
-                    return JSON(build(self.rid, self.created, r.model, self.text.text, ev.reason, self._usage(ev), ids))
+                    ids = self.text.ids + self.held if r.return_token_ids else None
+                    return JSON(build(self.rid, self.created, r.model, self.text.text, ev.reason, self._usage(ev), ids,
+                                      self.stop_reason))
                 elif isinstance(ev, Failed):
                     self.over = True
                     s.metrics.outcome("error")
@@ -306,7 +353,7 @@ def build_app(svc: Service) -> Any:
         """The served model's card, as GET /v1/models lists it."""
         out = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "kvtier",
                "root": svc.model_name, "parent": None}
-        if svc.phase == "ready":
+        if svc.loaded:                            # ready or draining: what a request may hold here
             out["max_model_len"] = svc.max_model_len
         return out
 
@@ -379,9 +426,9 @@ def build_app(svc: Service) -> Any:
         except ValueError:
             raise P.bad("cursor must be the one a snapshot page answered", "cursor") from None
 
-    async def load(_request: Request) -> Response:
+    async def load(request: Request) -> Response:
         from kvtier.serve.disagg import Disagg
-        return JSON((svc.disagg or Disagg()).load(svc))
+        return JSON((svc.disagg or Disagg()).load(svc, request))
 
     async def metrics(_request: Request) -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)

@@ -4,7 +4,8 @@ Every option is checked, and the port bound, before the model loads, so a typo o
 port is one `kvtier: error:` line at once. The HTTP server answers from the moment it
 listens (/health says 503 "starting" until the model is loaded). SIGTERM or Ctrl-C drains:
 new requests get 503, those in flight finish (up to --shutdown-timeout seconds, then they
-end with an error), the store is flushed and closed, and the process exits 0.
+end with an error), the store is flushed and closed, and the process exits 0. A second
+SIGTERM or Ctrl-C while draining ends the requests in flight at once (as the timeout would).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one")
     p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long requests in flight may run on before they end with an error")
+                   help="on SIGTERM, how long requests in flight may run on before they end with an error "
+                        "(a second SIGTERM or Ctrl-C ends them at once)")
     p.add_argument("--max-batched-tokens", type=positive_int, default=1024, metavar="N",
                    help="tokens one engine step computes at most (chunked prefill)")
     p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N", help="requests in one batch at most")
@@ -98,7 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "(default with --role prefill/decode: --host and --port + 1000, a free port with "
                               "--port 0; with --peers/--directory: 127.0.0.1:0)")
     cluster.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
-                         help="with --directory: the address peers use to reach --kv-listen")
+                         help="with --directory or --role prefill/decode: the address peers use to reach "
+                              "--kv-listen (default for a role: the node's, its wildcard host as the router reached "
+                              "this server)")
 
 
 def _served_name(args: argparse.Namespace) -> str:
@@ -158,8 +162,9 @@ def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
     from kvtier.node_cli import read_secret
     if args.peers and args.directory:
         raise ConfigError("give --peers or --directory, not both")
-    if args.advertise and not args.directory:
-        raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
+    if args.advertise and not args.directory and not disagg:
+        raise ConfigError("--advertise is for --directory or --role prefill/decode (peers listed with --peers are "
+                          "reached as listed)")
     if disagg:
         from kvtier.serve.roles import node_listen_default, role_secret
         secret = role_secret(args.secret_file)
@@ -294,10 +299,12 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
     from kvtier.serve.metrics import ServeMetrics
 
     from kvtier.serve.disagg import Disagg
+    from kvtier.serve.roles import signing_key
 
     metrics = ServeMetrics(name)
     nodes: list[Any] = []
-    disagg = Disagg(args.role, pin_ttl=args.handoff_ttl) if cluster is not None else None
+    disagg = Disagg(args.role, pin_ttl=args.handoff_ttl, key=signing_key(cluster["secret"])) \
+        if cluster is not None else None
     engine = EngineLoop(_make_llm(args, cache, cluster, nodes, disagg), metrics,
                         before_close=lambda: [n.stop() for n in nodes])
     metrics.attach(engine)
@@ -318,8 +325,9 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
             server.should_exit = True
 
         def on_signal() -> None:
-            if stopping.is_set():
-                say("kvtier serve: already stopping")
+            if stopping.is_set():                 # a second signal: stop waiting, as uvicorn and vLLM do
+                say(f"kvtier serve: stopping now: ending the {svc.inflight} requests in flight")
+                svc.cut()
                 return
             stopping.set()
             asyncio.ensure_future(shutdown())

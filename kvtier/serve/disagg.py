@@ -4,18 +4,24 @@
   the client's own body. It is validated exactly as /v1/... would (a bad request is the same
   4xx), the prompt is computed into this server's store (one token sampled, then the
   request ends; its full blocks stay cached), and the answer says where the KV is:
-  `{"prompt_tokens", "block_tokens", "keys": [hex], "node": "host:port", "cached_tokens"}`.
-  The blocks stay pinned here for --handoff-ttl seconds (30) (in memory, not evicted before the
-  decode worker pulls them; released on expiry). With `"push_to": "host:port"` (the router's
-  --handoff push) the blocks are first PUT to that node (kvtier/net/push.py) and the answer
-  says how many arrived (`"pushed"`); a complete push releases the pin at once.
-- A generation request with `"kvtier_handoff": {"node", "keys"}` (decode workers): the keys
-  are checked against this server's own keys of the prompt (same model, weights and block
-  size, or the hint is ignored) and registered as hints; admission then pulls that prefix
-  from the node (verified, layer by layer) and computes only the rest. Nothing pulled
-  (the prefill worker died, evicted the blocks) means the prompt is computed here.
-- `GET /kvtier/load`: what a router balances on: role, node, outstanding prefill tokens,
-  running and waiting requests, KV usage, handed-over bytes.
+  `{"prompt_tokens", "block_tokens", "keys": [hex], "node": "host:port", "cached_tokens",
+  "signature"}`: the signature (roles.py: HMAC-SHA256 under the cluster secret) covers the
+  node and the keys. The blocks stay pinned here for --handoff-ttl seconds (30) (in memory, not
+  evicted before the decode worker pulls them; released on expiry). With `"push_to": {"node",
+  "signature"}` (the router's --handoff push: a decode worker's node as its /kvtier/load signs
+  it) the blocks are first PUT to that node (kvtier/net/push.py) and the answer says how many
+  arrived (`"pushed"`); a complete push releases the pin at once. An unsigned or mis-signed
+  push_to is a 400: nobody makes a prefill worker dial an address no decode worker signed.
+- A generation request with `"kvtier_handoff": {"node", "keys", "signature"}` (decode
+  workers): a hand-over whose signature is missing or wrong is a 400 (it would make this
+  worker dial any address). The keys are checked against this server's own keys of the prompt
+  (same model, weights and block size, or the hint is ignored) and registered as hints;
+  admission then pulls that prefix from the node (verified, layer by layer) and computes only
+  the rest. Nothing pulled (the prefill worker died, evicted the blocks) means the prompt is
+  computed here.
+- `GET /kvtier/load`: what a router balances on: role, node (and `node_signature`, what a
+  push_to carries), outstanding prefill tokens, running and waiting requests, KV usage,
+  handed-over bytes.
 - `POST /kvtier/keys` (any role): a prompt's block keys, as admission keys it, so a router
   can match them against the `GET /kvtier/events` this server publishes (events.py).
 """
@@ -37,6 +43,7 @@ from kvtier.net.remote import Remote
 from kvtier.serve import protocol as P
 from kvtier.serve.engine_loop import Failed, Finished, Submission
 from kvtier.serve.protocol import ApiError
+from kvtier.serve.roles import HANDOFF, PUSH_TARGET, reachable_node, sign, signed
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -71,6 +78,7 @@ class Disagg:
     role: str = "both"
     pin_ttl: float = 30.0                         # seconds a prefill's blocks stay pinned for the pull (--handoff-ttl)
     node: str | None = None                       # set once the node listens (engine thread)
+    key: bytes | None = None                      # roles.signing_key(secret): signs and checks hand-overs
     handoff: HandoffDirectory | None = None
     remote: TimedRemote | None = None
     pusher: Pusher | None = None                  # prefill workers: --handoff push sends blocks with it
@@ -78,12 +86,21 @@ class Disagg:
     prefills: int = 0                             # /kvtier/prefill answered
     _started: float = field(default_factory=time.perf_counter)
 
-    def load(self, svc: Service) -> dict[str, Any]:
+    def public_node(self, request: Request) -> str | None:
+        """This worker's node as a peer reaches it: a wildcard host becomes the local address
+        `request` came in on (what the router reached this worker at)."""
+        server = request.scope.get("server")
+        return None if self.node is None else reachable_node(self.node, server[0] if server else None)
+
+    def load(self, svc: Service, request: Request) -> dict[str, Any]:
         running, waiting = svc.engine.counts()
-        out: dict[str, Any] = {"role": self.role, "node": self.node, "status": svc.phase,
+        node = self.public_node(request)
+        out: dict[str, Any] = {"role": self.role, "node": node, "status": svc.phase,
                                "running": running, "waiting": waiting, "inflight": svc.inflight,
                                "prefill_tokens": 0, "kv_usage": 0.0, "handed_over": self.handed_over,
                                "prefills": self.prefills, "kv_events": True}
+        if node is not None and self.key is not None and self.role == "decode":
+            out["node_signature"] = sign(self.key, PUSH_TARGET, node)     # what a push_to to it carries
         llm = svc.engine.llm
         if llm is not None and svc.phase == "ready":
             s = llm.scheduler
@@ -107,21 +124,27 @@ class Disagg:
 
 
 def accept_handoff(svc: Service, body: dict, ids: list[int]) -> None:
-    """Register a hand-over's hints if its keys are this server's keys of `ids`."""
+    """Register a hand-over's hints if a prefill worker of this cluster signed it and its
+    keys are this server's keys of `ids`; an unsigned or mis-signed one is a 400."""
     d = svc.disagg
     hand = body.get(HANDOFF_FIELD)
     if hand is None or d is None:
         return
     if not isinstance(hand, dict) or not isinstance(hand.get("node"), str) or not isinstance(hand.get("keys"), list) \
             or len(hand["keys"]) > MAX_HANDOFF_KEYS:
-        raise P.bad(f"{HANDOFF_FIELD} must be {{'node': 'host:port', 'keys': [hex, ...]}}", HANDOFF_FIELD)
-    d.handed_over += 1
-    if d.handoff is None or not hand["keys"]:
-        return
+        raise P.bad(f"{HANDOFF_FIELD} must be {{'node': 'host:port', 'keys': [hex, ...], 'signature': hex}}",
+                    HANDOFF_FIELD)
     try:
         theirs = [bytes.fromhex(k) for k in hand["keys"]]
     except (TypeError, ValueError):
         raise P.bad(f"{HANDOFF_FIELD}.keys must be hex block keys", HANDOFF_FIELD) from None
+    if not signed(d.key, HANDOFF, hand["node"], theirs, hand.get("signature")):
+        raise P.bad(f"{HANDOFF_FIELD} is not signed by a prefill worker of this cluster (its signature is missing "
+                    "or wrong): it is the router's field, copied from a prefill worker's answer; leave it out",
+                    HANDOFF_FIELD, "invalid_signature")
+    d.handed_over += 1
+    if d.handoff is None or not theirs:
+        return
     mine = svc.llm.adapter.keys(ids[:len(ids) - 1])
     n = 0
     for a, b in zip(mine, theirs):
@@ -174,7 +197,7 @@ async def prefill(svc: Service, request: Request) -> Any:
     session = session_of(request)
     outer, req, ids = await _wrapped(svc, request)
     svc.sampling(req, len(ids))                   # the same 400s the decode worker would give
-    push_to = _push_target(outer.get("push_to"))
+    push_to = _push_target(outer.get("push_to"), d.key)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -213,9 +236,12 @@ async def prefill(svc: Service, request: Request) -> Any:
             svc.engine.abort(rid)
         svc.end()
     adapter.pin(pin, keys, d.pin_ttl)             # now a short, bounded wait for the pull
+    node = d.public_node(request)
     answer = {"object": "kvtier.prefill", "prompt_tokens": len(ids), "block_tokens": adapter.block_tokens,
-              "keys": [bytes(k).hex() for k in keys], "node": d.node, "cached_tokens": cached,
+              "keys": [bytes(k).hex() for k in keys], "node": node, "cached_tokens": cached,
               "prefill_s": round(time.perf_counter() - t0, 6)}
+    if d.key is not None:                         # what the decode worker checks before it dials `node`
+        answer["signature"] = sign(d.key, HANDOFF, node, [bytes(k) for k in keys])
     if push_to is not None and d.pusher is not None and len(keys):
         pushed = await asyncio.to_thread(d.pusher.push, svc.llm.store, keys, push_to)
         if pushed.blocks == len(keys):
@@ -226,14 +252,20 @@ async def prefill(svc: Service, request: Request) -> Any:
     return JSON(answer)
 
 
-def _push_target(value: Any) -> str | None:
-    """The node a prefill's blocks are pushed to ("push_to"), checked; None: pull."""
+def _push_target(value: Any, key: bytes | None) -> str | None:
+    """The node a prefill's blocks are pushed to ("push_to": a decode worker's node and its
+    signature, as its /kvtier/load answers them), checked; None: pull."""
     if value is None:
         return None
+    node = value.get("node") if isinstance(value, dict) else None
     try:
-        if not isinstance(value, str):
+        if not isinstance(node, str):
             raise ConfigError("not a string")
-        parse_address(value)
+        parse_address(node)
     except ConfigError:
-        raise P.bad("push_to must be a kvtier node's 'host:port'", "push_to") from None
-    return value
+        raise P.bad("push_to must be {'node': 'host:port', 'signature': hex}: a decode worker's node and "
+                    "node_signature from its GET /kvtier/load", "push_to") from None
+    if not signed(key, PUSH_TARGET, node, (), value.get("signature")):
+        raise P.bad("push_to is not signed by a decode worker of this cluster (its signature is missing or wrong): "
+                    "give the node and node_signature its GET /kvtier/load answers", "push_to", "invalid_signature")
+    return node

@@ -51,8 +51,11 @@ class GenerationRequest:
     max_tokens_sent: bool = False     # the client gave max_tokens (else a default: not the field to blame)
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                    # vLLM's: the k most likely tokens; 0 or -1: all
+    min_p: float = 0.0                # vLLM's: drop tokens below min_p x the top token's probability
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False   # vLLM's: keep the stop token's text (its id stays in token_ids)
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
@@ -134,8 +137,6 @@ _NEUTRAL: tuple[tuple[str, tuple, str], ...] = (
     ("logit_bias", ({},), "leave it out or empty"),
     ("response_format", ({"type": "text"},), "leave it out or {\"type\": \"text\"}: no JSON mode or schemas"),
     ("suffix", ("",), "leave it out: no insertion"),
-    ("top_k", (-1, 0), "leave it out, -1 or 0; use top_p"),
-    ("min_p", (0,), "leave it out or 0; use top_p"),
     ("min_tokens", (0,), "leave it out or 0"),
     ("repetition_penalty", (1,), "leave it out or 1"),
 )
@@ -175,7 +176,9 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
         model=model, max_tokens=max_tokens, max_tokens_sent=max_tokens is not None,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(_int(body, "top_k", -1) or 0, 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed, stop_token_ids=tuple(stops), ignore_eos=_bool(body, "ignore_eos"),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         stream=stream, include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"))
 
 
@@ -279,8 +282,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_by_tier: dict[str, 
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str | None,
-                    use: dict | None, token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                    use: dict | None, token_ids: list[int] | None = None,
+                    stop_reason: int | None = None) -> dict[str, Any]:
+    """A whole /v1/completions answer. `stop_reason` (vLLM's): the stop token id that ended
+    it, None for EOS, length or no end yet."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
@@ -288,9 +294,9 @@ def completion_body(rid: str, created: int, model: str, text: str, finish: str |
 
 
 def chat_body(rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
+              token_ids: list[int] | None = None, stop_reason: int | None = None) -> dict[str, Any]:
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish}
+              "finish_reason": finish, "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
@@ -298,18 +304,20 @@ def chat_body(rid: str, created: int, model: str, text: str, finish: str | None,
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
-                     with_usage: bool) -> dict[str, Any]:
+                     with_usage: bool, stop_reason: int | None = None) -> dict[str, Any]:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": stop_reason}]}
     if with_usage:
         body["usage"] = None
     return body
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish: str | None,
-               with_usage: bool) -> dict[str, Any]:
+               with_usage: bool, stop_reason: int | None = None) -> dict[str, Any]:
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": stop_reason}]}
     if with_usage:
         body["usage"] = None
     return body

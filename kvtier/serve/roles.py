@@ -4,16 +4,28 @@ A P/D pair on one host needs no link options: the node listens on the HTTP port 
 (so workers on ports 8000, 8001, ... get nodes on 9000, 9001, ...; --port 0 gets a free
 node port), and without --secret-file or $KVTIER_SECRET a built-in development secret is
 used, with a loud warning: it authenticates nothing, since everyone knows it.
+
+The same secret signs what workers tell each other through the router (which holds no
+secret and passes signatures on unchanged): a prefill worker's hand-over (the node to pull
+from and the block keys) and a decode worker's node that prefill workers may push to. A
+worker acts on neither unless its signature checks, so whoever reaches a worker's HTTP port
+cannot make it dial an address of their choosing.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import sys
+from typing import Any, Sequence
 
 from kvtier.errors import ConfigError
 
 NODE_PORT_OFFSET = 1000
 DEV_SECRET = b"kvtier-development-secret-INSECURE"
+HANDOFF = b"kvtier hand-over"        # signed by a prefill worker: its node and the prompt's block keys
+PUSH_TARGET = b"kvtier push target"  # signed by a decode worker: its node, which prefill workers may push to
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
 def node_listen_default(host: str, http_port: int) -> str:
@@ -54,3 +66,36 @@ def role_secret(path: str | None) -> bytes:
           "server's KV blocks. Use it on one trusted host only; give every worker the same --secret-file "
           "in production.", file=sys.stderr, flush=True)
     return DEV_SECRET
+
+
+def signing_key(secret: bytes) -> bytes:
+    """The key workers sign hand-overs with: derived from the cluster secret, apart from the
+    node protocol's keys (a signature is never a valid frame tag, nor the reverse)."""
+    return hmac.new(bytes(secret), b"kvtier serve signatures v1", hashlib.sha256).digest()
+
+
+def _signed_bytes(purpose: bytes, node: str, keys: Sequence[bytes]) -> bytes:
+    """The canonical encoding of what is signed: each part length-prefixed, so no two
+    different (purpose, node, keys) encode alike."""
+    return b"".join(len(part).to_bytes(4, "big") + part for part in (purpose, node.encode(), *map(bytes, keys)))
+
+
+def sign(key: bytes, purpose: bytes, node: str, keys: Sequence[bytes] = ()) -> str:
+    """HMAC-SHA256 (hex) of `node` and `keys` for `purpose` (HANDOFF or PUSH_TARGET)."""
+    return hmac.new(key, _signed_bytes(purpose, node, keys), hashlib.sha256).hexdigest()
+
+
+def signed(key: bytes | None, purpose: bytes, node: str, keys: Sequence[bytes], signature: Any) -> bool:
+    """Whether `signature` is sign(key, purpose, node, keys); never with no key."""
+    if key is None or not isinstance(signature, str):
+        return False
+    return hmac.compare_digest(signature.lower().encode(), sign(key, purpose, node, keys).encode())
+
+
+def reachable_node(node: str, host: str | None) -> str:
+    """A node listening on a wildcard address, as reached at `host` (the local address a
+    request came in on, so never a client's say); any other node as it is."""
+    node_host, _, port = node.rpartition(":")
+    if node_host not in WILDCARDS or not host:
+        return node
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
