@@ -30,7 +30,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
             "<{{ m['role'] }}{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m['content'] }}"
             "{% for tc in m.tool_calls or [] %}<call {{ tc.id }} {{ tc.function.name }} "
-            "{{ tc.function.arguments }}>{% endfor %}{% endfor %}"
+            "{{ tc.function.arguments | tojson }}>{% endfor %}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 AGENT = [{"role": "user", "content": "weather in Paris?"},
          {"role": "assistant", "content": None, "tool_calls": [
@@ -125,6 +125,18 @@ def test_tokenize_refused_by_the_template_is_a_400_as_chat_is(templated):
 def test_tool_calls_reach_the_chat_template(templated):
     want = '<bos><user>weather in Paris?<assistant><call call_1 get_weather {"city": "Paris"}>'
     assert _rendered(templated, AGENT) == want + '<tool id=call_1>sunny<assistant>'
+
+
+def test_tool_call_arguments_reach_templates_as_an_object_and_empty_calls_are_left_out(templated):
+    """As vLLM hands them over: templates render arguments with tojson (a string came out
+    double-encoded), and index tool_calls[0] when the key is there (an empty list failed)."""
+    rendered = _rendered(templated, AGENT)
+    assert '{"city": "Paris"}' in rendered and '\\"' not in rendered
+    odd = [AGENT[0], {**AGENT[1], "tool_calls": [{**AGENT[1]["tool_calls"][0],
+                                                  "function": {"name": "f", "arguments": "not json"}}]}]
+    assert '<call call_1 f "not json">' in _rendered(templated, odd)      # not JSON: kept as text
+    empty = [AGENT[0], {"role": "assistant", "content": "ok", "tool_calls": []}]
+    assert _rendered(templated, empty) == _rendered(templated, [AGENT[0], {"role": "assistant", "content": "ok"}])
 
 
 def test_tool_calls_in_the_plain_template(plain):

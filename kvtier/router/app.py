@@ -354,8 +354,8 @@ class Router:
                 load.release()
                 raise
             if resp.status_code == 503:               # not generating (draining, KV full): another may
+                load.release()                        # first: a cancel during aclose() must not keep it
                 await resp.aclose()
-                load.release()
                 self.stats.decode_retries += 1
                 continue
             self.routed(w, prompt)
@@ -371,8 +371,8 @@ class Router:
                 raise ApiError(502, f"the decode worker failed while answering: {type(e).__name__}",
                                code="bad_gateway") from None
             finally:
+                load.release()                        # first: a cancel during aclose() must not keep it
                 await resp.aclose()
-                load.release()
             if resp.status_code == 200:
                 try:
                     self.learn(prompt, orjson.loads(data)["usage"]["prompt_tokens"])

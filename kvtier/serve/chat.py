@@ -25,9 +25,14 @@ def plain_template(messages: list[dict[str, Any]]) -> str:
 
 def _plain(m: dict[str, Any]) -> str:
     role = f"{m['role']} ({m['tool_call_id']})" if "tool_call_id" in m else m["role"]
-    calls = "".join(f"\n[tool call {c['id']}: {c['function']['name']}({c['function']['arguments']})]"
+    calls = "".join(f"\n[tool call {c['id']}: {c['function']['name']}({_text(c['function']['arguments'])})]"
                     for c in m.get("tool_calls", ()))
     return f"{role}: {m['content']}{calls}\n\n"
+
+
+def _text(arguments: Any) -> str:
+    """A tool call's arguments as JSON text (an object written back in its keys' order)."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 class ChatFormatter:

@@ -8,6 +8,7 @@ ignored, as OpenAI-compatible servers do, so clients that send extras keep worki
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,7 +252,8 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
             if role != "assistant" or not isinstance(calls, list):
                 raise bad(f"{where}.tool_calls must be a list of tool calls, on an assistant message",
                           f"{where}.tool_calls")
-            msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+            if calls:                # an empty list is left out, as vLLM does (templates index calls[0])
+                msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
         out.append(msg)
     return out
 
@@ -264,7 +266,15 @@ def _tool_call(c: Any, where: str) -> dict[str, Any]:
             or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
             or not isinstance(fn.get("arguments"), str):
         raise bad(f"{where} must be {shape}", where)
-    return {"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+    # The JSON text as an object, as vLLM hands it to chat templates (they render it with
+    # tojson: a string came out double-encoded); text that is not a JSON object stays text.
+    try:
+        args: Any = json.loads(fn["arguments"])
+    except ValueError:
+        args = fn["arguments"]
+    if not isinstance(args, dict):
+        args = fn["arguments"]
+    return {"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 # -- response bodies ------------------------------------------------------------------------
