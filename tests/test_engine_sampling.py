@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.engine.sampling import SamplingParams, make_generator, sample
+from kvtier.engine.sampling import SamplingParams, cut, make_generator, sample
 from kvtier.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -205,12 +205,14 @@ def test_bad_top_k_or_min_p_is_a_config_error(kw: dict) -> None:
         SamplingParams(temperature=1.0, **kw)
 
 
-def test_a_request_cut_by_top_k_or_min_p_does_not_speculate() -> None:
-    """Speculative verification draws from the top-p cut distribution only, so such a request
-    takes no drafts (and asking for them is an error); greedy requests are not cut at all."""
-    assert SamplingParams(temperature=1.0, top_k=5).num_speculative_tokens == 0
-    assert SamplingParams(temperature=1.0, min_p=0.1).num_speculative_tokens == 0
-    assert SamplingParams(temperature=1.0, top_k=-1).num_speculative_tokens is None
-    assert SamplingParams(temperature=0.0, top_k=5).num_speculative_tokens is None
-    with pytest.raises(ConfigError, match="speculative"):
-        SamplingParams(temperature=1.0, top_k=5, num_speculative_tokens=2)
+def test_speculative_verification_draws_from_what_top_k_and_min_p_keep() -> None:
+    """spec/verify.py's target distribution is sample()'s, cut the same way (it was cut by
+    top-p only, so a speculating request could emit a token top_k or min_p drops)."""
+    from kvtier.engine.spec.verify import target_probs
+    logits = PROBS.log()[None, :].repeat(2, 1)
+    for params in (SamplingParams(temperature=1.0, top_k=2, num_speculative_tokens=3),
+                   SamplingParams(temperature=1.0, min_p=0.5, top_p=0.9, num_speculative_tokens=3)):
+        p = target_probs(logits, params)
+        kept = cut(torch.softmax(logits, dim=-1), [params, params])
+        assert torch.allclose(p, kept / kept.sum(dim=-1, keepdim=True))
+        assert (p[0] > 0).sum() == 2 and torch.allclose(p.sum(dim=-1), torch.ones(2))   # of 5 tokens

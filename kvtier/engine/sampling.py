@@ -67,13 +67,6 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or k < 0):
             raise ConfigError(f"num_speculative_tokens must be None (the engine's) or an int >= 0 (0 = off), got {k!r}")
-        if not self.greedy and (self.top_k > 0 or self.min_p > 0):
-            # speculative verification (spec/verify.py) draws from the top-p cut distribution
-            # only: a request cut by top-k or min-p does not speculate, so it samples exactly
-            if k:
-                raise ConfigError("top_k and min_p do not combine with speculative decoding yet: give "
-                                  "num_speculative_tokens=0 (or None), or leave top_k and min_p out")
-            object.__setattr__(self, "num_speculative_tokens", 0)
 
     @property
     def greedy(self) -> bool:
@@ -116,20 +109,27 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         return out
     idx = torch.tensor(rows, device=logits.device)
     temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float32)
-    probs = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)
-    min_p = [params[i].min_p for i in rows]
-    if any(p > 0 for p in min_p):
-        probs = _min_p_filter(probs, torch.tensor(min_p, device=logits.device, dtype=torch.float32))
-    top_k = [max(params[i].top_k, 0) for i in rows]
-    if any(top_k):
-        probs = _top_k_filter(probs, torch.tensor(top_k, device=logits.device))
-    top_p = [params[i].top_p for i in rows]
-    if any(p < 1.0 for p in top_p):
-        probs = probs / probs.sum(dim=-1, keepdim=True)      # the nucleus of what min-p and top-k kept
-        probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=torch.float32))
+    probs = cut(torch.softmax(logits[idx].float() / temp[:, None], dim=-1), [params[i] for i in rows])
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return out
+
+
+def cut(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Row i of `probs` cut by params[i]'s min-p, then top-k, then top-p (what sample() and
+    speculative verification draw from), not renormalised."""
+    device = probs.device
+    min_p = [p.min_p for p in params]
+    if any(p > 0 for p in min_p):
+        probs = _min_p_filter(probs, torch.tensor(min_p, device=device, dtype=torch.float32))
+    top_k = [max(p.top_k, 0) for p in params]
+    if any(top_k):
+        probs = _top_k_filter(probs, torch.tensor(top_k, device=device))
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        probs = probs / probs.sum(dim=-1, keepdim=True)      # the nucleus of what min-p and top-k kept
+        probs = _top_p_filter(probs, torch.tensor(top_p, device=device, dtype=torch.float32))
+    return probs
 
 
 def _min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -14,17 +14,14 @@ from typing import Sequence
 
 import torch
 
-from kvtier.engine.sampling import SamplingParams, _top_p_filter
+from kvtier.engine.sampling import SamplingParams, cut
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sample() draws from, per row: softmax(logits / T), nucleus-cut, renormalised."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        top = torch.full((probs.shape[0],), params.top_p, device=probs.device, dtype=torch.float32)
-        probs = _top_p_filter(probs, top)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    """The distribution sample() draws from, per row: softmax(logits / T), cut by min-p, top-k
+    and top-p (sampling.cut), renormalised."""
+    probs = cut(torch.softmax(logits.float() / params.temperature, dim=-1), [params] * logits.shape[0])
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> tuple[list[int], int]:
