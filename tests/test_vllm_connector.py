@@ -169,8 +169,9 @@ def test_config_defaults_and_shorthand(tmp_path):
     assert [t.kind for t in c.tiers_spec] == ["host"] and c.failure_policy == "recompute" and c.secret is None
     assert c.store == kvtier.StoreConfig()                  # kvtier's one set of defaults
     c = parse_config({"host_capacity": "2GiB", "disk_path": str(tmp_path), "policy": "arc", "pin_ttl": 60})
-    assert [(t.kind, t.args.get("capacity")) for t in c.tiers_spec] == [("host", "2GiB"), ("disk", "16GiB")]
-    assert c.store.policy == "arc" and c.store.pin_ttl == 60 and c.store.disk_capacity == "16GiB"
+    # no disk_capacity: the folder keeps its present size (16GiB for a new one), as everywhere
+    assert [(t.kind, t.args.get("capacity")) for t in c.tiers_spec] == [("host", "2GiB"), ("disk", None)]
+    assert c.store.policy == "arc" and c.store.pin_ttl == 60 and c.store.disk_capacity is None
     assert c.store.disk_path == str(tmp_path)
 
 

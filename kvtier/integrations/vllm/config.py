@@ -192,8 +192,8 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
         if t.kind in ("host", "disk"):
             if "capacity" not in t.args and "blocks" not in t.args:
                 raise ConfigError(f"the {t.kind} tier needs a capacity, e.g. '8GiB'")
-            if "capacity" in t.args:
-                c = t.args["capacity"]
+            if "capacity" in t.args and not (t.kind == "disk" and t.args["capacity"] is None):
+                c = t.args["capacity"]      # (a disk's None: its folder's present size, 16GiB if new)
                 if t.kind == "host" and no_host_tier(c):
                     raise ConfigError(f"the host tier's capacity is {c!r}: the connector always has a host "
                                       "tier (vLLM's pages are saved through it); give a size like '8GiB'")
