@@ -187,6 +187,9 @@ def test_config_file_and_inline_override(tmp_path):
     ({"host_capacity": "1GiB", "hostcapacity": 1}, "unknown kvtier connector setting"),
     ({"peers": ["10.0.0.2:7700"]}, "secret"),
     ({"disk_capacity": "1GiB"}, "disk_path"),
+    ({"disk_io_threads": 2}, "disk_io_threads needs disk_path"),     # was ignored
+    ({"disk_path": 123}, "disk_path'\\] must be a non-empty string"),   # made a folder ./123
+    ({"disk_path": ""}, "disk_path'\\] must be a non-empty string"),    # meant no disk tier
     ({"host_capacity": "lots"}, "cannot parse size"),
     ({"host_capacity": 0}, "always has a host tier"),
     ({"host_capacity": "none"}, "always has a host tier"),
@@ -298,6 +301,26 @@ def pair(tmp_path):
     s = SchedulerSide(cfg, T)
     s.set_workers([w.handshake()])
     yield s, w, caches
+    w.close()
+
+
+def test_a_worker_whose_node_cannot_listen_leaves_its_store_closed(tmp_path):
+    """A port in use failed the worker after its store took the disk tier's lock: a retry in
+    the same process was refused ("in use by another store")."""
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        settings = {"host_capacity": "1MiB", "disk_path": str(tmp_path / "disk"), "disk_capacity": "4MiB"}
+        caches = _caches()
+        w = WorkerSide(parse_config({**settings, "listen": f"127.0.0.1:{busy.getsockname()[1]}"}), "tiny", "r1", 0, 1)
+        with pytest.raises(kvtier.ConfigError, match="in use"):
+            w.register(caches, KVSpec(T, P, False, 2, 8, "LBHNC"), list(caches))
+    finally:
+        busy.close()
+    w = WorkerSide(parse_config(settings), "tiny", "r1", 0, 1)
+    w.register(caches, KVSpec(T, P, False, 2, 8, "LBHNC"), list(caches))
     w.close()
 
 
@@ -455,6 +478,21 @@ def test_session_pin_and_tagged_requests_do_not_share(pair):
     assert s.match(salted, 0) == 0                   # another tenant's chain: no hit
     assert s.match(_request("r3", toks), 0) == 3 * T
     assert s.match(_request("r4", toks[:8]), 0) == T   # at least one token left to compute
+
+
+@pytest.mark.parametrize("ttl", ["abc", None, [], True, -5, float("inf"), "1e999", 0])
+def test_a_clients_bad_session_ttl_is_the_default_not_an_engine_crash(ttl, caplog):
+    """x-session-ttl comes from a client's kv_transfer_params and is read in vLLM's engine core:
+    "abc" or null raised there and killed the engine for every later request."""
+    s = SchedulerSide(parse_config({"pin_ttl": 60}), 16)
+    req = _request("r", list(range(100)))
+    req.kv_transfer_params = {"x-session-affinity": "a", "x-session-ttl": ttl}
+    assert s.match(req, 0) == 0
+    assert s._reqs["r"].ttl == 60 and (ttl is None or "x-session-ttl" in caplog.text)
+    ok = _request("q", list(range(100)))
+    ok.kv_transfer_params = {"x-session-affinity": "a", "x-session-ttl": "30"}
+    s.match(ok, 0)
+    assert s._reqs["q"].ttl == 30
 
 
 def test_scheduler_without_workers_reports_no_hits():

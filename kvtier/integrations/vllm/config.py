@@ -162,6 +162,8 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
             specs.append(TierSpec(t["kind"], args))
     else:
         specs = [TierSpec("host", {"capacity": cfg.get("host_capacity", _DEFAULTS.host_capacity)})]
+        if "disk_path" in cfg:
+            _text(cfg, "disk_path", None)        # a number made ./123, "" meant no disk tier: refused
         if cfg.get("disk_path"):
             d: dict[str, Any] = {"path": cfg["disk_path"], "capacity": cfg.get("disk_capacity", _DEFAULTS.disk_capacity)}
             if "disk_direct" in cfg:
@@ -169,8 +171,10 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
             if "disk_io_threads" in cfg:
                 d["io_threads"] = cfg["disk_io_threads"]
             specs.append(TierSpec("disk", d))
-        elif "disk_capacity" in cfg:
-            raise ConfigError("disk_capacity needs disk_path (the directory of the disk tier)")
+        else:
+            for key in ("disk_capacity", "disk_direct", "disk_io_threads"):
+                if key in cfg:
+                    raise ConfigError(f"{key} needs disk_path (the directory of the disk tier)")
         if cfg.get("peers") or cfg.get("directory"):
             r: dict[str, Any] = {"timeout": _num(cfg, "remote_timeout", 0.5)}
             if cfg.get("directory"):

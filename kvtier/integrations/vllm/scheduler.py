@@ -18,6 +18,7 @@ are read through the attributes vLLM gives them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -116,7 +117,7 @@ class SchedulerSide:
         n = len(prompt) // B
         params = getattr(request, "kv_transfer_params", None) or {}
         session = params.get(self.cfg.session_param) if isinstance(params, dict) else None
-        ttl = params.get("x-session-ttl", self.cfg.store.pin_ttl) if isinstance(params, dict) else self.cfg.store.pin_ttl
+        ttl = _ttl(params.get("x-session-ttl") if isinstance(params, dict) else None, self.cfg.store.pin_ttl)
         lora = getattr(request, "lora_request", None)
         tag = b""
         if lora is not None:
@@ -125,7 +126,7 @@ class SchedulerSide:
         if salt:
             tag += b"salt:" + str(salt).encode() + b"\0"
         skip = bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, float(ttl), skip=skip or n == 0,
+        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, ttl, skip=skip or n == 0,
                   request=request)
         self._reqs[request.request_id] = st
         return st
@@ -236,3 +237,19 @@ def uncount_cached(request: Any, cached: int) -> None:
     stats.num_cached_tokens = cached
     stats.num_external_cached_tokens = max(0, stats.num_external_cached_tokens - lost)
     stats.num_computed_tokens += lost
+
+
+def _ttl(value: Any, default: float) -> float:
+    """A request's x-session-ttl (a client's value, read inside vLLM's engine core: one that
+    raised there killed the engine for every request); anything but a finite number > 0 is
+    the default, with a warning."""
+    if value is None:
+        return default
+    try:
+        ttl = float(value)
+    except (TypeError, ValueError, OverflowError):
+        ttl = math.nan
+    if isinstance(value, bool) or not math.isfinite(ttl) or ttl <= 0:
+        log.warning("kvtier: x-session-ttl %r is not a finite number of seconds > 0; using %g", value, default)
+        return default
+    return ttl

@@ -105,8 +105,13 @@ class WorkerSide:
         host, port = parse_address(cfg.listen)
         listen = f"{host}:{port + self.rank if port else 0}"
         directory = self.store.remote.directory if self.store.remote is not None else None
-        self.node = Node(self.store, listen, self.secret, advertise=cfg.advertise, transport=cfg.transport,
-                         directory=directory if isinstance(directory, RedisDirectory) else None).start()
+        try:
+            self.node = Node(self.store, listen, self.secret, advertise=cfg.advertise, transport=cfg.transport,
+                             directory=directory if isinstance(directory, RedisDirectory) else None).start()
+        except BaseException:    # (a port in use) the store made above must not keep its disk lock and memory
+            self.adapter.close()
+            self.store.close()
+            raise
         self.address = self.node.address
         LOCAL[self.address] = self
         close_at_exit(self)      # at exit, before the store: stop the node and the savers first
