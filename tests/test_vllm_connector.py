@@ -190,6 +190,12 @@ def test_config_file_and_inline_override(tmp_path):
     ({"disk_io_threads": 2}, "disk_io_threads needs disk_path"),     # was ignored
     ({"disk_path": 123}, "disk_path'\\] must be a non-empty string"),   # made a folder ./123
     ({"disk_path": ""}, "disk_path'\\] must be a non-empty string"),    # meant no disk tier
+    # a remote tier's bad timeout or stray key was a TypeError in vLLM's worker
+    ({"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "remote", "peers": ["a:1"], "timeout": "x"}],
+      "secret": "s" * 32}, "remote tier's timeout must be a number of seconds > 0"),
+    ({"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "remote", "peers": ["a:1"], "bogus": 1}],
+      "secret": "s" * 32}, "unknown setting 'bogus'"),
+    ({"peers": ["a:1"], "remote_timeout": 0, "secret": "s" * 32}, "timeout must be a number of seconds > 0"),
     ({"host_capacity": "lots"}, "cannot parse size"),
     ({"host_capacity": 0}, "always has a host tier"),
     ({"host_capacity": "none"}, "always has a host tier"),

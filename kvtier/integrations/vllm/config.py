@@ -19,6 +19,7 @@ Or an explicit tier list: "tiers": [{"kind": "host", "capacity": "8GiB"},
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,8 +259,15 @@ def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:
     store's keys; what is not given keeps StoreConfig's default."""
     host = next(t for t in specs if t.kind == "host").args
     disks = [t.args for t in specs if t.kind == "disk"]
-    for args, known in [(host, ["capacity"])] + [(d, ["path", "capacity", "direct", "io_threads"]) for d in disks]:
-        check_names(args, known, "'tiers' list")
+    remotes = [t.args for t in specs if t.kind == "remote"]
+    for args, known in ([(host, ["capacity"])] + [(d, ["path", "capacity", "direct", "io_threads"]) for d in disks]
+                        + [(r, ["peers", "directory", "timeout", "lease_s", "promote"]) for r in remotes]):
+        check_names(args, known, "'tiers' list")     # a remote's stray key was a TypeError in the worker
+    for r in remotes:
+        for key in ("timeout", "lease_s"):
+            v = r.get(key, 1.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"the remote tier's {key} must be a number of seconds > 0, got {v!r}")
     if len(disks) > 1:
         raise ConfigError("give at most one disk tier (one directory per vLLM instance)")
     if "capacity" not in host or any("capacity" not in d for d in disks):
