@@ -192,6 +192,7 @@ class Mover:
         with self._lock:
             if drop.keys:
                 self.index.drop_unreachable(drop)
+                self.counters.put_rejected += len(drop.keys)
             res = res.without(drop)
             self.index.commit(res)
         return res

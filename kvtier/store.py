@@ -326,7 +326,7 @@ class Store:
             whole = self._reserve(keys)
             if not whole.keys:
                 return Transfer("put", 0, 0, whole.present, whole.rejected)
-            res = self._reachable(whole)      # what commit keeps (Mover.commit)
+            res = whole.without(whole.unreachable())     # what Mover.commit keeps
 
             def save() -> None:
                 self._mover.fill(whole, rows, whole.positions)
@@ -359,20 +359,12 @@ class Store:
         whole = Reservation.joined(parts)
         if not whole.keys:
             return Transfer("put", 0, 0, whole.present, whole.rejected)
-        res = self._reachable(whole)          # what commit keeps (Mover.commit)
+        res = whole.without(whole.unreachable())         # what Mover.commit keeps
 
         def save_parts() -> None:
             self._mover.fill_parts(parts, started, rows)
             self._written(res, rows)
         return self._run(self._put_transfer(res), save_parts, blocking)
-
-    def _reachable(self, res: Reservation) -> Reservation:
-        """A put reserved in parts, less its blocks past the gap (counted rejected)."""
-        drop = res.unreachable()
-        if drop.keys:
-            with self._lock:
-                self.counters.put_rejected += len(drop.keys)
-        return res.without(drop)
 
     def _put_transfer(self, res: Reservation) -> Transfer:
         return Transfer("put", len(res.keys), len(res.keys) * self.layout.block_bytes, res.present, res.rejected)
@@ -460,7 +452,6 @@ class Store:
                 with self._lock:
                     self.counters.puts += 1     # the part that reaches the root (which counts it) never came
             raise
-        self._reachable(Reservation.joined(parts))      # counts what commit drops
         res = self._mover.commit(parts)
         self._written(res)
         return self._put_transfer(res)
