@@ -437,3 +437,32 @@ def test_nodes_that_list_each_other_answer_only_their_own_blocks():
         assert a.get(only_b, out).loaded == 3 and torch.equal(out, payload(only_b, LAYOUT.block_bytes))
     a.close()
     b.close()
+
+
+def test_find_answers_what_the_nodes_store_can_load_from_its_peers():
+    """FIND (an engine's scheduler asking its own worker's node, in another process): the
+    node's own prefix, then what its peers hold past it; two nodes that list each other
+    still do not relay (peers are asked HAS), and a closed store is refused, not a hang."""
+    pa, pb = _free_port(), _free_port()
+    a = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS,
+                     remote=kvtier.Remote([f"127.0.0.1:{pb}"], SECRET, timeout=2))
+    b = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=16)], NS,
+                     remote=kvtier.Remote([f"127.0.0.1:{pa}"], SECRET, timeout=2))
+    with Node(a, f"127.0.0.1:{pa}", SECRET) as na, Node(b, f"127.0.0.1:{pb}", SECRET):
+        keys = a.keys(list(range(40)))                      # 5 blocks
+        a.put(keys[:2], payload(keys[:2], LAYOUT.block_bytes))
+        b.put(keys[:4], payload(keys[:4], LAYOUT.block_bytes))
+        nobody = a.keys(list(range(100, 124)))
+        with PeerClient.for_store(a, na.address, SECRET, timeout=5) as c:
+            assert c.has(keys) == 2                         # its own blocks only
+            assert c.find(keys) == 4                        # and b's two past them
+            assert c.find(nobody) == 0
+            assert c.find([]) == 0
+        assert a.remote.errors == b.remote.errors == 0
+        out = torch.zeros(5, LAYOUT.block_bytes, dtype=torch.uint8)
+        assert a.get(keys[:4], out[:4]).loaded == 4         # what FIND offered loads
+        assert torch.equal(out[:4], payload(keys[:4], LAYOUT.block_bytes))
+        a.close()
+        with PeerClient.for_store(b, na.address, SECRET, timeout=5) as c, pytest.raises(PeerError, match="FIND refused"):
+            c.find(keys)
+    b.close()

@@ -109,6 +109,41 @@ def test_default_multiprocess_mode(models, baseline, tmp_path):
     assert [out_b["tokens"], out_a["tokens"]] == [baseline["llama"][1], baseline["llama"][0]]
 
 
+def test_multiprocess_engine_loads_a_live_peers_prefix(models, baseline, tmp_path):
+    """Two live instances, no shared disk: the second (vLLM's default multiprocess mode, as
+    under `vllm serve`) offers and loads the prefix the first holds in host memory (its
+    scheduler asks its worker's node FIND: the worker's tiers, then its peers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = "kvtier-test-secret-0123456789"
+    hold = tmp_path / "release"
+    job = tmp_path / "first.json"
+    job.write_text(json.dumps({"model": str(models["llama"]), "prompts": [A], "max_tokens": 8, "hold": str(hold),
+                               "connector": {"host_capacity": "32MiB", "listen": f"127.0.0.1:{port}",
+                                             "secret": secret}}))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    first = subprocess.Popen([sys.executable, str(TESTS / "vllm_run.py"), str(job)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = first.stdout.readline()          # its result: A is saved in its host tier, its node serving
+        while line and not line.startswith("{"):
+            line = first.stdout.readline()
+        if not line:
+            pytest.fail(f"first vLLM engine failed:\n{first.stderr.read()[-4000:]}")
+        assert json.loads(line)["kvtier"]["save_blocks"] == 5
+        second = run_engine(tmp_path, models["llama"], [B, A], multiprocess=True,
+                            connector={"host_capacity": "32MiB", "peers": [f"127.0.0.1:{port}"], "secret": secret})
+    finally:
+        hold.touch()
+        first.communicate(timeout=120)
+    out_b, out_a = second["outputs"]
+    assert out_b["cached"] == 512 and out_a["cached"] == 640     # the first's blocks were offered and loaded
+    assert [out_b["tokens"], out_a["tokens"]] == [baseline["llama"][1], baseline["llama"][0]]
+
+
 def _corrupt(disk: Path, fraction: float, seed: int = 0) -> tuple[dict, set[bytes]]:
     """Flip bytes inside a seeded fraction of the stored blocks; returns the tier's meta and their keys."""
     from kvtier.tiers.disk import read_directory

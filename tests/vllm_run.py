@@ -8,7 +8,10 @@ process at a time), so two runs in sequence are two vLLM instances sharing the t
 
 JOB: {"model": path, "prompts": [[ids...], ...], "max_tokens": 8, "connector": {extra config} | null,
       "multiprocess": false, "max_model_len": 2048, "kv_params": [{...} | null per prompt],
-      "ttft": false, "warmup": [ids...] | null, "prefix_caching": true, "kv_cache_bytes": 64 << 20}
+      "ttft": false, "warmup": [ids...] | null, "prefix_caching": true, "kv_cache_bytes": 64 << 20,
+      "hold": path | null}
+With "hold" the engine stays up after its result line (its kvtier node serving peers) until
+that file exists (at most 10 minutes).
 Each output: {"tokens": [...], "cached": vLLM's num_cached_tokens, "ttft": seconds (with "ttft")}.
 """
 from __future__ import annotations
@@ -60,6 +63,10 @@ def main(path: str) -> None:
         if job.get("drain", True) and kv is not None:     # saves done before the next prompt looks
             _drain()
     print(json.dumps({"outputs": outs, "startup_s": startup, "pid": os.getpid(), "kvtier": _stats()}), flush=True)
+    if job.get("hold"):
+        until = time.monotonic() + 600
+        while not os.path.exists(job["hold"]) and time.monotonic() < until:
+            time.sleep(0.1)
     del llm
 
 

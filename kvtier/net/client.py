@@ -110,6 +110,11 @@ class PeerClient:
         """How long a prefix of `keys` the peer holds."""
         return self._call(Frame("HAS", self.ns, list(keys)), None)
 
+    def find(self, keys: Sequence[bytes]) -> int:
+        """How long a prefix of `keys` the peer's store can load: what it holds, then what its
+        remote tier finds on its own peers (allow the peer's remote timeout in `timeout`)."""
+        return self._call(Frame("FIND", self.ns, list(keys)), None)
+
     def get(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
         """Fetch the peer's prefix of `keys` into `rows` (one writable uint8 row per key, or a
         [n, block_bytes] uint8 array); returns how many leading rows arrived and passed
@@ -153,7 +158,7 @@ class PeerClient:
                         raise
                     # The kept connection was closed under us (the node's idle timeout, a node
                     # restart): once more on a fresh one, with a fresh nonce. Every request is
-                    # idempotent (HAS and GET read; PUT of the same bytes under the same key).
+                    # idempotent (HAS, FIND and GET read; PUT of the same bytes under the same key).
                     self._drop()
                     chan, (prefix, body, mac) = self._send(req, rows if send_rows else None, deadline)
                 reply = self._reply(prefix, body, mac, req.nonce)

@@ -30,7 +30,7 @@ import msgpack
 from kvtier.errors import KvtierError
 
 VERSION = 2
-OPS = ("HAS", "GET", "PUT", "OK", "ERR")
+OPS = ("HAS", "FIND", "GET", "PUT", "OK", "ERR")
 PREFIX_BYTES = 36
 TAG_BYTES = 16
 NONCE_BYTES = 16
@@ -63,7 +63,7 @@ class Frame:
     keys: list[bytes] = field(default_factory=list)
     payload: int = 0                  # bytes that follow
     sums: list[int] = field(default_factory=list)   # xxh3-64 per block of the payload
-    n: int = 0                        # HAS/GET reply: prefix length found
+    n: int = 0                        # HAS/FIND/GET reply: prefix length found
     error: str = ""
     re: bytes = b""                   # a reply: the nonce of the request it answers
     nonce: bytes = b""                # set by encode() and decode()

@@ -1,6 +1,7 @@
 """A node: serves its store's blocks to peers over TCP (asyncio on a thread of its own) or UCX.
 
     HAS(keys)         -> OK n          the longest prefix of keys this node holds
+    FIND(keys)        -> OK n          ... that it holds or its remote tier finds on peers
     GET(keys)         -> OK n + blocks the bytes of that prefix, with a checksum each
     PUT(keys)+blocks  -> OK n          store them here (n: newly written)
 
@@ -297,6 +298,18 @@ class Node:
                 raise FrameError("HAS carries no payload")
             n = store.lookup(req.keys, local=True).blocks     # only its own blocks: never its peers'
             await conn.send(Frame("OK", self.seed, n=n, re=re).encode(self.secret))
+        elif req.op == "FIND":
+            # What a GET through this node's store would load: its own prefix, then what its
+            # peers hold past it (an engine's scheduler in another process asks its worker's
+            # node this). Peers are asked HAS, never FIND, so lookups cannot chain or loop;
+            # the round trips run off the event loop.
+            if req.payload:
+                raise FrameError("FIND carries no payload")
+            try:
+                hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
+            except KvtierError as e:       # a closed store
+                raise FrameError(f"FIND refused: {e}") from None
+            await conn.send(Frame("OK", self.seed, n=hit.blocks, re=re).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")

@@ -11,8 +11,8 @@
                                 in the request's num_cached_tokens
 
 The workers' stores live in the worker processes; lookups go to the worker's kvtier node
-(loopback TCP, one authenticated HAS round trip), or straight to the store when the
-worker runs in this process. Nothing here imports vLLM: requests and scheduler outputs
+(loopback TCP, one authenticated FIND round trip: the worker's tiers, then what its remote
+tier finds on peers), or straight to the store when the worker runs in this process. Nothing here imports vLLM: requests and scheduler outputs
 are read through the attributes vLLM gives them.
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ class WorkerStore:
 
     def __init__(self, info: dict[str, Any], timeout: float = 0.5) -> None:
         self.info = info
+        # A worker with a remote tier asks its peers in turn: allow for their timeout too.
+        timeout += float(info.get("remote_timeout") or 0.0)
         self.seed: bytes = info["seed"]
         self.hash: str = info["hash"]
         self.block_tokens: int = info["block_tokens"]
@@ -54,7 +56,7 @@ class WorkerStore:
         if self._client is None:
             self._client = PeerClient(self.info["address"], self.info["secret"], self.seed, 1, self._timeout)
         try:
-            return self._client.has(keys)
+            return self._client.find(keys)
         except PeerError as e:          # a worker that cannot answer in time is a miss, not an error
             if time.monotonic() - self._warned > 10:
                 self._warned = time.monotonic()

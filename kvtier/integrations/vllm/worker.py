@@ -132,7 +132,7 @@ class WorkerSide:
             return None
         return {"address": self.address, "secret": self.secret, "seed": self.store.keyer.seed,
                 "hash": self.cfg.store.hash, "block_tokens": self.store.layout.block_tokens, "rank": self.rank,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "remote_timeout": self.store.remote.timeout if self.store.remote else None}
 
     # -- per step ------------------------------------------------------------------------
     def ingest(self, plan: StepPlan) -> None:
