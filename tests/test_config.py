@@ -212,6 +212,11 @@ def test_check_capacities_names_flags_file_keys_and_defaults(tmp_path):
     cache, sources = cache_config(args)
     with pytest.raises(kvtier.ConfigError, match=r"^--kv-cache 1.00 KiB is smaller"):
         check_capacities(cache, 4096, sources)
+    args.kv_cache, args.disk, args.disk_cache = 1 << 20, str(tmp_path / "d"), 6000   # >= a block, < a 8 KiB slot
+    cache, sources = cache_config(args)
+    with pytest.raises(kvtier.ConfigError, match=r"^--disk-cache 5.86 KiB is smaller than one disk slot "
+                                                 r"\(5000-byte blocks rounded up to 4096\) of this model \(8192 bytes"):
+        check_capacities(cache, 5000, sources)
 
 
 @pytest.mark.parametrize("text", ['host_capacity = 0', 'host_capacity = "none"', 'host_capacity = "None"',
