@@ -86,11 +86,12 @@ def test_second_engine_loads_the_first_engines_prefix(kind, models, baseline, tm
     bt = BLOCK[kind]
     first = run_engine(tmp_path, models[kind], [A], conn)
     assert first["outputs"][0]["tokens"] == baseline[kind][0]
-    assert first["kvtier"]["save_blocks"] == len(A) // bt
+    saved = (len(A) + 8 - 1) // bt             # the KV of the prompt and 7 of the 8 tokens generated
+    assert first["kvtier"]["save_blocks"] == saved
     # A new vLLM instance (a new process: nothing in vLLM's own cache) on the same disk tier.
     second = run_engine(tmp_path, models[kind], [B, A], conn, kv_params=[{"x-session-affinity": "agent-7"}, None])
     out_b, out_a = second["outputs"]
-    assert second["kvtier"]["recovered"] == len(A) // bt
+    assert second["kvtier"]["recovered"] == saved
     assert out_b["cached"] == len(PREFIX) // bt * bt          # the shared prefix's full blocks, from kvtier
     assert out_a["cached"] == (len(A) - 1) // bt * bt         # all of A but its last token's block
     assert [out_b["tokens"], out_a["tokens"]] == [baseline[kind][1], baseline[kind][0]]
@@ -107,6 +108,20 @@ def test_default_multiprocess_mode(models, baseline, tmp_path):
     out_b, out_a = second["outputs"]
     assert out_b["cached"] == 512 and out_a["cached"] == 640
     assert [out_b["tokens"], out_a["tokens"]] == [baseline["llama"][1], baseline["llama"][0]]
+
+
+def test_the_next_turn_loads_the_blocks_the_last_answer_filled(models, tmp_path):
+    """An agent's next prompt is its last prompt, the answer, and more: the answer's full
+    blocks were saved as it was generated, so a new instance offers them as cached."""
+    conn = disk_config(tmp_path / "disk")
+    first = run_engine(tmp_path, models["llama"], [A], conn, max_tokens=120)   # 650 + 120 tokens
+    answer = first["outputs"][0]["tokens"]
+    assert first["kvtier"]["save_blocks"] == 6                   # 5 of the prompt, 1 filled by the answer
+    turn = A + answer + prompt_ids(30, 4)
+    alone = run_engine(tmp_path, models["llama"], [turn])["outputs"][0]["tokens"]
+    second = run_engine(tmp_path, models["llama"], [turn], conn)["outputs"][0]
+    assert second["cached"] == 768                               # 640 without the answer's block
+    assert second["tokens"] == alone
 
 
 def test_multiprocess_engine_loads_a_live_peers_prefix(models, baseline, tmp_path):
@@ -231,6 +246,7 @@ def test_config_file_and_inline_override(tmp_path):
     ({"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "remote", "peers": ["a:1"], "bogus": 1}],
       "secret": "s" * 32}, "unknown setting 'bogus'"),
     ({"peers": ["a:1"], "remote_timeout": 0, "secret": "s" * 32}, "timeout must be a number of seconds > 0"),
+    ({"save_generated": "yes"}, r"'save_generated'\] must be true or false"),
     ({"host_capacity": "lots"}, "cannot parse size"),
     ({"host_capacity": 0}, "always has a host tier"),
     ({"host_capacity": "none"}, "always has a host tier"),
@@ -415,6 +431,41 @@ def test_save_then_load_into_other_pages(pair):
     for t in caches.values():
         assert torch.equal(t[10:12], t[0:2])
     assert w.load_errors() == set() and w.counters["load_blocks"] == 2
+
+
+@pytest.mark.parametrize("save_generated", [True, False])
+def test_blocks_filled_by_generated_tokens_are_saved(pair, save_generated):
+    """An agent's next turn starts with the last turn's answer: blocks filled by generated
+    tokens are keyed from the tokens vLLM accepted (never from draft tokens, which may be
+    rejected) and saved; the next request loads them (unless save_generated is off)."""
+    s, w, caches = pair
+    s.cfg.save_generated = save_generated
+    toks = list(range(100, 118))                    # 18 tokens: 4 full blocks
+    gen = [300, 301, 302, 303, 304, 305]
+    req = _request("r1", toks, all_token_ids=list(toks))
+    _admit(s, req, [0, 1, 2, 3, 4, 5])
+    for t in caches.values():
+        t[:6] = torch.randn(6, 2, T, 16)
+    assert [(r.start, r.end) for r in _step(s, w, req, [0, 1, 2, 3, 4, 5], 0, 18).saves] == [(0, 4)]
+    req.all_token_ids = toks + gen[:1]              # decode: token 19 with two draft tokens
+    plan = _step(s, w, req, [0, 1, 2, 3, 4, 5], 18, 3, new=False)
+    assert plan.saves == [] and plan.grown == []    # 21 tokens computed, but only 19 accepted
+    req.all_token_ids = toks + gen[:3]              # two accepted: block 4 (tokens 16..19) is whole
+    plan = _step(s, w, req, [0, 1, 2, 3, 4, 5], 20, 1, new=False)
+    if save_generated:
+        assert [(g.req_id, g.token_ids) for g in plan.grown] == [("r1", toks[16:] + gen[:2])]
+        assert [(r.start, r.end, r.pages) for r in plan.saves] == [(4, 5, [4])]
+    else:
+        assert plan.grown == plan.saves == []
+    s.finished("r1")
+    w.finished({"r1"})
+    # The next turn: the prompt, the answer, and more.
+    req2 = _request("r2", toks + gen[:3] + [9, 9, 9])
+    want = 5 if save_generated else 4
+    assert _admit(s, req2, [10, 11, 12, 13, 14, 15]) == want * T
+    _step(s, w, req2, [10, 11, 12, 13, 14, 15], want * T, 24 - want * T)
+    for t in caches.values():
+        assert torch.equal(t[10:10 + want], t[0:want])
 
 
 def test_wait_for_layer_load_waits_for_that_layer_only(pair, monkeypatch):

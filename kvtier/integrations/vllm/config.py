@@ -12,7 +12,8 @@ Python 3.11+) holds the same keys; keys given inline override the file's.
      "listen": "127.0.0.1:0", "advertise": null,    # where this worker's node serves its store
      "policy": "lru+nopartial", "write_through": false, "hash": "xxh3",   # StoreConfig fields
      "model": null, "revision": null, "salt": "",  # namespace overrides
-     "pin_ttl": 600, "max_pending_save": "1GiB", "failure_policy": "recompute"}
+     "pin_ttl": 600, "max_pending_save": "1GiB", "failure_policy": "recompute",
+     "save_generated": true}                        # also save blocks filled by generated tokens
 
 Or an explicit tier list: "tiers": [{"kind": "host", "capacity": "8GiB"},
 {"kind": "disk", "path": "/nvme/kvtier", "capacity": "200GiB", "direct": null}].
@@ -38,6 +39,7 @@ _KEYS = {
     "peers", "directory", "lease_s", "remote_timeout", "secret", "secret_file", "listen", "advertise",
     "transport", "policy", "write_through", "promote", "hash", "pin_budget", "io_threads", "model",
     "revision", "salt", "pin_ttl", "session_param", "max_pending_save", "failure_policy", "min_hit_blocks",
+    "save_generated",
 }
 
 
@@ -66,6 +68,7 @@ class ConnectorConfig:
     max_pending_save: int = 1 << 30
     failure_policy: str = "recompute"    # "recompute": vLLM recomputes blocks that failed to load; "keep": vLLM's own setting
     min_hit_blocks: int = 1              # shorter external hits are not worth a load
+    save_generated: bool = True          # blocks filled by generated tokens too (an agent's next turn starts with them)
 
     @property
     def remote(self) -> TierSpec | None:
@@ -236,6 +239,9 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if pending <= 0:
         raise ConfigError("kv_connector_extra_config['max_pending_save'] must be more than 0 bytes (0 would drop "
                           "every save); give a size like '1GiB'")
+    save_generated = cfg.get("save_generated", True)
+    if not isinstance(save_generated, bool):
+        raise ConfigError(f"kv_connector_extra_config['save_generated'] must be true or false, got {save_generated!r}")
     listen, advertise = _text(cfg, "listen", "127.0.0.1:0"), _text(cfg, "advertise", None)
     for key, addr in (("listen", listen), ("advertise", advertise)):
         if addr is not None:
@@ -251,7 +257,7 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         model=_text(cfg, "model", None), revision=_text(cfg, "revision", None),
         salt=salt.encode() if isinstance(salt, str) else bytes(salt),
         session_param=_text(cfg, "session_param", "x-session-affinity"),
-        max_pending_save=pending, failure_policy=failure, min_hit_blocks=int(min_hit))
+        max_pending_save=pending, failure_policy=failure, min_hit_blocks=int(min_hit), save_generated=save_generated)
 
 
 def _store_config(cfg: dict[str, Any], specs: list[TierSpec]) -> StoreConfig:

@@ -38,6 +38,15 @@ class NewRequest:
 
 
 @dataclass
+class Grown:
+    """A running request's generated tokens that filled blocks past those the worker has
+    keyed (the tokens of those whole blocks, in order)."""
+
+    req_id: str
+    token_ids: list[int]
+
+
+@dataclass
 class BlockRange:
     """Blocks [start, end) of a request's chain and the vLLM block ids (pages) that hold them."""
 
@@ -52,6 +61,7 @@ class StepPlan:
     """One step's work: requests to key, prefixes to load before the forward, blocks to save after."""
 
     new: list[NewRequest] = field(default_factory=list)
+    grown: list[Grown] = field(default_factory=list)
     loads: list[BlockRange] = field(default_factory=list)
     saves: list[BlockRange] = field(default_factory=list)
     # Requests whose failed load the scheduler has handled (vLLM recomputes from the failed
@@ -59,4 +69,4 @@ class StepPlan:
     resync: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.new or self.loads or self.saves or self.resync)
+        return not (self.new or self.grown or self.loads or self.saves or self.resync)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.plan import BlockRange, NewRequest, StepPlan, request_keys
+from kvtier.integrations.vllm.plan import BlockRange, Grown, NewRequest, StepPlan, request_keys
 from kvtier.keys import BlockKeys
 from kvtier.net.client import PeerClient, PeerError
 
@@ -71,7 +71,7 @@ class WorkerStore:
 @dataclass
 class _Req:
     tokens: list[int]            # the prompt's full blocks
-    n_blocks: int
+    n_blocks: int                # blocks the workers can key: the prompt's, then generated ones
     tag: bytes
     session: str | None
     ttl: float
@@ -195,7 +195,17 @@ class SchedulerSide:
             plan.loads.append(st.pending)
             self.counters["load_blocks"] += st.pending.end - st.pending.start
             st.loading, st.pending = st.pending, None
-        full = min((computed + so.num_scheduled_tokens.get(rid, 0)) // self.block_tokens, st.n_blocks)
+        B = self.block_tokens
+        full = (computed + so.num_scheduled_tokens.get(rid, 0)) // B       # blocks whose KV this step completes
+        if self.cfg.save_generated and full > st.n_blocks:
+            # Generated tokens filled blocks: their ids are the request's (scheduled draft
+            # tokens are not, and may be rejected: only tokens vLLM has accepted are keyed).
+            known = list(getattr(st.request, "all_token_ids", None) or ())
+            grown = min(full, len(known) // B)
+            if grown > st.n_blocks:
+                plan.grown.append(Grown(rid, known[st.n_blocks * B: grown * B]))
+                st.n_blocks = grown
+        full = min(full, st.n_blocks)
         if full > st.saved:
             pages = ids()
             plan.saves.append(BlockRange(rid, st.saved, full, list(pages[st.saved:full])))

@@ -35,7 +35,7 @@ from kvtier.errors import ConfigError, KvtierError, TierInUseError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import KVSpec, VllmPages, describe_caches
 from kvtier.integrations.vllm.plan import BlockRange, StepPlan, request_keys
-from kvtier.keys import BlockKeys, Namespace
+from kvtier.keys import BlockKeys, Namespace, chain_keys
 from kvtier.net.address import parse_address
 from kvtier.store import Store, close_at_exit
 
@@ -75,7 +75,7 @@ class WorkerSide:
         self.node: Any = None
         self.address = ""
         self.secret = cfg.secret or os.urandom(32)
-        self._chains: dict[str, BlockKeys] = {}    # req_id -> keys of its prompt's full blocks
+        self._chains: dict[str, BlockKeys] = {}    # req_id -> keys of its full blocks (prompt, then generated)
         self._tainted: dict[str, int] = {}      # req_id -> first block computed over a failed load
         self._errors: set[int] = set()
         self._load: _StepLoad | None = None
@@ -148,6 +148,11 @@ class WorkerSide:
                     self.adapter.pin(r.session, keys, r.ttl, tier=0)
                 except KvtierError as e:
                     log.warning("kvtier: pinning session %r failed: %s", r.session, e)
+        for g in plan.grown:                 # generated tokens filled blocks: continue the chain
+            chain = self._chains.get(g.req_id)
+            if chain:                        # (a request is keyed only with a full prompt block)
+                self._chains[g.req_id] = chain + chain_keys(g.token_ids, bt, chain[-1], h, start=len(chain),
+                                                            origin=chain.origin)
         for rid in plan.resync:
             self._tainted.pop(rid, None)
 
