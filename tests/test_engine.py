@@ -141,6 +141,49 @@ def test_bad_requests_say_what_to_do(block_bytes):
             LLM(bad)
 
 
+def test_bad_engine_arguments_and_prompt_shapes(tmp_path, block_bytes, reference):
+    import numpy as np
+
+    cfg = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "d"), disk_capacity="4MiB")
+    for kw, match in (({"max_batched_tokens": 0}, "max_batched_tokens must be a whole number >= 1"),
+                      ({"max_batched_tokens": "8"}, "max_batched_tokens"), ({"max_batched_tokens": 8.5}, "got 8.5"),
+                      ({"max_seqs": 2.5}, "max_seqs"), ({"seed": "1"}, "seed"), ({"seed": True}, "seed"),
+                      ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"),
+                      ({"dtype": torch.int8}, "dtype must be torch.float32, torch.bfloat16 or torch.float16")):
+        with pytest.raises(ConfigError, match=match):
+            LLM("kimi-tiny", cache=cfg, **kw)
+    # A failed engine leaves nothing open: the disk folder is free for the next one (it was
+    # "in use by another store" until the process exited when the tokenizer or the
+    # scheduler's checks failed after the store was built).
+    from kvtier.engine import llm as llm_module
+    real = llm_module.load_tokenizer
+
+    def broken(*a, **k):
+        raise ConfigError("no tokenizer today")
+    llm_module.load_tokenizer = broken
+    try:
+        with pytest.raises(ConfigError, match="no tokenizer today"):
+            LLM("kimi-tiny", cache=cfg)
+    finally:
+        llm_module.load_tokenizer = real
+    with pytest.raises(ConfigError, match="stop_token_ids must be a list"):
+        SamplingParams(stop_token_ids=5)
+    ids = tokens(40, 50)
+    with LLM("kimi-tiny", cache=cfg) as llm:
+        with pytest.raises(ConfigError, match=r"stop_token_ids must be token ids in \[0, "):
+            llm.generate([ids], SamplingParams(max_tokens=4, stop_token_ids=[10**9]))
+        for bad in (5, b"abc", None):
+            with pytest.raises(ConfigError, match="prompts must be text, a list of token ids"):
+                llm.generate(bad, GREEDY)
+        want = reference["get"](ids)
+        for one in (np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids]):   # one prompt, not a batch
+            (out,) = llm.generate(one, GREEDY)
+            assert out.token_ids == want
+        assert [o.token_ids for o in llm.generate((p for p in [ids, ids]), GREEDY)] == [want, want]
+    with pytest.raises(ClosedError):
+        llm.add_request(ids, GREEDY)
+
+
 def test_kvtier_generate_cli(capsys, tmp_path):
     assert main(["generate", "--preset", "kimi-tiny", "--prompt", "The cache", "--prompt", "The cache",
                  "--max-tokens", "5", "--json"]) == 0
@@ -176,6 +219,12 @@ def test_a_checkpoint_folder_with_its_tokenizer(tmp_path, reference):
 
     cfg = preset("kimi-tiny")
     save_checkpoint(tmp_path / "ckpt", cfg, random_weights(cfg, seed=0))
+    ids = tokens(40, 50)
+    with LLM(str(tmp_path / "ckpt"), cache=StoreConfig(host_capacity=None)) as llm:   # no tokenizer files yet
+        out = llm.generate([ids], GREEDY)[0]                            # token ids need none
+        assert out.token_ids == reference["get"](ids) and out.text == ""
+        with pytest.raises(ConfigError, match="holds no tokenizer.*pass token ids"):
+            llm.generate("the agent", GREEDY)
     words = ["<s>", "</s>", "[UNK]", "the", "agent", "calls", "a", "tool", "again"]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -188,7 +237,6 @@ def test_a_checkpoint_folder_with_its_tokenizer(tmp_path, reference):
         out = llm.generate("the agent calls a tool again " * 6, GREEDY)[0]
         assert out.prompt_token_ids[:4] == [0, 3, 4, 5]                 # BOS, then the words
         assert isinstance(out.text, str) and len(out.token_ids) == GREEDY.max_tokens
-        ids = tokens(40, 50)
         assert llm.generate([ids], GREEDY)[0].token_ids == reference["get"](ids)   # the same weights as the preset
         assert llm.generate([ids], GREEDY)[0].cached_tokens == 48
 

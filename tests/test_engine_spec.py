@@ -290,6 +290,21 @@ def test_draft_model_greedy_tokens_equal_batched_chunked_and_cached():
         assert not draft_store.pages.owned() and not draft_store.pages.referenced()
 
 
+@pytest.mark.parametrize("budget, pages", [(2, None), (64, 16)])
+def test_draft_model_whose_drafts_the_scheduler_cut_changes_no_token(budget, pages):
+    """A token budget or pages too small for every draft: the scheduler cuts drafts the draft
+    model has already fed. Where the target then accepted all it saw, the draft's state
+    counted the request's last token as computed and the next proposal was a batch of 0
+    tokens ("bad SeqSlice(..., num_new=0, ...)")."""
+    prompts = [tokens(50 + i, n) for i, n in enumerate((5, 40, 1, 120, 17, 60, 9, 33))]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    cache = StoreConfig(host_capacity=None, **({"device_capacity": pages * 40960} if pages else {}))
+    want, _, _ = run(None, prompts, params)
+    with engine(DRAFT, max_batched_tokens=budget, cache=cache) as llm:       # kimi-tiny drafts for itself
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.stats()["spec"]["accepted_tokens"] > 0
+
+
 def test_draft_model_preemption_changes_no_token():
     bb = 40960
     params = SamplingParams(max_tokens=20, ignore_eos=True)

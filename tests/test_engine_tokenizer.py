@@ -192,8 +192,10 @@ def test_load_none_is_byte_level() -> None:
 
 
 def test_load_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="tokenizer.json.*tiktoken.model.*token ids"):
-        load_tokenizer(tmp_path, vocab_size=1000)                   # a dir with neither file
+    none = load_tokenizer(tmp_path, vocab_size=1000)               # a dir with neither file: token ids only
+    assert none.decode([1, 2]) == "" and none.eos_token_id is None
+    with pytest.raises(ConfigError, match="tokenizer.json.*tiktoken.model.*pass token ids"):
+        none.encode("text")
     with pytest.raises(ConfigError, match="not a directory"):
         load_tokenizer(tmp_path / "missing", vocab_size=1000)
     d = _write_tiktoken(tmp_path / "kimi")

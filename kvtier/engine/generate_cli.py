@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         ids = []
         for t in (t.strip() for t in args.prompt_ids.split(",")):
             try:
-                ids += [int(t)] if t else []
+                ids.append(int(t))          # an empty item ("1,,2") is refused: a token went missing
             except ValueError:
                 raise ConfigError(f"--prompt-ids must be comma-separated integers, e.g. 1,2,3; got {t!r}") from None
         prompts.append(ids)

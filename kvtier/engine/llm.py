@@ -20,6 +20,7 @@ for the next request that shares the prefix.
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import time
 import weakref
@@ -87,6 +88,11 @@ class LLM:
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError("speculative must be a kvtier.engine.spec.SpeculativeConfig(...), "
                               f"not {type(speculative).__name__}")
+        for name, value, lo, hi in (("seed", seed, 0, 2**64 - 1), ("max_batched_tokens", max_batched_tokens, 1, None),
+                                    ("max_seqs", max_seqs, 1, None)):
+            if not _whole(value) or value < lo or (hi is not None and value > hi):
+                raise ConfigError(f"{name} must be a whole number {'in ' + str(lo) + '..' + str(hi) if hi else '>= ' + str(lo)}"
+                                  f", got {value!r}")
         self.speculative = speculative
         self.spec_stats = SpecStats()
         mtp = speculative is not None and speculative.method == "mtp"   # build the checkpoint's MTP layer too
@@ -107,28 +113,33 @@ class LLM:
         self.store = store if store is not None else cache.build(layout, self.info.namespace(),
                                                                  device=self.model.device, remote=remote)
         self._own_store = store is None
-        if self.store.layout != layout:
-            raise ConfigError(f"the store's layout ({self.store.layout.describe()}) is not this model's "
-                              f"({layout.describe()}): build it with model.kv_layout(block_tokens)")
-        if self.store.namespace != self.info.namespace(self.store.namespace.salt, self.store.namespace.shard):
-            raise ConfigError(f"the store's namespace {self.store.namespace} is not this model's "
-                              f"(model {self.info.name!r}, revision {self.info.revision!r}): its blocks came from "
-                              "other weights; build the store with info.namespace()")
-        self.adapter = KVAdapter(self.store)
-        if self.adapter.device_tier.device != self.model.device:   # the pages must be the device tier, by the model
-            raise ConfigError(f"the store's device tier is on {self.adapter.device_tier.device} but the model is on "
-                              f"{self.model.device}: put both on one device")
-        self.tokenizer = load_tokenizer(self.info.tokenizer_path, self.config.vocab_size)
-        self.scheduler = Scheduler(self.adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
-                                   pin_ttl=cache.pin_ttl)
-        self.runner = ModelRunner(self.model, self.adapter.pool())
         self._lent: list[int] = []                # pages the engine itself holds (the graphs' scratch page)
-        try:
+        adapter: KVAdapter | None = None
+        try:          # whatever fails from here on (a bad store, tokenizer or draft) closes what was built
+            if self.store.layout != layout:
+                raise ConfigError(f"the store's layout ({self.store.layout.describe()}, variant "
+                                  f"{self.store.layout.variant!r}) is not this model's ({layout.describe()}, variant "
+                                  f"{layout.variant!r}): build it with model.kv_layout(block_tokens)")
+            if self.store.namespace != self.info.namespace(self.store.namespace.salt, self.store.namespace.shard):
+                raise ConfigError(f"the store's namespace {self.store.namespace} is not this model's "
+                                  f"(model {self.info.name!r}, revision {self.info.revision!r}): its blocks came from "
+                                  "other weights; build the store with info.namespace()")
+            self.adapter = adapter = KVAdapter(self.store)
+            if adapter.device_tier.device != self.model.device:   # the pages must be the device tier, by the model
+                raise ConfigError(f"the store's device tier is on {adapter.device_tier.device} but the model is on "
+                                  f"{self.model.device}: put both on one device")
+            self.tokenizer = load_tokenizer(self.info.tokenizer_path, self.config.vocab_size)
+            self.scheduler = Scheduler(adapter, max_batched_tokens=max_batched_tokens, max_seqs=max_seqs,
+                                       pin_ttl=cache.pin_ttl)
+            self.runner = ModelRunner(self.model, adapter.pool())
             if cuda_graphs or (cuda_graphs is None and on_gpu and not mtp):
                 self._start_graphs(capture=True)
             self.proposer = make_proposer(speculative, self, seed) if speculative is not None else None
-        except BaseException:                     # e.g. a draft with another vocabulary: close what was built
-            _close(self.adapter, self.store if self._own_store else None, lent=self._lent)
+        except BaseException:
+            if adapter is not None:
+                _close(adapter, self.store if self._own_store else None, lent=self._lent)
+            elif self._own_store:
+                self.store.close()
             raise
         release = getattr(self.proposer, "release", None)
         self.scheduler.on_release = release       # a draft model frees its own pages with the request's
@@ -175,6 +186,8 @@ class LLM:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     session: str | None = None) -> str:
         """Queue one request (text, or token ids); returns its id."""
+        if self._closed:
+            raise ClosedError("this LLM is closed; create a new one")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a kvtier.engine.SamplingParams, got {type(params).__name__}")
@@ -188,6 +201,9 @@ class LLM:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab}) for this model (one past it could "
+                              f"never be generated), got {list(params.stop_token_ids)}")
         limit = self.config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -219,8 +235,7 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  sessions: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts (text or token-id lists) to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]                                   # type: ignore[list-item]
+        prompts = _prompt_list(prompts)
         if isinstance(sessions, str):
             raise ConfigError("sessions is a list with one session id (or None) per prompt, e.g. [\"agent-1\"]")
         n = len(prompts)
@@ -409,6 +424,29 @@ def _verify_rows(scheduled: Sequence[Scheduled], batch) -> torch.Tensor:
             end = seq.start + seq.num_new
             rows += range(end - 1 - len(s.req.draft), end)
     return torch.tensor(rows, dtype=torch.int64, device=batch.logits_index.device)
+
+
+def _prompt_list(prompts: object) -> list:
+    """generate()'s prompts as a list: one prompt (text, token ids as a list, a 1-D array or
+    tensor) becomes a list of one; a list, tuple or any other iterable of prompts is listed."""
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise ConfigError("prompts must be text, a list of token ids, or a list of those, "
+                          f"not {type(prompts).__name__}")
+    if isinstance(prompts, str) or (getattr(prompts, "ndim", None) == 1 and hasattr(prompts, "dtype")):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and _token(prompts[0]):
+        return [prompts]
+    return list(prompts)                        # type: ignore[call-overload]
+
+
+def _token(x: object) -> bool:
+    """A token id: a Python or numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)     # numpy's integers register
+
+
+def _whole(value: object) -> bool:
+    """An int that is not a bool (True is 1 to Python, never a count or a seed to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None,

@@ -3,8 +3,9 @@ top-k and top-p (nucleus), in that order, as vLLM applies them.
 
 Each request that samples owns a `torch.Generator` seeded from its `SamplingParams.seed`
 (`make_generator`), and its row is drawn with that generator alone, so a seeded request
-yields the same tokens whatever else is in the batch and in whatever row it sits.
-Greedy rows take the argmax (ties go to the lowest id) and use no randomness at all.
+yields the same tokens whatever else is in the batch and in whatever row it sits
+(without speculation: how many drafts a request gets depends on the step's budget, see
+docs/engine.md). Greedy rows take the argmax (ties go to the lowest id) and use no randomness at all.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1] (0 = no cut), got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise ConfigError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ConfigError(f"stop_token_ids must be a list of token ids, e.g. [2], got {self.stop_token_ids!r}")
         stops = tuple(self.stop_token_ids)
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise ConfigError(f"stop_token_ids must be token ids (ints >= 0), got {self.stop_token_ids!r}")

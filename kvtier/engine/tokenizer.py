@@ -100,6 +100,25 @@ class ByteTokenizer:
         return "".join(out)
 
 
+class NoTokenizer:
+    """A checkpoint folder without tokenizer files (save_checkpoint writes none): token ids
+    work; text prompts are refused, saying why, and outputs have no text."""
+
+    def __init__(self, path: Path, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.bos_token_id: int | None = None
+        self.eos_token_id: int | None = None
+        self.name = f"none ({path} holds no tokenizer files)"
+        self._path = path
+
+    def encode(self, text: str) -> list[int]:
+        raise ConfigError(f"{self._path} holds no tokenizer ({_TOKENIZER_FILES}), so a text prompt cannot be "
+                          "encoded: pass token ids, or copy the checkpoint's tokenizer files into it")
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return ""
+
+
 def _optional(module: str, file: str) -> Any:
     """An optional dependency of the `engine` extra, or a ConfigError saying how to get it."""
     try:
@@ -196,8 +215,7 @@ def load_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
     elif (p / "tiktoken.model").is_file():
         tok = TiktokenTokenizer(p)
     else:
-        raise ConfigError(f"{p} holds no tokenizer: expected {_TOKENIZER_FILES}; copy the tokenizer files from the "
-                          f"checkpoint, or pass token ids instead of text")
+        return NoTokenizer(p, vocab_size)        # token ids still work (and nothing has text)
     if tok.vocab_size > vocab_size:
         raise ConfigError(f"{tok.name} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                           f"the tokenizer belongs to another model; use the checkpoint's own tokenizer files")

@@ -43,6 +43,9 @@ def compute_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     if dtype is None:
         return config.dtype
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or their names), "
+                              f"got {dtype}")
         return dtype
     return dtype_from_name(dtype, ("float32", "bfloat16", "float16"))
 

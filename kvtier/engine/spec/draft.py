@@ -137,8 +137,11 @@ class DraftModelProposer:
             s.computed = load.blocks * self.adapter.block_tokens
             return s
         real = r.token_range(s.computed, min(s.computed + len(s.fed), r.num_tokens))
-        m = 0
-        while m < len(real) and real[m] == s.fed[m]:
+        # The request's last token is never counted as computed: it is what the next proposal
+        # feeds. (The target can accept every token fed so far when the scheduler cut the
+        # drafts it sent for verification, and a proposal of 0 tokens is no proposal.)
+        m, most = 0, min(len(real), r.num_tokens - 1 - s.computed)
+        while m < most and real[m] == s.fed[m]:
             m += 1
         s.computed, s.fed = s.computed + m, []
         save_blocks(self.adapter, s)
