@@ -28,6 +28,23 @@ positive_float = _number(float, 0.0, False, "a finite number > 0")
 non_negative_float = _number(float, 0.0, True, "a finite number >= 0")
 
 
+def int_between(low: int, high: int, unit: str) -> Callable[[str], int]:
+    """A whole number in [low, high] `unit` (e.g. "tokens a block"): the message states both
+    bounds, so a value past any sane size is a usage error, not an overflow deep in a run."""
+    what = f"a whole number from {low:,} to {high:,} ({unit})"
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    check.__name__ = what
+    return check
+
+
 def size(text: str) -> int:
     """A byte count such as 8GiB, 512MB or 4096 (> 0)."""
     try:

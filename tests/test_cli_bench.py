@@ -292,6 +292,10 @@ PROGRESS = {
     "demo": (["demo", "--sessions", "2", "--turns", "2", "--capacity", "256MiB"], "demo"),
     "generate": (["generate", "--prompt", "hi", "--max-tokens", "4", "--kv-cache", "4MiB", "--host-cache", "16MiB"],
                  "loading kimi-tiny"),
+    "hit-ratio": (["bench", "hit-ratio", "--sessions", "20", "--policy", "lru", "--capacity", "5%"], "replaying"),
+    # the cluster showed the reading spinner, then nothing for minutes on 4,096 nodes
+    "cluster": (["bench", "cluster", "--sessions", "20", "--nodes", "2", "--router", "session"],
+                "routing over 2 nodes"),
 }
 
 

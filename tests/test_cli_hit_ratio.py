@@ -4,11 +4,13 @@ is one `kvtier: error:` line with the right exit code, one capacity rule for 150
 on a terminal and piped."""
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +115,9 @@ def test_folder_as_trace(tmp_path):
     (("--capacity", "lots"), "cannot parse capacity"),
     (("--capacity", "64GiB"), "--layout"),
     (("--layout", "gpt-9"), "--layout"),
+    (("--block-tokens", "9223372036854775808"), "from 1 to 1,048,576"),   # an OverflowError in the replay before
+    (("--block-tokens", "1048577"), "1,048,576"),
+    (("--policy", "lru+nopartial+nopartial"), "repeats +nopartial"),
 ])
 def test_bad_options(args, needle):
     assert_one_line_error(run_kvtier("bench", "hit-ratio", *args, *SMALL), 2, needle)
@@ -126,6 +131,8 @@ def test_bad_options(args, needle):
     (("--capacity", "2%,5%"), "one per-node size"),
     (("--policy", "belady"), "belady"),
     (("--router", ","), "--router"),
+    (("--block-tokens", "9223372036854775808"), "1,048,576"),
+    (("--policy", "lru+nopartial+nopartial"), "repeats +nopartial"),
 ])
 def test_cluster_bad_options(args, needle):
     assert_one_line_error(run_kvtier("bench", "cluster", *args, *SMALL), 2, needle)
@@ -313,3 +320,132 @@ def test_recommended_note_says_what_it_does_on_this_trace():
         assert f"against {base} here" in text and "the same as" not in text
     assert "best online policy shown" in text
     assert "recommended" not in " ".join(notes(full, [Row("50%", 9, replay(full, "arc", 9))]))
+
+
+# --- the trial of the trace side ----------------------------------------------------------------
+
+def test_tables_are_never_cut_on_a_narrow_terminal():
+    """At 60 columns rich cut cells ('lru+no…', '0.28…'): tables render at least 100 wide
+    and the terminal wraps the lines, so every name and figure is whole."""
+    code, out = _tty("bench", "hit-ratio", *SMALL, "--policy", "all", "--capacity", "5%", columns=60)
+    assert code == 0, out
+    assert "…" not in out
+    rows = _rows(out)
+    assert {"s3fifo+nopartial", "reuse+nopartial", "belady (bound)"} <= {r[0] for r in rows[1:]}
+    hit = rows[0].index("prefix hit")
+    assert all(re.fullmatch(r"(\* )?\d\.\d{4}", r[hit]) for r in rows[1:]), rows
+
+
+@pytest.mark.parametrize("bench", ["hit-ratio", "cluster"])
+def test_a_table_into_a_closed_pipe_exits_141(bench):
+    """`kvtier bench hit-ratio | head -1` exited 1 (rich's own broken-pipe handler); kvtier's
+    gives 141, as `--json | head -1` does, and says nothing. Stdout is block-buffered, as in a
+    user's shell, so the table's flush is the first write that meets the closed pipe."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "bench", bench, *SMALL, "--policy", "lru"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()                  # the reader is gone before the table is written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == "", err
+
+
+def _two_traces(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    a = _mooncake(tmp_path / "d1" / "t.jsonl")
+    b = _mooncake(tmp_path / "d2" / "t.jsonl", n=20)
+    return a, b
+
+
+def test_traces_that_share_a_name_get_distinct_names(tmp_path):
+    """d1/t.jsonl and d2/t.jsonl were both 't' (one --plot panel, zig-zag lines, rows that
+    could not be told apart); t.jsonl beside t.jsonl.gz too. One file given twice is
+    replayed once."""
+    a, b = _two_traces(tmp_path)
+    gz = a.with_suffix(".jsonl.gz")
+    gz.write_bytes(gzip.compress(a.read_bytes()))
+    r = run_kvtier("bench", "hit-ratio", str(a), str(b), str(gz), str(a), "--policy", "lru",
+                   "--capacity", "10%", "--json")
+    assert r.returncode == 0, r.stderr
+    names = [json.loads(x)["trace"] for x in r.stdout.splitlines()]
+    assert names == ["d1/t.jsonl", "d2/t", "d1/t.jsonl.gz"]
+    c = run_kvtier("bench", "cluster", str(a), str(b), "--router", "session", "--json")
+    assert c.returncode == 0, c.stderr
+    assert [json.loads(x)["trace"] for x in c.stdout.splitlines()] == ["d1/t", "d2/t"]
+
+
+def test_plot_has_one_panel_per_trace_when_names_clash(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvtier.bench.hit_ratio import load_traces
+    from kvtier.bench.hit_ratio_plot import figure
+    from kvtier.sim.replay import replay
+
+    a, b = _two_traces(tmp_path)
+    args = argparse.Namespace(trace=[str(a), str(b), str(a)], synthetic=False, seed=None, sessions=None,
+                              block_tokens=None, json=True)
+    traces = load_traces(args)
+    fig = figure([replay(tr, "lru", 8) for tr in traces])
+    assert [ax.get_title() for ax in fig.axes] == ["d1/t", "d2/t"]
+
+
+@pytest.mark.parametrize("bench", ["hit-ratio", "cluster"])
+def test_a_dash_reads_the_trace_from_stdin(tmp_path, bench):
+    p = _mooncake(tmp_path / "t.jsonl")
+    args = ["bench", bench, "--json"] + (["--policy", "lru", "--capacity", "10%"] if bench == "hit-ratio"
+                                         else ["--router", "session"])
+    want = run_kvtier(*args, str(p))
+    got = subprocess.run([sys.executable, "-m", "kvtier.cli", *args, "-"], input=p.read_text(),
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == want.returncode == 0, got.stderr
+    rows = [json.loads(x) for x in got.stdout.splitlines()]
+    assert [x["trace"] for x in rows] == ["stdin"]
+    assert [{**x, "trace": "t"} for x in rows] == [json.loads(x) for x in want.stdout.splitlines()]
+    empty = subprocess.run([sys.executable, "-m", "kvtier.cli", *args, "-"], input="", capture_output=True,
+                           text=True, timeout=120)
+    assert_one_line_error(empty, 2, "stdin: the trace has no requests")
+
+
+def test_pgf_plot_is_refused_before_the_replay(tmp_path, monkeypatch):
+    """.pgf passed the early check, then failed after the replay ('xelatex' not found)."""
+    pytest.importorskip("matplotlib")
+    from kvtier.bench.hit_ratio import check_plot_path
+    from kvtier.errors import ConfigError
+
+    monkeypatch.setenv("PATH", "")           # no TeX program to be found
+    with pytest.raises(ConfigError, match=r"\.pgf \(it needs LaTeX.*\.png \(or .*\.pdf.*\.svg"):
+        check_plot_path(str(tmp_path / "out.pgf"))
+    check_plot_path(str(tmp_path / "out.svg"))
+    if shutil.which("xelatex") is None:
+        r = run_kvtier("bench", "hit-ratio", "--json", "--plot", str(tmp_path / "out.pgf"), *SMALL)
+        assert_one_line_error(r, 2, "--plot", "needs LaTeX", ".png")
+        assert r.stdout == ""
+
+
+def test_repeated_capacities_are_one_row_and_one_session_is_singular(tmp_path):
+    r = run_kvtier("bench", "hit-ratio", *SMALL, "--policy", "lru", "--capacity", "5%,5,,5, 5%,0.05", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(x)["capacity"] for x in r.stdout.splitlines()] == ["5%", "5", "0.05"]   # as written
+    p = tmp_path / "one.jsonl"
+    p.write_text("".join(json.dumps({"tokens": list(range(40 + i)), "session": "s"}) + "\n" for i in range(3)))
+    r = run_kvtier("bench", "hit-ratio", str(p), "--block-tokens", "16", "--policy", "lru", "--capacity", "50%")
+    assert r.returncode == 0, r.stderr
+    assert "3 requests in 1 session;" in r.stdout
+
+
+def test_cluster_legend_describes_the_routers_as_the_code_runs_them():
+    from kvtier.bench.cluster import LEGEND
+    from kvtier.router import rules
+    from kvtier.sim.cluster import ROUTERS
+
+    text = " ".join(LEGEND.split())
+    assert rules.SGLANG_CACHE_THRESHOLD == 0.5 and "covers at least half the prompt" in text
+    assert f"> {rules.SGLANG_ABS_GAP} tokens and > {rules.SGLANG_REL_GAP}x" in text
+    for r in ROUTERS:
+        assert f"{r}:" in text or f"{r}," in text, r
+
+
+def test_trace_help_points_to_the_format_docs():
+    text = " ".join(run_kvtier("bench", "hit-ratio", "--help").stdout.split())
+    assert "docs/traces.md" in text and "'-' reads standard input" in text
+    assert (Path(__file__).resolve().parents[1] / "docs" / "traces.md").is_file()

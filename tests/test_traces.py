@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -379,3 +380,76 @@ def test_the_generator_command_writes_traces_the_reader_takes(tmp_path):
     r = gen(str(tmp_path))
     assert r.returncode == 1 and r.stderr.strip() == f"kvtier: error: cannot write {tmp_path}: Is a directory"
     assert gen("--block-tokens", "16", str(tmp_path / "x.jsonl")).returncode == 2
+
+
+def _generator(*args: str, **kw) -> subprocess.Popen:
+    import sys
+
+    from kvtier.bench.common import child_env
+    return subprocess.Popen([sys.executable, "-m", "kvtier.traces.synthetic", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), **kw)
+
+
+def test_the_generator_command_errors_are_one_line_and_leave_no_file(tmp_path):
+    """--sessions past memory printed a traceback ending in ConfigError; a bad option printed
+    argparse's usage. Both are one `kvtier: error:` line, exit 2, and nothing is written."""
+    for args, needle in ((["--sessions", "100000000"], "fewer sessions"), (["--sessions", "0"], "--sessions")):
+        p = _generator(*args, str(tmp_path / "x.jsonl"))
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 2, err
+        assert err.startswith("kvtier: error: ") and err.count("\n") == 1 and needle in err, err
+        assert "Traceback" not in err
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_generator_leaves_no_partial_trace(tmp_path):
+    """Ctrl-C printed a KeyboardInterrupt traceback and left a partial file that replayed as a
+    shorter trace; now: `kvtier: interrupted`, exit 130, and no file (the trace is written
+    beside its name and renamed only when complete)."""
+    import signal
+    import time
+
+    p = _generator(str(tmp_path / "out.jsonl"))          # the default: ~180 MB, seconds to write
+    deadline = time.monotonic() + 30
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.2)                                    # into the generation, past the file's creation
+    [part] = list(tmp_path.iterdir())
+    assert part.name.startswith(".out.jsonl.") and part.name.endswith(".part")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (130, "kvtier: interrupted\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_generator_writes_to_stdout_and_explains_its_options(tmp_path):
+    from kvtier.traces.synthetic import _parser
+
+    p = _generator("--format", "mooncake", "--sessions", "3", "-", cwd=str(tmp_path))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert err == f"wrote {len(out.splitlines())} requests to stdout\n"
+    assert all("hash_ids" in json.loads(x) for x in out.splitlines())
+    assert not (tmp_path / "-").exists()
+    helps = {a.dest: a.help for a in _parser()._actions}
+    for dest in ("format", "seed", "sessions"):
+        assert helps[dest], dest
+    assert "180 MB" in helps["format"] and "0.4 MB" in helps["format"]
+
+
+def test_names_of_one_runs_traces_are_distinct(tmp_path):
+    """Two traces named alike ('d1/t.jsonl', 'd2/t.jsonl'; 't.jsonl' beside 't.jsonl.gz') got
+    one name, so --plot merged them into one panel and --json rows could not be told apart."""
+    from kvtier.traces.read import distinct_inputs, trace_names
+
+    assert trace_names(["a/t.jsonl", "b/x.jsonl"]) == ["t", "x"]                     # no clash: as before
+    assert trace_names(["d1/t.jsonl", "d2/t.jsonl.gz"]) == ["d1/t", "d2/t"]
+    assert trace_names(["d/t.jsonl", "d/t.jsonl.gz"]) == ["d/t.jsonl", "d/t.jsonl.gz"]
+    assert trace_names(["/a/d/t.jsonl", "/b/d/t.jsonl"]) == ["d/t.jsonl", "d/t.jsonl#2"]
+    assert trace_names(["d/agentic-seed0.jsonl"], taken=["agentic-seed0"]) == ["d/agentic-seed0"]
+    assert trace_names(["-", "/dev/fd/63"]) == ["stdin", "pipe-63"]
+    t = tmp_path / "t.jsonl"
+    t.write_text(MC + "\n")
+    (tmp_path / "link.jsonl").symlink_to(t)
+    same = [str(t), str(tmp_path / "." / "t.jsonl"), str(tmp_path / "link.jsonl")]
+    assert distinct_inputs([*same, "missing.jsonl", "missing.jsonl"]) == [str(t), "missing.jsonl"]

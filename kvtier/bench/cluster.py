@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from typing import Any
 
 from kvtier.argtypes import positive_int
 
@@ -21,8 +22,9 @@ How to read the table:
                  of its first blocks) picks the node; kv-aware: the longest cached prefix;
                  pooled: any node reads any node's blocks (one shared cache, to compare with);
                  token-aware: the longest cached prefix among nodes that stay balanced;
-                 dynamo: min(uncached prefill blocks + load blocks); sglang: the longest prefix
-                 unless the load gap is > 64 tokens and > 1.5x, then the least loaded"""
+                 dynamo: min(uncached prefill blocks + load blocks); sglang: the least loaded
+                 if the load gap is > 64 tokens and > 1.5x, else the longest cached prefix if
+                 it covers at least half the prompt, else the least loaded"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,46 +67,76 @@ def parse_routers(text: str) -> list[str]:
 MAX_NODES = 4096          # nodes a simulated cluster may have
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.hit_ratio import block_bytes_of, check_byte_capacities, load_traces
+def _check_args(args: argparse.Namespace) -> tuple[list[str], str, Any, int | None]:
+    """Every option checked before a trace is read: the routers, the policy, the capacity
+    and the bytes of a block (under --layout)."""
+    from kvtier.bench.hit_ratio import block_bytes_of, check_byte_capacities, check_filters_once
     from kvtier.errors import ConfigError
     from kvtier.policies import DEFAULT_POLICY, make_policy
     from kvtier.sim.capacity import parse_capacity
-    from kvtier.sim.cluster import simulate
 
     if args.nodes > MAX_NODES:
         raise ConfigError(f"--nodes {args.nodes}: at most {MAX_NODES} (each node is a simulated cache of its own; "
                           "a million took minutes and gigabytes on a five-request trace)")
     routers = parse_routers(args.router)
     policy = DEFAULT_POLICY if args.policy == "recommended" else args.policy
+    check_filters_once(policy)
     make_policy(policy, 1)
     if "," in args.capacity:
         raise ConfigError(f"--capacity {args.capacity!r}: the cluster takes one per-node size, e.g. 2%")
     cap = parse_capacity(args.capacity)
     block_bytes = block_bytes_of(args)
     check_byte_capacities([cap], block_bytes)
-    rows, lines = [], []
+    return routers, policy, cap, block_bytes
+
+
+def _clamp_note(tr: Any, cap: Any, asked: int) -> list[str]:
+    """The line saying a capacity above the trace runs as an infinite cache, if it does."""
+    if asked <= tr.unique_blocks:
+        return []
+    return textwrap.wrap(f"  --capacity {cap.text} is above the trace's {tr.unique_blocks:,} unique "
+                         "blocks: an infinite cache on each node", 100, subsequent_indent="    ")
+
+
+def _print_table(args: argparse.Namespace, policy: str, lines: list[str], rows: list[Any]) -> None:
+    """The headers, the table of routers and the legend, for a person."""
+    from kvtier.bench.common import print_table
+
+    print("\n".join(lines))
+    print_table(f"Routers over {args.nodes} nodes ({policy} on each)",
+                ["trace", "router", "blocks/node", "prefix hit", "max/mean load"],
+                [[x.trace, x.router, f"{x.capacity_blocks:,}", f"{x.prefix_hit_ratio:.4f}",
+                  f"{x.load_imbalance:.3f}"] for x in rows], left=2)
+    print()
+    print(LEGEND)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.common import replay_ticks
+    from kvtier.bench.hit_ratio import load_traces
     from kvtier.bench.hit_ratio_report import describe_trace
-    for tr in load_traces(args):
-        lines += describe_trace(tr)
-        asked = cap.blocks_for(tr.unique_blocks, block_bytes)
-        if asked > tr.unique_blocks:
-            lines += textwrap.wrap(f"  --capacity {cap.text} is above the trace's {tr.unique_blocks:,} unique "
-                                   "blocks: an infinite cache on each node", 100,
-                                   subsequent_indent="    ")
-        for r in routers:
-            res = simulate(tr, r, args.nodes, asked, policy=policy)
-            if args.json:
-                print(json.dumps({**res.to_json(), "capacity": cap.text,
-                                  "capacity_clamped": asked > res.capacity_blocks}), flush=True)
-            rows.append(res)
+    from kvtier.progress import progress
+    from kvtier.sim.cluster import simulate
+
+    routers, policy, cap, block_bytes = _check_args(args)
+    traces = load_traces(args)
+    rows, lines = [], []
+    # A bar over every (trace, router) replay: 4,096 nodes on a real trace take minutes,
+    # and nothing else is printed until the table.
+    work = sum(len(tr) for tr in traces) * len(routers)
+    with progress(f"routing over {args.nodes:,} nodes", work, enabled=not args.json) as bar:
+        for tr in traces:
+            lines += describe_trace(tr)
+            asked = cap.blocks_for(tr.unique_blocks, block_bytes)
+            lines += _clamp_note(tr, cap, asked)
+            for r in routers:
+                bar.describe(f"{tr.name} {r} over {args.nodes:,} nodes")
+                with replay_ticks(bar, len(tr)) as tick:
+                    res = simulate(tr, r, args.nodes, asked, policy=policy, progress=tick)
+                if args.json:
+                    print(json.dumps({**res.to_json(), "capacity": cap.text,
+                                      "capacity_clamped": asked > res.capacity_blocks}), flush=True)
+                rows.append(res)
     if not args.json:
-        from kvtier.bench.common import print_table
-        print("\n".join(lines))
-        print_table(f"Routers over {args.nodes} nodes ({policy} on each)",
-                    ["trace", "router", "blocks/node", "prefix hit", "max/mean load"],
-                    [[x.trace, x.router, f"{x.capacity_blocks:,}", f"{x.prefix_hit_ratio:.4f}",
-                      f"{x.load_imbalance:.3f}"] for x in rows], left=2)
-        print()
-        print(LEGEND)
+        _print_table(args, policy, lines, rows)
     return 0

@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks: timing, option types, and printing rows as JSON lines
-or as a table that fits 100 columns."""
+"""Shared pieces of the benchmarks: timing, option types, progress of replays, and printing
+rows as JSON lines or as a table that fits 100 columns."""
 from __future__ import annotations
 
 import argparse
@@ -234,6 +234,20 @@ def memory_hint(hint: str) -> Iterator[None]:
         raise KvtierError(f"out of memory: {hint}") from None
 
 
+@contextmanager
+def replay_ticks(bar: Any, requests: int) -> Iterator[Callable[[int], None] | None]:
+    """The progress(i) callback of one replay of `requests` requests (i: requests done so
+    far) that advances `bar` (a kvtier.progress.Progress); on leaving, the bar is moved to
+    the replay's end. None when the bar is not shown, so the replay makes no calls."""
+    done = [0]
+
+    def tick(i: int) -> None:
+        bar.advance(i - done[0])
+        done[0] = i
+    yield tick if bar.shown else None
+    bar.advance(requests - done[0])
+
+
 # -- output ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Column:
@@ -275,9 +289,14 @@ def print_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], 
     `left` columns are left-aligned (names), the rest right-aligned (numbers).
 
     Tables are meant to fit TABLE_WIDTH (100) columns: choose short headings and cells.
-    Piped output is laid out 100 columns wide, a terminal's at its own width; a table
-    that is naturally wider raises TableTooWide when $KVTIER_STRICT_TABLES is set (the
-    tests), and is otherwise wrapped by rich."""
+    Piped output is laid out 100 columns wide, a terminal's at its own width but never
+    narrower than 100: a narrower terminal wraps the lines, and no cell is cut short
+    ("lru+no…", "0.28…" at 60 columns). A table that is naturally wider raises
+    TableTooWide when $KVTIER_STRICT_TABLES is set (the tests), and otherwise has its
+    cells folded onto more lines by rich, never cut.
+
+    A reader of stdout that went away (`| head -1`) raises BrokenPipeError, as print()
+    does, so kvtier's handler exits 141 (rich's own handler exited 1)."""
     try:
         from rich.console import Console
         from rich.measure import Measurement
@@ -287,12 +306,28 @@ def print_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], 
         return
     table = Table(title=title)
     for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < left else "right")
+        table.add_column(h, justify="left" if i < left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     probe = Console(width=10_000, file=io.StringIO())   # the width with nothing wrapped
     _check_width(title, Measurement.get(probe, probe.options, table).maximum)
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table)
+    _stdout_console().print(table)
+
+
+def _stdout_console() -> Any:
+    """A rich Console on stdout, TABLE_WIDTH wide when piped and at least that on a terminal,
+    that lets a broken pipe reach kvtier's handler (rich's on_broken_pipe exits 1)."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True          # nothing more to write
+            raise BrokenPipeError(errno.EPIPE, "the reader of stdout went away")
+
+    width = TABLE_WIDTH
+    if sys.stdout.isatty():
+        width = max(TABLE_WIDTH, Console(file=sys.stdout).width)
+    return PipeConsole(file=sys.stdout, width=width)
 
 
 def _print_plain(title: str, head: Sequence[str], rows: Sequence[Sequence[str]], left: int) -> None:

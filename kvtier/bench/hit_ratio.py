@@ -12,13 +12,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.argtypes import non_negative_int, positive_int
+from kvtier.argtypes import int_between, non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    from kvtier.sim.capacity import Capacity
 
 HELP = "hit ratio of each eviction policy and capacity on a request trace (Mooncake or token-level)"
 DEFAULT_POLICIES = "lru,recommended,arc,belady"
 DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
+#: The largest --block-tokens: far past any real block (16 to 512 tokens), small enough
+#: that keying a prompt in such blocks cannot overflow.
+MAX_BLOCK_TOKENS = 1 << 20
 
 
 def policy_help() -> str:
@@ -41,16 +47,18 @@ CAPACITY_HELP = ("comma-separated cache sizes: '5%%' or '0.05' of the trace's un
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     """The trace options hit-ratio and cluster share."""
     p.add_argument("trace", nargs="*", metavar="TRACE",
-                   help="JSONL trace file(s), Mooncake or token-level (detected), plain or gzip. "
-                        "None: a generated agentic trace")
+                   help="JSONL trace file(s), Mooncake or token-level (detected), plain or gzip; '-' reads "
+                        "standard input (named stdin). A file given twice is replayed once; traces whose "
+                        "names clash are told apart by their folder. None: a generated agentic trace. "
+                        "Formats and the generator: docs/traces.md")
     p.add_argument("--synthetic", action="store_true",
                    help="also replay a generated agentic trace (the default when no TRACE is given)")
     p.add_argument("--seed", type=non_negative_int, default=None, help="seed of the generated trace (default 0)")
     p.add_argument("--sessions", type=positive_int, default=None,
                    help="conversations (sessions) in the generated trace (default 200)")
-    p.add_argument("--block-tokens", type=positive_int, default=None,
-                   help="tokens a block when keying token-level traces and the generated trace "
-                        "(default 512; Mooncake traces are fixed at 512)")
+    p.add_argument("--block-tokens", type=int_between(1, MAX_BLOCK_TOKENS, "tokens a block"), default=None,
+                   help="tokens a block when keying token-level traces and the generated trace, "
+                        f"at most {MAX_BLOCK_TOKENS:,} (default 512; Mooncake traces are fixed at 512)")
     from kvtier.presets import LAYOUT_PRESETS as PRESETS
     p.add_argument("--layout", default=None, choices=list(PRESETS), metavar="PRESET",
                    help=f"KV layout ({', '.join(PRESETS)}): turns byte capacities such as 64GiB "
@@ -81,12 +89,34 @@ def expand_policies(text: str) -> list[str]:
                 raise ConfigError(f"policy {n!r}: belady is the offline bound and takes no admission "
                                   "filter; write 'belady'")
             if n != "belady":
+                check_filters_once(n)
                 make_policy(n, 1)   # validates the name with a helpful error
             if n not in out:
                 out.append(n)
     if not out:
         raise ConfigError("--policy is empty: name at least one policy, e.g. lru,belady")
     return out
+
+
+def check_filters_once(name: str) -> None:
+    """Each admission filter at most once: 'lru+nopartial+nopartial' is the cache
+    'lru+nopartial' under a second name, so a table would show it twice."""
+    from kvtier.errors import ConfigError
+
+    base, *rules = name.split("+")
+    twice = [r for r in dict.fromkeys(rules) if rules.count(r) > 1]
+    if twice:
+        once = "+".join([base, *dict.fromkeys(rules)])
+        raise ConfigError(f"policy {name!r} repeats +{twice[0]}: give each admission filter once, e.g. {once!r}")
+
+
+def distinct_capacities(caps: list[Capacity]) -> list[Capacity]:
+    """The capacities in order, each written form once ('5%,5%' is one capacity, as a
+    policy named twice is one policy); '5%' and '0.05' stay two rows, as written."""
+    seen: dict[str, Capacity] = {}
+    for c in caps:
+        seen.setdefault("".join(c.text.split()), c)
+    return list(seen.values())
 
 
 def block_bytes_of(args: argparse.Namespace) -> int | None:
@@ -113,7 +143,7 @@ def check_plot_path(path: str) -> None:
     if not path:
         raise ConfigError("--plot needs a file name, e.g. --plot hit_ratio.png")
     try:
-        from matplotlib.backend_bases import FigureCanvasBase
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'kvtier[cli]', or leave --plot out") from None
     if os.path.isdir(path):
@@ -124,16 +154,40 @@ def check_plot_path(path: str) -> None:
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"--plot {path!r} cannot be written (permission denied): give a path you can write")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
-    kinds = FigureCanvasBase.get_supported_filetypes()
+    kinds = plot_formats()
     if ext not in kinds:
-        raise ConfigError(f"--plot {path!r}: cannot write {'.' + ext if ext else 'a file without an extension'}; "
-                          "end the name in .png (or .pdf, .svg)")
+        what = f".{ext}" if ext else "a file without an extension"
+        why = f" (it needs LaTeX, and {_tex_program()} is not installed)" if ext in _LATEX_FORMATS else ""
+        raise ConfigError(f"--plot {path!r}: cannot write {what}{why}; end the name in .png (or "
+                          f"{', '.join('.' + k for k in kinds if k != 'png')})")
+
+
+_LATEX_FORMATS = ("pgf",)    # matplotlib writes these only with a TeX program installed
+
+
+def _tex_program() -> str:
+    """The TeX program matplotlib's pgf backend runs (xelatex unless configured otherwise)."""
+    import matplotlib
+    return str(matplotlib.rcParams["pgf.texsystem"])
+
+
+def plot_formats() -> list[str]:
+    """Extensions --plot can write here: matplotlib's, less those that need a TeX program
+    that is not installed (.pgf failed only after the whole replay)."""
+    import shutil
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(_tex_program()) is None:
+        kinds = [k for k in kinds if k not in _LATEX_FORMATS]
+    return kinds
 
 
 def load_traces(args: argparse.Namespace) -> list[Any]:
     """The traces named on the command line, then the generated one if asked (or if none)."""
     from kvtier.errors import ConfigError
-    from kvtier.traces import AgenticConfig, read_trace, synthetic_trace
+    from kvtier.traces import AgenticConfig, read_trace, synthetic_name, synthetic_trace
 
     generated = args.synthetic or not args.trace
     if not generated and (args.seed is not None or args.sessions is not None):
@@ -142,13 +196,17 @@ def load_traces(args: argparse.Namespace) -> list[Any]:
         raise ConfigError(f"{given} {verb} the generated trace, which is not replayed when a TRACE is given: "
                           "add --synthetic to replay it too, or leave that out")
     from kvtier.progress import progress
+    from kvtier.traces.read import distinct_inputs, trace_names
+
+    cfg = AgenticConfig(seed=args.seed or 0, sessions=args.sessions or 200, block_tokens=args.block_tokens or 512)
+    paths = distinct_inputs(args.trace)
+    names = trace_names(paths, taken=[synthetic_name(cfg)] if generated else [])
     # A spinner: a large trace, or small blocks (--block-tokens 1: 26 M keys), take seconds
     # to read and key before the replay's own bar starts.
     with progress("reading and keying the traces", enabled=not getattr(args, "json", False)):
-        traces = [read_trace(p, block_tokens=args.block_tokens) for p in args.trace]
+        traces = [read_trace(p, block_tokens=args.block_tokens, name=n) for p, n in zip(paths, names)]
         if generated:
-            traces.append(synthetic_trace(AgenticConfig(seed=args.seed or 0, sessions=args.sessions or 200,
-                                                        block_tokens=args.block_tokens or 512)))
+            traces.append(synthetic_trace(cfg))
         empty = [tr for tr in traces if tr.unique_blocks == 0]
     for tr in empty:
         if tr.format == "mooncake":
@@ -160,6 +218,7 @@ def load_traces(args: argparse.Namespace) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.common import replay_ticks
     from kvtier.bench.hit_ratio_report import Row, print_report
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
@@ -167,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.replay import replay
 
     policies = expand_policies(args.policy)
-    caps = parse_capacities(args.capacity)
+    caps = distinct_capacities(parse_capacities(args.capacity))
     if not caps:
         raise ConfigError(f"--capacity is empty: give e.g. {DEFAULT_CAPACITIES}")
     block_bytes = block_bytes_of(args)
@@ -186,13 +245,8 @@ def run(args: argparse.Namespace) -> int:
                 at_cap: list[Row] = []
                 for pol in policies:
                     bar.describe(f"{tr.name} {pol} {cap.text}")
-                    done = [0]
-
-                    def tick(i: int, done: list[int] = done) -> None:
-                        bar.advance(i - done[0])
-                        done[0] = i
-                    r = replay(tr, pol, asked, progress=tick if bar.shown else None)
-                    bar.advance(len(tr) - done[0])
+                    with replay_ticks(bar, len(tr)) as tick:
+                        r = replay(tr, pol, asked, progress=tick)
                     row = Row(cap.text, asked, r)
                     rows.append(row)
                     at_cap.append(row)

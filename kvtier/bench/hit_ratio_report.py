@@ -51,7 +51,7 @@ def describe_trace(tr: Trace) -> list[str]:
     """Two or three lines saying what the trace is, for a header."""
     kind = {"mooncake": f"Mooncake trace {tr.path}", "tokens": f"token-level trace {tr.path}",
             "synthetic": "generated agentic trace (kvtier.traces.synthetic)"}.get(tr.format, tr.format)
-    who = f" in {tr.sessions:,} sessions" if tr.sessions else ""
+    who = f" in {tr.sessions:,} session{'s' if tr.sessions != 1 else ''}" if tr.sessions else ""
     inf = tr.infinite_hits / tr.block_refs if tr.block_refs else 0.0
     first = textwrap.wrap(f"Trace {tr.name}: {kind}", WIDTH, subsequent_indent="  ",
                           break_long_words=False, break_on_hyphens=False)

@@ -15,8 +15,9 @@ Routers:
   balance where prefix routing would pile shared-root traffic on one node;
 - dynamo, sglang: the published rules `kvtier router` also implements
   (kvtier/router/rules.py, the same functions): Dynamo's cost = w * uncached prefill blocks
-  + load blocks (w = 1), and SGLang's cache-aware rule (the longest prefix unless the load
-  gap exceeds 64 tokens and 1.5x, then the least loaded).
+  + load blocks (w = 1), and SGLang's cache-aware rule (the least loaded if the load gap
+  exceeds 64 tokens and 1.5x, else the longest prefix if it covers at least half the
+  prompt, else the least loaded).
 
 Load here is tokens computed so far per node (the simulator has no clock), so "outstanding
 prefill" in the live rules is its cumulative total here: a balance proxy, not a queue.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import xxhash
 
@@ -72,8 +74,12 @@ def _stable_hash(req: Request) -> int:
 
 
 def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy: str = "lru",
-             seed: int = 0, slack: float = 0.05) -> ClusterResult:
-    """Replay `trace` over `nodes` caches of `capacity_blocks` blocks each, routed by `router`."""
+             seed: int = 0, slack: float = 0.05,
+             progress: Callable[[int], None] | None = None) -> ClusterResult:
+    """Replay `trace` over `nodes` caches of `capacity_blocks` blocks each, routed by `router`.
+
+    `progress(i)`, when given, is called with the requests done so far, more often the more
+    nodes there are (a request on 4,096 nodes asks every node's cache: minutes for a trace)."""
     if router not in ROUTERS:
         raise ConfigError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)} or 'all'")
     if nodes < 1 or capacity_blocks < 1:
@@ -85,7 +91,10 @@ def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy
     load = res.computed
     rng = random.Random(seed)
     bt = trace.block_tokens
+    every = progress_every(nodes)
     for i, req in enumerate(trace.requests):
+        if progress is not None and i % every == 0:
+            progress(i)
         keys = req.keys
         hit = None
         if router == "random":
@@ -109,6 +118,11 @@ def simulate(trace: Trace, router: str, nodes: int, capacity_blocks: int, policy
         res.prefix_hits += n
         load[node] += req.input_length - req.hit_tokens(n, bt)
     return res
+
+
+def progress_every(nodes: int) -> int:
+    """Requests between two progress calls: about 256 node lookups' worth, at least one request."""
+    return max(1, 256 // nodes)
 
 
 def _token_aware(req: Request, pref: list[int], load: list[int], bt: int, slack: float) -> int:

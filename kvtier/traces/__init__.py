@@ -6,7 +6,7 @@ from kvtier.errors import TraceError
 from kvtier.traces.model import Request, Trace
 from kvtier.traces.read import detect_format, read_trace
 
-_SYNTHETIC = ("AgenticConfig", "generate", "synthetic_trace", "write_trace")
+_SYNTHETIC = ("AgenticConfig", "generate", "synthetic_name", "synthetic_trace", "write_trace")
 
 
 def __getattr__(name: str) -> object:
@@ -18,4 +18,4 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'kvtier.traces' has no attribute {name!r}")
 
 __all__ = ["AgenticConfig", "Request", "Trace", "TraceError", "detect_format", "generate",
-           "read_trace", "synthetic_trace", "write_trace"]
+           "read_trace", "synthetic_name", "synthetic_trace", "write_trace"]

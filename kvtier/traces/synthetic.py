@@ -8,15 +8,19 @@ between turns, so sessions interleave in time. Everything is drawn from one seed
 numpy Generator: the same config gives the same tokens, keys and file on every machine.
 
 `python -m kvtier.traces.synthetic OUT.jsonl [--format tokens|mooncake]` writes a trace
-in either JSONL format.
+in either JSONL format ('-' for stdout); docs/traces.md describes both formats.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import os
+import secrets
 import sys
 from dataclasses import dataclass, fields
-from typing import Iterator
+from typing import Iterator, TextIO
 
 import numpy as np
 import xxhash
@@ -115,12 +119,17 @@ def generate(cfg: AgenticConfig = AgenticConfig()) -> list[SyntheticRequest]:
     return out
 
 
+def synthetic_name(cfg: AgenticConfig) -> str:
+    """The generated trace's name in tables and JSON rows: 'agentic-seed0'."""
+    return f"agentic-seed{cfg.seed}"
+
+
 def synthetic_trace(cfg: AgenticConfig = AgenticConfig(), name: str | None = None) -> Trace:
     """The generated trace keyed like a token-level trace file (full blocks, kvtier keys)."""
     reqs = [Request(keys=list(chain_keys(r.tokens, cfg.block_tokens, TRACE_SEED)), input_length=len(r.tokens),
                     output_length=r.output_length, timestamp=r.timestamp, session=r.session)
             for r in generate(cfg)]
-    return Trace(name=name or f"agentic-seed{cfg.seed}", requests=reqs,
+    return Trace(name=name or synthetic_name(cfg), requests=reqs,
                  block_tokens=cfg.block_tokens, format="synthetic")
 
 
@@ -138,39 +147,118 @@ def mooncake_requests(reqs: list[SyntheticRequest], block_tokens: int) -> Iterat
                       timestamp=r.timestamp, session=r.session, last_tokens=rem or None)
 
 
-def write_trace(path: str, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tokens") -> int:
-    """Write a generated trace as JSONL ("tokens" or "mooncake"); returns the request count."""
+FORMATS = ("tokens", "mooncake")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown trace format {fmt!r}: choose 'tokens' or 'mooncake'")
+
+
+def _lines(reqs: list[SyntheticRequest], cfg: AgenticConfig, fmt: str) -> Iterator[str]:
+    """The trace's JSONL lines, one request each, made as they are written (the default
+    token-level trace is ~180 MB of text)."""
+    if fmt == "tokens":
+        for r in reqs:
+            yield json.dumps(token_record(r.tokens, r.timestamp, r.output_length, r.session)) + "\n"
+    else:
+        for m in mooncake_requests(reqs, cfg.block_tokens):
+            yield json.dumps(mooncake_record(m)) + "\n"
+
+
+def write_jsonl(f: TextIO, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tokens") -> int:
+    """Write a generated trace to an open text stream (stdout, say); returns the request count."""
+    _check_format(fmt)
     reqs = generate(cfg)
-    with open(path, "w", encoding="utf-8") as f:
-        if fmt == "tokens":
-            for r in reqs:
-                f.write(json.dumps(token_record(r.tokens, r.timestamp, r.output_length, r.session)) + "\n")
-        elif fmt == "mooncake":
-            for m in mooncake_requests(reqs, cfg.block_tokens):
-                f.write(json.dumps(mooncake_record(m)) + "\n")
-        else:
-            raise ConfigError(f"unknown trace format {fmt!r}: choose 'tokens' or 'mooncake'")
+    f.writelines(_lines(reqs, cfg, fmt))
     return len(reqs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kvtier.argtypes import non_negative_int, positive_int
+def _create_beside(path: str) -> tuple[int, str]:
+    """A new, empty hidden file in `path`'s folder (so renaming it onto `path` is atomic),
+    with the mode any new file gets (the umask applied, not mkstemp's 0600)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    while True:
+        tmp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.part")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
 
-    p = argparse.ArgumentParser(prog="python -m kvtier.traces.synthetic", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="JSONL file to write")
-    p.add_argument("--format", choices=("tokens", "mooncake"), default="tokens")
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--sessions", type=positive_int, default=AgenticConfig.sessions)
-    a = p.parse_args(argv)
+
+def write_trace(path: str, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tokens") -> int:
+    """Write a generated trace as JSONL ("tokens" or "mooncake"); returns the request count.
+
+    The trace goes to a temporary file beside `path`, renamed onto it only when complete:
+    an error or an interrupt leaves no partial file, which would replay as a shorter trace.
+    A folder that cannot be written fails before the trace is generated."""
+    _check_format(fmt)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    fd, tmp = _create_beside(path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            n = write_jsonl(f, cfg, fmt)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line, with kvtier's one-line usage errors (exit 2)."""
+    from kvtier.argtypes import non_negative_int, positive_int
+    from kvtier.cli import Parser
+
+    p = Parser(prog="python -m kvtier.traces.synthetic", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", metavar="OUT", help="JSONL file to write, or '-' for stdout; written to a temporary "
+                   "file beside it and renamed when complete, so an interrupt leaves no partial trace")
+    p.add_argument("--format", choices=FORMATS, default="tokens",
+                   help="tokens: each prompt's token ids (the default: about 180 MB at 200 sessions); "
+                        "mooncake: one hash id per 512-token block (about 0.4 MB) (default: %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the generator: the same seed and sessions give the same file on every "
+                        "machine (default: %(default)s)")
+    p.add_argument("--sessions", type=positive_int, default=AgenticConfig.sessions,
+                   help="conversations (sessions) to generate, about 7 requests each "
+                        "(default: %(default)s)")
+    return p
+
+
+def _write(out: str, cfg: AgenticConfig, fmt: str) -> int:
+    """Write the trace to `out`, or to stdout for '-'; the request count."""
+    if out != "-":
+        return write_trace(out, cfg, fmt)
+    n = write_jsonl(sys.stdout, cfg, fmt)
+    sys.stdout.flush()
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write a generated trace. Errors are one `kvtier: error:` line (exit 2 for bad input,
+    1 for a file that cannot be written); Ctrl-C is `kvtier: interrupted` (exit 130)."""
+    a = _parser().parse_args(argv)
     # The Mooncake format's hash ids are per 512-token block (its traces' and kvtier's
     # reader's): a --block-tokens option here wrote traces the reader then refused.
-    cfg = AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=MOONCAKE_BLOCK_TOKENS)
     try:
-        n = write_trace(a.out, cfg, a.format)
+        n = _write(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=MOONCAKE_BLOCK_TOKENS),
+                   a.format)
+    except ConfigError as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:            # `... - | head`: stop quietly, as kvtier does
+        from kvtier.progress import detach_stdout
+        detach_stdout()
+        return 128 + 13
     except OSError as e:
         print(f"kvtier: error: cannot write {a.out}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(f"wrote {n} requests to {a.out}", file=sys.stderr)
+    print(f"wrote {n} requests to {'stdout' if a.out == '-' else a.out}", file=sys.stderr)
     return 0
 
 
