@@ -165,8 +165,12 @@ def _broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:                        # option types import what they check: Ctrl-C can land in there
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
     if extra:                   # named by the command they were given to, whose --help lists its options
         Parser(prog=getattr(args, "_prog", "kvtier")).error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -102,3 +102,15 @@ def test_every_option_says_its_default():
             has_default = not (a.default is None or a.default is False or a.default is argparse.SUPPRESS)
             if has_default and not isinstance(a, argparse._VersionAction):
                 assert "default" in shown, f"{p.prog} {a.option_strings[0]}: help does not say the default"
+
+
+def test_ctrl_c_while_the_options_are_read_is_one_line(monkeypatch, capsys):
+    """Option types import what they check (kvtier.net for addresses): a Ctrl-C in the first
+    half-second of `kvtier node` landed in argparse and printed a traceback."""
+    import kvtier.cli as cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.Parser, "parse_known_args", interrupted)
+    assert cli.main(["node", "--listen", "127.0.0.1:0"]) == 130
+    assert capsys.readouterr().err == "kvtier: interrupted\n"
