@@ -468,6 +468,57 @@ def test_blocks_filled_by_generated_tokens_are_saved(pair, save_generated):
         assert torch.equal(t[10:10 + want], t[0:want])
 
 
+def test_an_answer_to_a_prompt_shorter_than_a_block_is_saved(pair):
+    s, w, caches = pair
+    toks, gen = [100, 101, 102], [300, 301, 302, 303, 304, 305]
+    req = _request("r1", toks, all_token_ids=list(toks))
+    assert _admit(s, req, [0, 1, 2]) == 0
+    for t in caches.values():
+        t[:3] = torch.randn(3, 2, T, 16)
+    assert _step(s, w, req, [0, 1, 2], 0, 3).saves == []
+    req.all_token_ids = toks + gen[:2]
+    plan = _step(s, w, req, [0, 1, 2], 3, 1, new=False)            # 4 tokens' KV: block 0 is whole
+    assert [(r.start, r.end) for r in plan.saves] == [(0, 1)]
+    s.finished("r1")
+    w.finished({"r1"})
+    req2 = _request("r2", toks + gen[:2] + [9, 9])
+    assert _admit(s, req2, [10, 11]) == T
+    _step(s, w, req2, [10, 11], T, 3)
+    for t in caches.values():
+        assert torch.equal(t[10], t[0])
+
+
+def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(pair):
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts running requests and
+    schedules them again in the same step: both in preempted_req_ids and scheduled. The load
+    planned for the new pages must stand (vLLM counts those tokens as loaded)."""
+    s, w, caches = pair
+    toks = list(range(100, 118))
+    first = _request("r1", toks)
+    _admit(s, first, [0, 1, 2, 3, 4])
+    for t in caches.values():
+        t[:5] = torch.randn(5, 2, T, 16)
+    _step(s, w, first, [0, 1, 2, 3, 4], 0, 18)
+    s.finished("r1")
+    req = _request("r2", toks[:10] + [7, 7, 7])
+    assert _admit(s, req, [10, 11, 12, 13]) == 2 * T
+    r = SimpleNamespace(req_id="r2", block_ids=([10, 11, 12, 13],), num_computed_tokens=2 * T)
+    so = SimpleNamespace(scheduled_new_reqs=[r], scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                         num_computed_tokens=[]), num_scheduled_tokens={"r2": 5}, preempted_req_ids={"r2"})
+    plan = s.build(so, lambda rid: [10, 11, 12, 13])
+    assert [(x.start, x.end, x.pages) for x in plan.loads] == [(0, 2, [10, 11])]
+
+
+def test_tensor_parallel_ranks_fetch_from_the_same_rank_of_each_peer():
+    cfg = parse_config({"peers": ["10.0.0.2:7700", "10.0.0.3:7800"], "secret": "s" * 32})
+    assert cfg.build_remote(0).directory.peers == ["10.0.0.2:7700", "10.0.0.3:7800"]
+    assert cfg.build_remote(3).directory.peers == ["10.0.0.2:7703", "10.0.0.3:7803"]
+    d = parse_config({"directory": "redis://127.0.0.1:6399", "remote_timeout": 2, "secret": "s" * 32})
+    pytest.importorskip("redis")
+    kwargs = d.build_remote(1).directory.r.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 2   # the remote's deadline (was 0.5)
+
+
 def test_wait_for_layer_load_waits_for_that_layer_only(pair, monkeypatch):
     s, w, caches = pair
     toks = list(range(200, 213))

@@ -74,8 +74,10 @@ class ConnectorConfig:
     def remote(self) -> TierSpec | None:
         return next((t for t in self.tiers_spec if t.kind == "remote"), None)
 
-    def build_remote(self) -> Any:
-        """The store's `remote=` (a kvtier.Remote over the peers or the directory), or None."""
+    def build_remote(self, rank: int = 0) -> Any:
+        """The store's `remote=` (a kvtier.Remote over the peers or the directory), or None.
+        Tensor-parallel rank r fetches from rank r of each peer instance: peers are listed by
+        their rank-0 address, and rank r of an instance listens r ports above it (as `listen`)."""
         spec = self.remote
         if spec is None:
             return None
@@ -85,10 +87,20 @@ class ConnectorConfig:
         assert self.secret is not None
         a = dict(spec.args)
         directory = a.pop("directory", None)
-        peers = a.pop("peers", None)
+        peers = [_rank_port(p, rank) for p in a.pop("peers", None) or ()]
         lease = a.pop("lease_s", 10.0)
-        d = RedisDirectory(directory, lease_s=lease) if directory else PeerList(peers)
+        # The directory's calls get the remote's deadline too: the scheduler allows a lookup
+        # that much (its FIND at the worker's node) before it counts a miss.
+        d = RedisDirectory(directory, lease_s=lease, timeout=a.get("timeout", 0.5)) if directory else PeerList(peers)
         return Remote(directory=d, secret=self.secret, transport=self.transport, **a)
+
+
+def _rank_port(address: str, rank: int) -> str:
+    """A peer's rank-0 address -> its rank-`rank` node's address."""
+    if not rank:
+        return address
+    host, port = parse_address(address)
+    return f"[{host}]:{port + rank}" if ":" in host else f"{host}:{port + rank}"
 
 
 def model_revision(model: str, revision: str | None) -> str:

@@ -128,8 +128,9 @@ class SchedulerSide:
         if salt:
             tag += b"salt:" + str(salt).encode() + b"\0"
         skip = bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, ttl, skip=skip or n == 0,
-                  request=request)
+        # A prompt shorter than a block has nothing to look up, but its answer's blocks are saved.
+        st = _Req(prompt[:n * B], n, tag, str(session) if session else None, ttl,
+                  skip=skip or (n == 0 and not self.cfg.save_generated), request=request)
         self._reqs[request.request_id] = st
         return st
 
@@ -169,14 +170,21 @@ class SchedulerSide:
     def build(self, so: Any, block_ids_of: Callable[[str], list[int]]) -> StepPlan:
         """The plan for the step `so` (vLLM's SchedulerOutput) describes."""
         plan = StepPlan()
+        cached = so.scheduled_cached_reqs
+        scheduled = {r.req_id for r in so.scheduled_new_reqs} | set(cached.req_ids)
         for rid in getattr(so, "preempted_req_ids", None) or ():
             st = self._reqs.get(rid)
             if st is not None:
-                st.loading = st.pending = None
+                st.loading = None                # its pages are gone
+                if rid not in scheduled:
+                    st.pending = None
+                # else: preempted and resumed in this same step (vLLM's reset_prefix_cache
+                # preempts running requests and schedules them again at once): the load
+                # after_alloc planned for its new pages stands; vLLM counts those tokens as
+                # loaded, and dropping it left them uncomputed (wrong output).
         for r in so.scheduled_new_reqs:
             ids = r.block_ids[0] if r.block_ids else []
             self._step(plan, so, r.req_id, r.num_computed_tokens, lambda ids=ids: ids)
-        cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._step(plan, so, rid, cached.num_computed_tokens[i], lambda rid=rid: block_ids_of(rid))
         return plan
@@ -200,10 +208,10 @@ class SchedulerSide:
         if self.cfg.save_generated and full > st.n_blocks:
             # Generated tokens filled blocks: their ids are the request's (scheduled draft
             # tokens are not, and may be rejected: only tokens vLLM has accepted are keyed).
-            known = list(getattr(st.request, "all_token_ids", None) or ())
+            known = getattr(st.request, "all_token_ids", None) or ()
             grown = min(full, len(known) // B)
             if grown > st.n_blocks:
-                plan.grown.append(Grown(rid, known[st.n_blocks * B: grown * B]))
+                plan.grown.append(Grown(rid, list(known[st.n_blocks * B: grown * B])))
                 st.n_blocks = grown
         full = min(full, st.n_blocks)
         if full > st.saved:

@@ -95,7 +95,7 @@ class WorkerSide:
         layout = self.pages.layout
         cfg = self.cfg
         try:
-            self.store = cfg.store.build(layout, self.namespace, remote=cfg.build_remote(),
+            self.store = cfg.store.build(layout, self.namespace, remote=cfg.build_remote(self.rank),
                                          subdir=self.disk_subdir(layout))
         except TierInUseError as e:
             raise ConfigError(f"{e}. Two live vLLM instances cannot share one disk tier: give each its own "
@@ -150,8 +150,8 @@ class WorkerSide:
                     log.warning("kvtier: pinning session %r failed: %s", r.session, e)
         for g in plan.grown:                 # generated tokens filled blocks: continue the chain
             chain = self._chains.get(g.req_id)
-            if chain:                        # (a request is keyed only with a full prompt block)
-                self._chains[g.req_id] = chain + chain_keys(g.token_ids, bt, chain[-1], h, start=len(chain),
+            if chain is not None:            # (empty for a prompt shorter than a block: its root)
+                self._chains[g.req_id] = chain + chain_keys(g.token_ids, bt, chain.last, h, start=len(chain),
                                                             origin=chain.origin)
         for rid in plan.resync:
             self._tainted.pop(rid, None)
