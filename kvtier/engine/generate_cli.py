@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
     with llm:
         if not args.json:
             print(f"model: {llm.info.describe()}")
+            from kvtier.engine.tokenizer import NoTokenizer
+            text = not isinstance(llm.tokenizer, NoTokenizer)       # a checkpoint without tokenizer files
+            if not text:
+                print(f"note: {llm.tokenizer.name}: outputs are shown as token ids")
             if llm.info.random_weights:
                 print("note: this preset's weights are random (made from a seed), so its text is noise; "
                       "it runs the whole engine and cache path. Pass --model CHECKPOINT_DIR for real output.")
@@ -221,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
                                   **({"spec": llm.stats()["spec"]} if spec is not None else {})}))
             else:
                 where = ", ".join(f"{n} blocks from {t}" for t, n in o.cached_by_tier.items())
-                print(f"\n{o.text!r}\n  {len(o.prompt_token_ids)} prompt tokens, {o.cached_tokens} of them from the "
+                shown = repr(o.text) if text else f"token ids {o.token_ids}"
+                print(f"\n{shown}\n  {len(o.prompt_token_ids)} prompt tokens, {o.cached_tokens} of them from the "
                       f"cache{f' ({where})' if where else ''}; {len(o.token_ids)} generated ({o.finish_reason}); "
                       f"first token after {o.ttft * 1000:.1f} ms")
         if not args.json:
