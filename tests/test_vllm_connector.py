@@ -509,6 +509,30 @@ def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(pair):
     assert [(x.start, x.end, x.pages) for x in plan.loads] == [(0, 2, [10, 11])]
 
 
+def test_tensor_parallel_ranks_are_asked_at_once(monkeypatch):
+    """Each rank's FIND may wait on its peers: two ranks must not cost two waits in a row
+    (each rank waits for the other at a barrier; asked one after the other, both miss)."""
+    import threading
+
+    from kvtier.integrations.vllm.scheduler import WorkerStore
+
+    gate = threading.Barrier(2)
+
+    def has(self, keys):
+        try:
+            gate.wait(timeout=5)
+        except threading.BrokenBarrierError:
+            return 0
+        return 3 - self.info["rank"]
+    monkeypatch.setattr(WorkerStore, "has", has)
+    s = SchedulerSide(parse_config({}), T)
+    s.set_workers([{"rank": r, "seed": bytes(16), "hash": "xxh3", "block_tokens": T, "address": f"127.0.0.1:{9 + r}",
+                    "secret": b"s" * 32} for r in (1, 0)])
+    req = _request("r1", list(range(100, 118)))
+    assert s.match(req, 0) == 2 * T            # min(3, 2) blocks, both ranks answered
+    s.close()
+
+
 def test_tensor_parallel_ranks_fetch_from_the_same_rank_of_each_peer():
     cfg = parse_config({"peers": ["10.0.0.2:7700", "10.0.0.3:7800"], "secret": "s" * 32})
     assert cfg.build_remote(0).directory.peers == ["10.0.0.2:7700", "10.0.0.3:7800"]

@@ -12,14 +12,16 @@
 
 The workers' stores live in the worker processes; lookups go to the worker's kvtier node
 (loopback TCP, one authenticated FIND round trip: the worker's tiers, then what its remote
-tier finds on peers), or straight to the store when the worker runs in this process. Nothing here imports vLLM: requests and scheduler outputs
-are read through the attributes vLLM gives them.
+tier finds on peers; tensor-parallel ranks at once), or straight to the store when the
+worker runs in this process. Nothing here imports vLLM: requests and scheduler outputs are
+read through the attributes vLLM gives them.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,6 +96,7 @@ class SchedulerSide:
         self.cfg = cfg
         self.block_tokens = block_tokens
         self.workers: list[WorkerStore] = []
+        self._pool: ThreadPoolExecutor | None = None
         self._reqs: dict[str, _Req] = {}
         self.counters = {"lookups": 0, "hit_blocks": 0, "load_blocks": 0, "save_blocks": 0, "failed_loads": 0}
 
@@ -102,6 +105,10 @@ class SchedulerSide:
         for w in self.workers:
             w.close()
         self.workers = [WorkerStore(i) for i in sorted(infos, key=lambda i: i["rank"])]
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        # Tensor-parallel ranks are asked at once: each FIND may wait on its peers' answers.
+        self._pool = ThreadPoolExecutor(len(self.workers), "kvtier-lookup") if len(self.workers) > 1 else None
         for w in self.workers:
             if w.block_tokens != self.block_tokens:
                 from kvtier.errors import ConfigError
@@ -142,7 +149,7 @@ class SchedulerSide:
             return 0
         if st.keys is None:
             st.keys = [request_keys(st.tokens, self.block_tokens, w.seed, w.hash, st.tag) for w in self.workers]
-        st.hit = min(w.has(k) for w, k in zip(self.workers, st.keys))
+        st.hit = min(self._ask(st.keys))
         self.counters["lookups"] += 1
         self.counters["hit_blocks"] += st.hit
         B = self.block_tokens
@@ -153,6 +160,12 @@ class SchedulerSide:
             return 0
         st.plan = (local, usable)
         return (usable - local) * B
+
+    def _ask(self, keys: list[BlockKeys]) -> list[int]:
+        """Each worker's cached prefix of its keys (its rank's chain)."""
+        if self._pool is None:
+            return [w.has(k) for w, k in zip(self.workers, keys)]
+        return list(self._pool.map(lambda wk: wk[0].has(wk[1]), zip(self.workers, keys)))
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's pages (block_ids: all of them, in order)."""
@@ -242,6 +255,8 @@ class SchedulerSide:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 def uncount_cached(request: Any, cached: int) -> None:
