@@ -11,11 +11,14 @@ leaves the directory, and closes the store (writing host blocks down to a disk t
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvtier.argtypes import positive_float, positive_int, size
 from kvtier.errors import ConfigError
 from kvtier.progress import say
+
+if TYPE_CHECKING:
+    from kvtier.store import Store
 
 HELP = "serve a store's blocks to peers over TCP (and fetch from peers with --peers or --directory)"
 PROBE_EVERY_S = 0.5     # how often a node looks for peers that were down and are due for a retry
@@ -33,24 +36,34 @@ def _checked(check: Callable[[str], object], name: str) -> Callable[[str], objec
 
 
 def _address(text: str) -> str:
+    """An address to listen on (port 0: any free port)."""
     from kvtier.net.address import parse_address
     parse_address(text)
     return text
 
 
+def _dialled(text: str) -> str:
+    """An address other nodes dial (--advertise): port 0 is refused."""
+    from kvtier.net.address import parse_address
+    parse_address(text, any_port=False)
+    return text
+
+
 def _peers(text: str) -> list[str]:
-    """Comma-separated host:port addresses (empty items ignored, duplicates dropped)."""
+    """Comma-separated host:port addresses (duplicates dropped; an empty item is an error,
+    not silently no peer)."""
     from kvtier.net.address import parse_address
     peers: list[str] = []
     for p in (x.strip() for x in text.split(",")):
-        if p:
-            try:
-                parse_address(p)
-            except ConfigError:
-                raise ConfigError(f"peer {p!r} must look like HOST:PORT, e.g. 10.0.0.2:7700 "
-                                  "(separate several with commas)") from None
-            if p not in peers:
-                peers.append(p)
+        if not p:
+            raise ConfigError(f"{text!r} has an empty entry: list peers as HOST:PORT separated by commas, "
+                              "e.g. 10.0.0.2:7700,10.0.0.3:7700")
+        try:
+            parse_address(p, any_port=False)
+        except ConfigError as e:
+            raise ConfigError(f"peer {e} (separate several with commas)") from None
+        if p not in peers:
+            peers.append(p)
     return peers
 
 
@@ -97,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--directory", default=None, metavar="URL", type=_checked(_redis_url, "url"),
                    help="Redis directory (redis://HOST:PORT[/DB], rediss://... for TLS, unix:///PATH): "
                         "publish what this node holds, find other nodes' blocks (default: none)")
-    p.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_address, "address"),
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT", type=_checked(_dialled, "address"),
                    help="with --directory: the address peers should use to reach this node "
                         "(default: the --listen address)")
     p.add_argument("--lease", type=positive_float, default=None, metavar="SECONDS",
@@ -138,7 +151,7 @@ def read_secret(path: str | None) -> bytes:
         except OSError as e:
             raise ConfigError(f"cannot read the secret file {path}: {e.strerror}") from None
     else:
-        secret = os.environ.get("KVTIER_SECRET", "").encode()
+        secret = os.environ.get("KVTIER_SECRET", "").encode().strip()    # as the file's: a stray space or newline
     if len(secret) < 16:
         where = f"the secret file {path} holds {len(secret)} bytes" if path else \
             ("KVTIER_SECRET holds " + f"{len(secret)} bytes" if secret else "no --secret-file or KVTIER_SECRET given")
@@ -183,6 +196,27 @@ def tls_options(args: argparse.Namespace) -> tuple[object, object]:
     return serve, fetch
 
 
+def check_published_address(args: argparse.Namespace) -> None:
+    """With --directory the node publishes its address: one other machines can dial, so
+    --listen on every interface (0.0.0.0, [::]) needs --advertise."""
+    from kvtier.net.address import is_unspecified, parse_address
+
+    if args.directory and not args.advertise and is_unspecified(parse_address(args.listen)[0]):
+        raise ConfigError(f"--listen {args.listen} listens on every interface, and --directory would publish "
+                          "that address, which no other machine can dial: give --advertise HOST:PORT, the "
+                          "address peers should use (e.g. this machine's IP and the port)")
+
+
+def disk_size(store: Store) -> str:
+    """The disk tier's size as the banner shows it ("" without one)."""
+    from kvtier.units import format_bytes
+
+    for t in store.tiers:
+        if t.kind == "disk":
+            return " " + format_bytes(t.capacity_blocks * t.slot_size(t.block_bytes))
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -212,12 +246,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
     if args.lease is not None and not args.directory:
         raise ConfigError("--lease is for --directory (how long this node's entry there lives without renewal)")
+    check_published_address(args)
     args.lease = 10.0 if args.lease is None else args.lease
 
     directory = remote = None
     where = [f"host {format_bytes(parse_bytes(config.host_capacity))}"]
-    if config.disk_path:
-        where.append(f"disk {config.disk_path}")
     if args.directory:
         from kvtier.net import RedisDirectory
         directory = RedisDirectory(args.directory, lease_s=args.lease)
@@ -242,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     with config.build(layout, ns, remote=remote) as store:
+        if config.disk_path:        # its size as opened (an existing tier keeps its own)
+            where.insert(1, f"disk {config.disk_path}{disk_size(store)}")
         with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
                   transport=args.transport, tls=serve_tls, limits=limits) as node:
             for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly
@@ -254,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
             while not stop.wait(PROBE_EVERY_S):
                 if remote is not None:
                     remote.probe(only_down=True)     # and logs when it answers again
-            say("kvtier node: stopping" + (" (writing host blocks down to disk)" if args.disk else ""))
+            say("kvtier node: stopping" + (" (writing host blocks down to disk)" if config.disk_path else ""))
         st = store.stats()
         served, refused, held = node.served, node.refused, st.tiers[0].used_blocks
     say(f"kvtier node: stopped; served {served} requests, refused {refused}, "

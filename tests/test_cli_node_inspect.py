@@ -68,6 +68,14 @@ def test_redis_urls():
     (("--shard", "garbage"), "tp0/8"),
     (("--shard", "tp8/8"), "rank 8"),
     (("--peers", "10.0.0.2:7700,nohost"), "'nohost'"),
+    (("--peers", ","), "empty entry"),                      # was silently no peers
+    (("--peers", "10.0.0.2:7700,"), "empty entry"),
+    (("--peers", "127.0.0.1:0"), "port 0"),
+    (("--peers", "[::1]"), "[::1]:7700"),
+    (("--listen", "[nohost]:7700"), "IPv6 address in brackets"),
+    (("--advertise", "10.0.0.1:0", "--directory", "redis://127.0.0.1:1"), "port 0"),
+    (("--listen", "0.0.0.0:7750", "--directory", "redis://127.0.0.1:1"), "--advertise HOST:PORT"),
+    (("--listen", "[::]:7750", "--directory", "redis://127.0.0.1:1"), "--advertise HOST:PORT"),
     (("--listen", "localhost"), "--listen"),
     (("--advertise", "10.0.0.1:7700"), "--directory"),
     (("--lease", "5"), "--directory"),
@@ -88,6 +96,15 @@ def test_a_short_secret_says_how_short(tmp_path):
     assert_one_line_error(r, 2, "at least 16 bytes", f"{short} holds 5 bytes")
     r = run_kvtier(*NODE, env={k: v for k, v in ENV.items() if k != "KVTIER_SECRET"}, timeout=120)
     assert_one_line_error(r, 2, "no --secret-file or KVTIER_SECRET given")
+
+
+def test_the_secret_from_the_environment_is_stripped_like_the_files(monkeypatch, tmp_path):
+    """A trailing space or newline in KVTIER_SECRET made a node whose peers refused it."""
+    from kvtier.node_cli import read_secret
+    monkeypatch.setenv("KVTIER_SECRET", f" {SECRET} \n")
+    assert read_secret(None) == SECRET.encode()
+    (tmp_path / "secret").write_text(f"{SECRET}\n")
+    assert read_secret(str(tmp_path / "secret")) == SECRET.encode()
 
 
 def test_node_port_in_use_is_one_line():
@@ -169,13 +186,31 @@ def test_a_peer_with_another_secret_is_reported_as_refusing():
 
 def test_ctrl_c_stops_a_node_cleanly(tmp_path):
     p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB")
-    assert out.wait_for("serving 'm'"), (out.lines, err.lines)
-    assert any("disk" in ln for ln in out.lines)
-    p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=30) == 0
+    try:
+        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+    assert f"host 64.00 MiB, disk {tmp_path / 'kv'} 64.00 MiB" in out.lines[0], out.lines
     assert out.wait_for("stopped; served 0 requests"), out.lines
+    assert "kvtier node: stopping (writing host blocks down to disk)" in "".join(out.lines), out.lines
     assert "Traceback" not in "".join(err.lines), err.lines
     assert read_directory(tmp_path / "kv")[0]["namespace"]["model"] == "m"     # the disk tier closed cleanly
+
+
+def test_a_node_with_its_disk_in_a_config_file_shows_it_and_writes_it_down(tmp_path):
+    """With disk_path in --config rather than --disk, the banner showed no size and the stop
+    line did not say it writes host blocks down to disk."""
+    (tmp_path / "node.toml").write_text(f'disk_path = "{tmp_path / "kv"}"\ndisk_capacity = "32MiB"\n')
+    p, out, err = start_node("--config", str(tmp_path / "node.toml"))
+    try:
+        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    assert f"disk {tmp_path / 'kv'} 32.00 MiB" in out.lines[0], out.lines
+    assert out.wait_for("stopped;"), out.lines
+    assert "kvtier node: stopping (writing host blocks down to disk)" in "".join(out.lines), out.lines
 
 
 # -- kvtier inspect ----------------------------------------------------------------------------

@@ -202,42 +202,45 @@ class FakePeer:
         threading.Thread(target=self.run, daemon=True).start()
 
     def run(self) -> None:
+        while True:          # each connection on a thread of its own, as a node serves them
+            conn, _ = self.srv.accept()
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
         bb = LAYOUT.block_bytes
         data = payload(self.keys, bb).numpy()
-        while True:
-            conn, _ = self.srv.accept()
-            try:
-                while True:
-                    prefix = _recv_exact(conn, PREFIX_BYTES)
-                    if len(prefix) < PREFIX_BYTES:
-                        break
-                    n = read_prefix(prefix, SECRET).length
-                    body = _recv_exact(conn, n + 32)
-                    req = decode(prefix, body[:n], body[n:], SECRET)
-                    k = len(self.keys)
-                    if req.op == "HAS":
-                        conn.sendall(Frame("OK", self.ns, n=k, re=req.nonce).encode(SECRET))
-                        continue
-                    sums = [xxhash.xxh3_64_intdigest(r) for r in data]
-                    if self.mode == "garbage":
-                        data = data.copy()
-                        data[2, 5] ^= 0xFF                    # block 2 arrives corrupted
-                    conn.sendall(Frame("OK", self.ns, n=k, payload=k * bb, sums=sums, re=req.nonce).encode(SECRET))
-                    if self.mode == "garbage":
-                        conn.sendall(data.tobytes())
-                    elif self.mode == "stall":
-                        conn.sendall(data[:1].tobytes())
-                        time.sleep(5)                         # ... and nothing more
-                    elif self.mode == "die":
-                        conn.sendall(data[:1].tobytes()[: bb // 2])
-                        break
-                    elif self.mode == "die3":            # three whole blocks, half of the fourth
-                        conn.sendall(data[:3].tobytes() + data[3].tobytes()[: bb // 2])
-                        break
-            except Exception:
-                pass
-            finally:
-                conn.close()
+        try:
+            while True:
+                prefix = _recv_exact(conn, PREFIX_BYTES)
+                if len(prefix) < PREFIX_BYTES:
+                    break
+                n = read_prefix(prefix, SECRET).length
+                body = _recv_exact(conn, n + 32)
+                req = decode(prefix, body[:n], body[n:], SECRET)
+                k = len(self.keys)
+                if req.op == "HAS":
+                    conn.sendall(Frame("OK", self.ns, n=k, re=req.nonce).encode(SECRET))
+                    continue
+                sums = [xxhash.xxh3_64_intdigest(r) for r in data]
+                if self.mode == "garbage":
+                    data = data.copy()
+                    data[2, 5] ^= 0xFF                    # block 2 arrives corrupted
+                conn.sendall(Frame("OK", self.ns, n=k, payload=k * bb, sums=sums, re=req.nonce).encode(SECRET))
+                if self.mode == "garbage":
+                    conn.sendall(data.tobytes())
+                elif self.mode == "stall":
+                    conn.sendall(data[:1].tobytes())
+                    time.sleep(5)                         # ... and nothing more
+                elif self.mode == "die":
+                    conn.sendall(data[:1].tobytes()[: bb // 2])
+                    break
+                elif self.mode == "die3":            # three whole blocks, half of the fourth
+                    conn.sendall(data[:3].tobytes() + data[3].tobytes()[: bb // 2])
+                    break
+        except Exception:
+            pass
+        finally:
+            conn.close()
 
 
 @pytest.mark.parametrize("verify", ["inline", "thread"])
@@ -466,3 +469,104 @@ def test_find_answers_what_the_nodes_store_can_load_from_its_peers():
         with PeerClient.for_store(b, na.address, SECRET, timeout=5) as c, pytest.raises(PeerError, match="FIND refused"):
             c.find(keys)
     b.close()
+
+
+def test_addresses_ipv6_in_brackets_and_no_port_0_for_a_peer():
+    from kvtier.net.address import format_address, parse_address
+    assert parse_address("10.0.0.2:7700") == ("10.0.0.2", 7700)
+    assert parse_address("[::1]:7700") == ("::1", 7700)           # as bind and connect take it
+    assert parse_address("[fe80::1%eth0]:7700") == ("fe80::1%eth0", 7700)
+    assert parse_address("127.0.0.1:0") == ("127.0.0.1", 0)      # listen anywhere
+    assert format_address("::1", 7700) == "[::1]:7700" and format_address("h", 1) == "h:1"
+    for bad in ("[::1]", "[::1]7700", "[nohost]:7700", "fe80::1", "a b:1", "a,b:1", "h:65536", "h:x", ":7700"):
+        with pytest.raises(kvtier.ConfigError, match="must look like|not a host"):
+            parse_address(bad)
+    with pytest.raises(kvtier.ConfigError, match="port 0"):
+        parse_address("127.0.0.1:0", any_port=False)
+    probe = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with pytest.raises(kvtier.ConfigError, match="port 0"):
+        PeerClient.for_store(probe, "127.0.0.1:0", SECRET)
+    with pytest.raises(kvtier.ConfigError, match="port 0"):
+        kvtier.Remote(["127.0.0.1:0"], SECRET)
+    with pytest.raises(kvtier.ConfigError, match="port 0"):
+        Node(probe, "127.0.0.1:0", SECRET, advertise="10.0.0.1:0")
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_a_node_serves_on_ipv6():
+    """`[::1]:0` passed the address check, then failed to bind ('[::1]' is no host name)."""
+    served = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    keys = served.keys([5] * 32)
+    with Node(served, "[::1]:0", SECRET) as node:
+        assert node.address.startswith("[::1]:")
+        with PeerClient.for_store(served, node.address, SECRET, timeout=5) as c:
+            assert c.put(keys, payload(keys, LAYOUT.block_bytes)) == 4 and c.has(keys) == 4
+        fetching = client_store([node.address], timeout=5)
+        assert fetch(fetching, keys)[0] == 4
+        fetching.close()
+    served.close()
+
+
+def test_a_node_publishing_to_a_directory_needs_an_address_others_can_dial():
+    """Listening on 0.0.0.0 (or ::) with a directory published 0.0.0.0:PORT: nobody could reach it."""
+    from kvtier.net.directory import Directory, PeerList
+
+    class Published(Directory):
+        publishes = True
+
+        def locate(self, keys):
+            return []
+
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    for listen in ("0.0.0.0:7750", "[::]:7750"):
+        with pytest.raises(kvtier.ConfigError, match=r"advertise='HOST:PORT'"):
+            Node(store, listen, SECRET, directory=Published())
+        Node(store, listen, SECRET, directory=Published(), advertise="10.0.0.1:7750")   # fine: never started
+        Node(store, listen, SECRET, directory=PeerList(["10.0.0.2:7700"]))          # publishes nothing
+    store.close()
+
+
+def test_a_secret_given_as_str_says_to_pass_bytes():
+    from kvtier.net.push import Pusher
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    text = SECRET.decode()
+    for make in (lambda: Node(store, "127.0.0.1:0", text), lambda: kvtier.Remote(["127.0.0.1:1"], text),
+                 lambda: PeerClient.for_store(store, "127.0.0.1:1", text), lambda: Pusher(text)):
+        with pytest.raises(kvtier.ConfigError, match=r"must be bytes, not str: pass secret.encode\(\)"):
+            make()
+    with pytest.raises(kvtier.ConfigError, match="at least 16 bytes, got 5"):
+        Node(store, "127.0.0.1:0", b"short")
+    store.close()
+
+
+def test_a_lookup_never_waits_behind_a_fetch_and_a_busy_client_is_not_a_down_peer(spawn):
+    """A FIND at a node asks its peers HAS while the node's loader may be fetching from the
+    same peer: lookups have a client of their own, and a lookup that finds its own client
+    busy at the deadline is a miss, not a failure of the peer (it was marked down before,
+    and every lookup and load missed it until the backoff ended)."""
+    _, addr = spawn(seeds=[5])
+    store = client_store([addr], timeout=0.3)
+    keys = store.keys([5] * 32)
+    fetching = store.remote.client(addr)
+    assert fetching._lock.acquire()                   # a long GET holds the fetch client
+    try:
+        assert store.lookup(keys).blocks == 4            # the lookup has a connection of its own
+    finally:
+        fetching._lock.release()
+    looking = store.remote.client(addr, lookup=True)
+    assert looking._lock.acquire()                    # now the lookup client itself is busy
+    try:
+        assert store.lookup(keys).blocks == 0            # a miss this once...
+    finally:
+        looking._lock.release()
+    assert not store.remote.health(addr).down           # ...but the peer is not marked down
+    assert store.lookup(keys).blocks == 4
+    store.close()

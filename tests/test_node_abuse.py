@@ -361,6 +361,44 @@ def test_slow_and_oversized_unauthenticated_clients_cannot_make_a_node_hold_memo
     assert "refused a frame" in err and "Traceback" not in err
 
 
+# -- the log --------------------------------------------------------------------------------
+def hammer(node: kvtier.Node, n: int, data: bytes) -> None:
+    """n strangers, one after another: connect, send `data`, close; until the node has refused all."""
+    host, port = node.address.rsplit(":", 1)
+    for _ in range(n):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(data)
+    deadline = time.monotonic() + 10
+    while node.refused < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.refused == n
+
+
+def test_strangers_in_a_loop_cannot_flood_the_log(caplog):
+    """A loop that connects, sends 36 zero bytes and closes made a warning per connection
+    (10,158 lines in 3 s); refusals are counted and logged at the 1st, 10th, 100th, ..."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with caplog.at_level("WARNING", logger="kvtier.node"), kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        hammer(node, 150, b"\0" * PREFIX_BYTES)
+        with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
+            c.ping()                                      # and it serves its peers meanwhile
+    lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert "bad frame prefix" in lines[0] and "(100 frames refused so far" in lines[2], lines
+    store.close()
+
+
+def test_failed_tls_handshakes_cannot_flood_the_log(tmp_path, caplog):
+    tls = throwaway_cert(str(tmp_path))
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with caplog.at_level("WARNING", logger="kvtier.node"), \
+            kvtier.Node(store, "127.0.0.1:0", SECRET, tls=Tls(cert=tls.cert, key=tls.key)) as node:
+        hammer(node, 12, b"\0" * PREFIX_BYTES)         # plaintext junk: no handshake
+    lines = [r.getMessage() for r in caplog.records if "TLS handshake failed" in r.getMessage()]
+    assert len(lines) == 2 and "(10 failed TLS handshakes so far" in lines[1], lines
+    store.close()
+
+
 # -- replay ---------------------------------------------------------------------------------
 def _exchange(address: str, data: bytes) -> Frame:
     """Send raw frame bytes on a new connection; the node's reply."""

@@ -60,6 +60,8 @@ def test_a_receiver_that_is_gone_or_too_small_ends_the_push_early():
         address = gone.address
     out = Pusher(SECRET, timeout=0.5).push(sender, keys, address)
     assert out.blocks == 0 and out.error and time.monotonic() - t0 < 5
+    out = Pusher(SECRET).push(sender, keys, "127.0.0.1:0")          # no node listens on port 0: not dialled
+    assert out.blocks == 0 and "port 0" in out.error
     # a PUT of more blocks than the receiver's top tier holds is refused (an ERR reply), and
     # the node goes on serving
     small = store(blocks=4)
@@ -72,6 +74,23 @@ def test_a_receiver_that_is_gone_or_too_small_ends_the_push_early():
             assert c.put(keys[:2], rows) == 2 and c.has(keys) == 2
             assert c.put(keys[2:4], rows, sums=[0, 0]) == 0        # blocks that do not match their checksums
             assert c.has(keys) == 2                                  # are never stored
+
+
+def test_a_receiver_smaller_than_the_push_is_reported_as_holding_what_it_holds():
+    """A receiver whose top tier (59 blocks) is smaller than the push evicts its first blocks
+    to store the last: `blocks` is what it holds after the push (the prefill worker releases
+    its copy only when that is all of them), never what was sent (it said 100 of 100 while
+    the receiver held a prefix of 9)."""
+    sender = store(blocks=128)
+    keys = sender.keys(list(range(8 * 100)))
+    sender.put(keys, payload(keys, LAYOUT.block_bytes))
+    receiver = store(blocks=59)
+    with Node(receiver, "127.0.0.1:0", SECRET) as node, \
+            PeerClient.for_store(receiver, node.address, SECRET, timeout=2) as c:
+        whole = Pusher(SECRET, chunk=50).push(sender, keys, node.address)
+        assert (whole.sent, whole.error) == (100, "") and whole.blocks == c.has(keys) < 100
+        part = Pusher(SECRET, chunk=20).push(sender, keys[:40], node.address)
+        assert part.error == "" and part.blocks == c.has(keys[:40])
 
 
 class GatedTier(kvtier.HostTier):

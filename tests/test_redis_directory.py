@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.net import RedisDirectory
+from kvtier.net import PeerClient, RedisDirectory
 from tests.conftest import REPO, payload
 
 redis = pytest.importorskip("redis", reason="the redis package is in the test extra: pip install -e '.[test]'")
@@ -113,6 +113,94 @@ def test_a_long_prompt_is_one_round_trip(server):
     d.r.execute_command = real
     d.publish("10.0.0.1:7700", [], keys[:10])                  # removals only touch this node's entries
     assert d.locate(keys) == []
+    d.close()
+
+
+def bound(url: str) -> RedisDirectory:
+    d = RedisDirectory(url)
+    d.bind(b"n" * 16, lambda *_: 0)
+    return d
+
+
+def entries(d: RedisDirectory, keys) -> list[str]:
+    """Each key's entry in the namespace's hash, as stored (holders joined by commas)."""
+    return [v.decode() if v else "" for v in d.r.hmget(d.hash, keys)]
+
+
+def test_every_live_holder_of_a_block_stays_findable(server):
+    """Two nodes hold the same blocks: the second to publish no longer replaces the first, a
+    node that drops blocks takes only itself off them, and when one dies the other is found
+    (the second publisher used to own every entry: its death made the blocks unfindable,
+    though the first still held them)."""
+    d = bound(server.url)
+    keys = [i.to_bytes(16, "big") for i in range(20)]
+    for node in ("10.0.0.1:7700", "10.0.0.2:7700"):
+        d.heartbeat(node)
+        d.publish(node, keys, [])
+    d.publish("10.0.0.1:7700", keys, [])                       # everything again (after a lapse): no change
+    assert entries(d, keys) == ["10.0.0.1:7700,10.0.0.2:7700"] * 20
+    assert d.locate(keys) == ["10.0.0.1:7700"] * 20
+    d.publish("10.0.0.1:7700", [], keys[10:])                 # A evicts its last ten
+    assert d.locate(keys) == ["10.0.0.2:7700"] * 20           # one run from B, not A then B
+    assert entries(d, keys[10:]) == ["10.0.0.2:7700"] * 10
+    d.publish("10.0.0.1:7700", keys[10:], [])
+    d.r.delete(d.lease + "10.0.0.2:7700")                      # B dies: its lease ends
+    assert d.locate(keys) == ["10.0.0.1:7700"] * 20
+    assert entries(d, keys) == ["10.0.0.1:7700"] * 20           # and the lookup pruned it everywhere
+    d.close()
+
+
+def test_a_lookup_prunes_dead_holders_from_every_entry_it_reads(server):
+    d = bound(server.url)
+    keys = [i.to_bytes(16, "big") for i in range(30)]
+    for node, held in (("10.0.0.1:7700", keys[:10]), ("10.0.0.9:7700", keys)):
+        d.heartbeat(node)
+        d.publish(node, held, [])
+    d.r.delete(d.lease + "10.0.0.9:7700")
+    assert d.locate(keys) == ["10.0.0.1:7700"] * 10
+    assert entries(d, keys) == ["10.0.0.1:7700"] * 10 + [""] * 20     # past the gap too
+    d.close()
+
+
+def test_holders_per_block_are_capped_dead_ones_dropped_first(server):
+    d = bound(server.url)
+    keys = [b"k" * 16]
+    nodes = [f"10.0.0.{i}:7700" for i in range(1, 8)]
+    for node in nodes[:6]:
+        d.heartbeat(node)
+        d.publish(node, keys, [])
+    assert entries(d, keys) == [",".join(nodes[2:6])]          # MAX_HOLDERS, the latest publishers
+    d.r.delete(d.lease + nodes[4])
+    d.heartbeat(nodes[6])
+    d.publish(nodes[6], keys, [])
+    assert entries(d, keys) == [",".join(nodes[2:4] + nodes[5:7])]   # the dead one made room
+    d.close()
+
+
+def test_a_node_that_stops_leaves_its_entries_to_the_other_holders(server):
+    """Nodes A and B hold the same 20 blocks; B stops cleanly: a store still finds all 20 on
+    A, and B is off every entry at once; once A stops too, nothing of either is left in Redis
+    (a stop used to drop only the lease, leaving every entry behind)."""
+    stores = [kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=32)], NS) for _ in range(2)]
+    keys = stores[0].keys(list(range(8 * 20)))
+    nodes = []
+    for st in stores:
+        st.put(keys, payload(keys, LAYOUT.block_bytes))
+        nodes.append(kvtier.Node(st, "127.0.0.1:0", SECRET, directory=RedisDirectory(server.url, lease_s=3)).start())
+    a, b = nodes
+    store = client(server.url)
+    d = bound(server.url)
+    d.hash = f"kvtier:{store.keyer.seed.hex()}:blocks"
+    assert wait_for(lambda: store.lookup(keys).blocks == 20 and all(b.address in e for e in entries(d, keys)))
+    b.stop()
+    assert store.lookup(keys).by_tier() == {"host": 0, "remote": 20}
+    with PeerClient.for_store(store, a.address, SECRET) as c:
+        assert c.has(keys) == 20
+    assert entries(d, keys) == [a.address] * 20
+    a.stop()
+    assert d.r.hlen(d.hash) == 0
+    for st in (store, *stores):
+        st.close()
     d.close()
 
 

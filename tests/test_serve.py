@@ -396,6 +396,8 @@ def test_a_second_sigterm_ends_the_answers_in_flight_now():
     (["--host", "192.0.2.1"], "give --host one of this machine's addresses"),
     (["--device", "foo"], "--device foo"),                              # found before `listening on`
     (["--kv-cache", "1000TiB"], "memory available"),
+    (["--kv-listen", "0.0.0.0:0", "--directory", "redis://127.0.0.1:1", "--secret-file", __file__],
+     "give --advertise HOST:PORT"),                                      # before the model loads
 ])
 def test_cli_bad_input_is_one_line(args, needle):
     r = run_kvtier("serve", *args, timeout=120)

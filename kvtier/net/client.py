@@ -22,7 +22,7 @@ import numpy as np
 from kvtier.checksum import block_checksum, block_checksums
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
-from kvtier.net.frames import Frame, FrameError, decode, read_prefix
+from kvtier.net.frames import Frame, FrameError, check_secret, decode, read_prefix
 from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import Channel, TcpChannel, check_transport
 
@@ -43,11 +43,15 @@ class PeerError(KvtierError):
     """A peer could not answer in time or answered wrongly: treat its blocks as misses.
     `refused`: it answered, but refused the request or its reply was not acceptable (another
     secret or namespace, a malformed frame), rather than not answering at all. `loaded`: for a
-    GET, how many leading blocks had arrived verified before it failed (they are usable)."""
+    GET, how many leading blocks had arrived verified before it failed (they are usable).
+    `busy`: never sent, because this client's earlier request to the peer (one at a time)
+    was still running at the deadline: the peer is not at fault."""
 
-    def __init__(self, address: str, reason: str, refused: bool = False, loaded: int = 0) -> None:
+    def __init__(self, address: str, reason: str, refused: bool = False, loaded: int = 0,
+                 busy: bool = False) -> None:
         super().__init__(f"peer {address}: {reason}")
         self.address, self.reason, self.refused, self.loaded = address, reason, refused, loaded
+        self.busy = busy
 
 
 class PeerClient:
@@ -59,14 +63,13 @@ class PeerClient:
 
     def __init__(self, address: str, secret: bytes, ns: bytes, block_bytes: int, timeout: float = 0.5,
                  transport: str = "tcp", tls: Tls | None = None) -> None:
-        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-            raise ConfigError("the cluster's shared secret must be at least 16 bytes")
+        secret = check_secret(secret)
         if not isinstance(ns, (bytes, bytearray)) or len(ns) != 16:
             raise ConfigError("ns must be the store's 16-byte namespace seed (store.keyer.seed)")
         if not isinstance(block_bytes, int) or block_bytes < 1:
             raise ConfigError(f"block_bytes must be a positive int, got {block_bytes!r}")
         self.address = address
-        self._addr = parse_address(address)
+        self._addr = parse_address(address, any_port=False)
         self.transport = check_transport(transport)
         self.tls = check_tls(tls)
         if self.tls is not None and self.transport != "tcp":
@@ -147,7 +150,10 @@ class PeerClient:
     def _call(self, req: Frame, rows, send_rows: bool = False) -> int:
         moved = len(req.keys) * self.block_bytes if req.op in ("GET", "PUT") else 0
         deadline = time.monotonic() + self.timeout + moved / MIN_RATE
-        with self._lock:
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise PeerError(self.address, "busy: this client's earlier request to the peer was still running "
+                            "at the deadline", busy=True)
+        try:
             landed: list[Future[bool] | None] = []
             try:
                 reused = self._chan is not None
@@ -169,6 +175,8 @@ class PeerClient:
                 self._drop()    # the connection's state is unknown now: start afresh next time
                 raise PeerError(self.address, _reason(e), refused=isinstance(e, FrameError),
                                 loaded=_verified(landed)) from None
+        finally:
+            self._lock.release()
 
     def _send(self, req: Frame, rows, deadline: float) -> tuple[Channel, tuple[bytes, bytes, bytes]]:
         """Send `req` (freshly encoded: a new nonce) and read its reply's head."""

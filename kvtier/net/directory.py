@@ -3,8 +3,9 @@
 - PeerList: no service; ask every peer how long a prefix it holds (one round trip to
   each, in parallel). Fine for a handful of nodes.
 - RedisDirectory: nodes publish the keys they hold to Redis (batched, pipelined) under a
-  lease that expires when a node dies; a lookup of any number of keys is one round trip
-  (a Lua script that also checks the holders' leases and forgets dead holders' entries).
+  lease that expires when a node dies. Each block lists up to MAX_HOLDERS nodes, so a block
+  stays findable while any listed node that holds it lives; a lookup of any number of keys
+  is one round trip (a Lua script that also checks the holders' leases and prunes dead ones).
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from kvtier.net.health import Health
 log = logging.getLogger("kvtier.directory")
 T = TypeVar("T")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+MAX_HOLDERS = 4       # nodes listed per block (the latest publishers): bounds Redis memory per block
+CHUNK = 1000          # block keys per script call: bounds how long one call holds Redis
+LEAVE_CHUNKS = 16     # script calls per round trip when a stopping node removes itself
 
 
 class DirectoryError(KvtierError):
@@ -30,6 +34,10 @@ class DirectoryError(KvtierError):
 
 class Directory(ABC):
     """Maps block keys to the nodes that hold them."""
+
+    #: Whether publish() tells other nodes where blocks are (a node must then publish an
+    #: address they can dial, not 0.0.0.0).
+    publishes = False
 
     def bind(self, ns: bytes, ask: Callable[[str, Sequence[Key]], int]) -> None:
         """Called by the remote tier: the namespace seed, and how to ask a peer HAS(keys)."""
@@ -47,8 +55,8 @@ class Directory(ABC):
         """Renew `node`'s lease; False if it had lapsed (the node must publish everything again)."""
         return True
 
-    def leave(self, node: str) -> None:
-        """`node` is going away: drop its lease."""
+    def leave(self, node: str, held: Sequence[Key] = ()) -> None:
+        """`node` is going away: drop its lease, and its entries for the blocks `held`."""
 
     def close(self) -> None:
         """Release connections and threads."""
@@ -61,7 +69,7 @@ class PeerList(Directory):
         if isinstance(peers, str) or not peers:
             raise ConfigError("peers must be a non-empty list of 'host:port' addresses")
         for p in peers:
-            parse_address(p)
+            parse_address(p, any_port=False)
         self.peers = list(peers)
         self._pool = ThreadPoolExecutor(len(self.peers), thread_name_prefix="kvtier-peers")
 
@@ -76,39 +84,157 @@ class PeerList(Directory):
         self._pool.shutdown(wait=False)
 
 
-# KEYS[1]: the namespace's hash (key -> holder); KEYS[2]: the prefix of lease keys.
-# ARGV: block keys in prefix order. Returns the holders of the longest held prefix.
-_LOOKUP = """
-local out = {}
+# Each block's entry in the namespace's hash lists its holders, oldest first, joined by ","
+# (an address never holds one: kvtier/net/address.py). A lease key per node says it lives.
+# Speed: one string field per block (not a Redis set per block) keeps a lookup of any
+# length to one HMGET per 1,000 keys and a block's memory to one hash field; and since the
+# blocks of a prompt mostly share one value ("A,B"), the scripts work out what each
+# distinct value becomes once (`memo`), not once per block: Redis runs nothing else meanwhile.
+_HELPERS = """
 local alive = {}
-for s = 1, #ARGV, 1000 do
-  local part = redis.call('HMGET', KEYS[1], unpack(ARGV, s, math.min(s + 999, #ARGV)))
-  for i, h in ipairs(part) do
-    if not h then return out end
-    local ok = alive[h]
-    if ok == nil then
-      ok = redis.call('EXISTS', KEYS[2] .. h) == 1
-      alive[h] = ok
-    end
-    if not ok then
-      redis.call('HDEL', KEYS[1], ARGV[s + i - 1])
-      return out
-    end
-    out[#out + 1] = h
+local function live(h)
+  local ok = alive[h]
+  if ok == nil then
+    ok = redis.call('EXISTS', KEYS[2] .. h) == 1
+    alive[h] = ok
   end
-  if #part < math.min(1000, #ARGV - s + 1) then return out end
+  return ok
+end
+local memo = {}
+local function holders(v)
+  local t = memo[v]
+  if t == nil then
+    t = {}
+    for h in string.gmatch(v, '[^,]+') do t[#t + 1] = h; t[h] = true end
+    memo[v] = t
+  end
+  return t
+end
+"""
+
+# KEYS[1]: the hash; KEYS[2]: the prefix of lease keys. ARGV: block keys in prefix order.
+# Returns a live holder for each block of the longest prefix that has one. Dead holders are
+# pruned from every entry read. The holder changes only where it must, to the one that
+# holds the longest run from there (so a prefix is fetched in as few runs as its holders
+# allow; each switch scans at most the run it picks, per candidate: linear in the keys).
+_LOOKUP = _HELPERS + """
+local pruned = {}
+local function living(v)
+  local t = pruned[v]
+  if t == nil then
+    t = {}
+    for _, h in ipairs(holders(v)) do if live(h) then t[#t + 1] = h; t[h] = true end end
+    t[0] = table.concat(t, ',')
+    pruned[v] = t
+  end
+  return t
+end
+local lists, gap = {}, false
+for s = 1, #ARGV, 1000 do
+  local e = math.min(s + 999, #ARGV)
+  local part = redis.call('HMGET', KEYS[1], unpack(ARGV, s, e))
+  for i = 1, e - s + 1 do
+    local v, here = part[i], nil
+    if v then
+      here = living(v)
+      if here[0] == '' then redis.call('HDEL', KEYS[1], ARGV[s + i - 1])
+      elseif here[0] ~= v then redis.call('HSET', KEYS[1], ARGV[s + i - 1], here[0]) end
+    end
+    if not here or here[0] == '' then gap = true end
+    if not gap then lists[#lists + 1] = here end
+  end
+  if gap then break end
+end
+local out, cur, n = {}, nil, #lists
+for i = 1, n do
+  local here = lists[i]
+  if not (cur and here[cur]) then
+    cur = here[1]
+    if #here > 1 then
+      local best = 0
+      for _, h in ipairs(here) do
+        local j = i
+        while j <= n and lists[j][h] do j = j + 1 end
+        if j - i > best then cur, best = h, j - i end
+      end
+    end
+  end
+  out[i] = cur
 end
 return out
 """
 
-# KEYS[1]: the hash; ARGV[1]: the node; ARGV[2..]: keys it no longer holds (deleted only if
-# the directory still names this node: another node may have published them since).
-_FORGET = """
-for i = 2, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+# KEYS[1]: the hash; KEYS[2]: the prefix of lease keys. ARGV[1]: the node; ARGV[2]: holders
+# listed per block at most; ARGV[3..]: blocks the node now holds. A full list drops its dead
+# holders, then its oldest.
+_ADD = _HELPERS + """
+local node, cap = ARGV[1], tonumber(ARGV[2])
+local after = {}
+local function with_node(v)
+  local out = after[v]
+  if out == nil then
+    local t = holders(v)
+    if t[node] then
+      out = false
+    else
+      local hs = {}
+      for _, h in ipairs(t) do if #t < cap or live(h) then hs[#hs + 1] = h end end
+      while #hs >= cap do table.remove(hs, 1) end
+      hs[#hs + 1] = node
+      out = table.concat(hs, ',')
+    end
+    after[v] = out
+  end
+  return out
 end
-return 0
+local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, 3))
+local set = {}
+for i, v in ipairs(vals) do
+  local new = node
+  if v then new = with_node(v) end
+  if new then
+    set[#set + 1] = ARGV[i + 2]
+    set[#set + 1] = new
+  end
+end
+if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
+return #set / 2
 """
+
+# KEYS[1]: the hash. ARGV[1]: the node; ARGV[2..]: blocks it no longer holds. Only the node
+# leaves each entry: the other holders stay listed.
+_FORGET = _HELPERS + """
+local node = ARGV[1]
+local after = {}
+local function without_node(v)
+  local out = after[v]
+  if out == nil then
+    local t = holders(v)
+    out = false
+    if t[node] then
+      local hs = {}
+      for _, h in ipairs(t) do if h ~= node then hs[#hs + 1] = h end end
+      out = table.concat(hs, ',')
+    end
+    after[v] = out
+  end
+  return out
+end
+local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
+local set, del = {}, {}
+for i, v in ipairs(vals) do
+  local new = v and without_node(v)
+  if new == '' then del[#del + 1] = ARGV[i + 1]
+  elseif new then set[#set + 1] = ARGV[i + 1]; set[#set + 1] = new end
+end
+if #del > 0 then redis.call('HDEL', KEYS[1], unpack(del)) end
+if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
+return #del + #set / 2
+"""
+
+
+def _chunks(keys: Sequence[Key], n: int = CHUNK) -> list[Sequence[Key]]:
+    return [keys[i:i + n] for i in range(0, len(keys), n)]
 
 
 def check_redis_url(url: str) -> str:
@@ -146,6 +272,8 @@ class RedisDirectory(Directory):
     caller) and Redis is retried with backoff (kvtier/net/health.py): one log line when it
     goes away, one when it is back."""
 
+    publishes = True
+
     def __init__(self, url: str = "redis://127.0.0.1:6379", *, lease_s: float = 10.0, timeout: float = 0.5) -> None:
         try:
             import redis
@@ -171,6 +299,7 @@ class RedisDirectory(Directory):
         except self._errors:
             pass  # not answering yet: calls retry with backoff (logged at the first)
         self._lookup = self.r.register_script(_LOOKUP)
+        self._add = self.r.register_script(_ADD)
         self._forget = self.r.register_script(_FORGET)
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -201,7 +330,7 @@ class RedisDirectory(Directory):
         self.hash = f"kvtier:{ns.hex()}:blocks"
         self.lease = f"kvtier:{ns.hex()}:node:"
         try:   # load the scripts now, so that even the first lookup is one round trip
-            self._call(lambda: (self.r.script_load(_LOOKUP), self.r.script_load(_FORGET)))
+            self._call(lambda: [self.r.script_load(code) for code in (_LOOKUP, _ADD, _FORGET)])
         except DirectoryError:
             pass   # Redis is down for now (logged): the scripts load themselves on first use
 
@@ -211,23 +340,39 @@ class RedisDirectory(Directory):
         return [h.decode() for h in self._call(lambda: self._lookup(keys=[self.hash, self.lease], args=list(keys)))]
 
     def publish(self, node: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
+        """Add `node` to the holders of `added`, remove it from those of `removed`."""
+        if not added and not removed:
+            return
+
         def send() -> None:
             pipe = self.r.pipeline(transaction=False)     # one round trip for the whole batch
-            for i in range(0, len(added), 1000):
-                pipe.hset(self.hash, mapping={k: node for k in added[i:i + 1000]})
-            if removed:
-                self._forget(keys=[self.hash], args=[node, *removed], client=pipe)
+            for part in _chunks(added):
+                self._add(keys=[self.hash, self.lease], args=[node, MAX_HOLDERS, *part], client=pipe)
+            for part in _chunks(removed):
+                self._forget(keys=[self.hash], args=[node, *part], client=pipe)
             pipe.execute()
         self._call(send)
 
     def heartbeat(self, node: str) -> bool:
         return self._call(lambda: self.r.set(self.lease + node, b"1", px=self.lease_ms, get=True)) is not None
 
-    def leave(self, node: str) -> None:
+    def leave(self, node: str, held: Sequence[Key] = ()) -> None:
+        """Drop the lease first (lookups skip the node at once), then the node from the
+        entries of `held`: LEAVE_CHUNKS script calls of CHUNK keys per round trip, so Redis
+        serves others in between however much the node held."""
         try:
             self._call(lambda: self.r.delete(self.lease + node))
+            step = CHUNK * LEAVE_CHUNKS
+            for i in range(0, len(held), step):
+                self._call(lambda: self._forget_all(node, held[i:i + step]))
         except DirectoryError:
-            pass   # Redis is down: the lease runs out by itself
+            pass   # Redis is down: the lease runs out by itself, and lookups prune what they read
+
+    def _forget_all(self, node: str, keys: Sequence[Key]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for part in _chunks(keys):
+            self._forget(keys=[self.hash], args=[node, *part], client=pipe)
+        pipe.execute()
 
     def close(self) -> None:
         self.r.close()

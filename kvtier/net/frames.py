@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 VERSION = 2
 OPS = ("HAS", "FIND", "GET", "PUT", "OK", "ERR")
@@ -39,10 +39,26 @@ MAX_HEADER = 4 << 20            # a 128k-token prompt at 16 tokens a block: ~200
 MAX_KEYS = 1 << 16
 MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale
 _HEAD = struct.Struct("!IQ8s")  # header length, time in ns, 8 random bytes
+MIN_SECRET_BYTES = 16
 
 
 class FrameError(KvtierError):
     """A frame that is malformed, too large, unauthenticated, stale or replayed."""
+
+
+def check_secret(secret: object) -> bytes:
+    """The cluster's shared secret as bytes, or a ConfigError that says what to pass (a str
+    is refused, not encoded here: every node must MAC with the very same bytes)."""
+    if isinstance(secret, str):
+        raise ConfigError("the cluster's shared secret must be bytes, not str: pass secret.encode() "
+                          f"(at least {MIN_SECRET_BYTES} bytes)")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ConfigError(f"the cluster's shared secret must be bytes (at least {MIN_SECRET_BYTES}), "
+                          f"not {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the cluster's shared secret must be at least {MIN_SECRET_BYTES} bytes, "
+                          f"got {len(secret)}")
+    return bytes(secret)
 
 
 @dataclass(frozen=True)

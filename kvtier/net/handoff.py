@@ -70,6 +70,10 @@ class HandoffDirectory(Directory):
         return self.base.locate(keys) if self.base is not None else []
 
     @property
+    def publishes(self) -> bool:          # type: ignore[override]
+        return self.base is not None and self.base.publishes
+
+    @property
     def peers(self) -> list[str]:
         return list(getattr(self.base, "peers", []))
 
@@ -80,9 +84,9 @@ class HandoffDirectory(Directory):
     def heartbeat(self, node: str) -> bool:
         return self.base.heartbeat(node) if self.base is not None else True
 
-    def leave(self, node: str) -> None:
+    def leave(self, node: str, held: Sequence[Key] = ()) -> None:
         if self.base is not None:
-            self.base.leave(node)
+            self.base.leave(node, held)
 
     def close(self) -> None:
         if self.base is not None:

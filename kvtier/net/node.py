@@ -31,10 +31,10 @@ import numpy as np
 from kvtier.checksum import block_checksum
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.accept import accept_forever, raise_open_files_limit
-from kvtier.net.address import parse_address
+from kvtier.net.address import format_address, is_unspecified, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import MAX_KEYS, Frame, FrameError, decode, read_prefix
+from kvtier.net.frames import MAX_KEYS, Frame, FrameError, check_secret, decode, read_prefix
 from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from kvtier.store import Store
 
 log = logging.getLogger("kvtier.node")
+MAX_FINDS = 8       # FINDs answered at once (each fans out to the node's peers); more wait their turn
 T = TypeVar("T")
 
 
@@ -54,8 +55,7 @@ class Node:
                  directory: Directory | None = None, advertise: str | None = None,
                  request_timeout: float = 10.0, transport: str = "tcp", tls: Tls | None = None,
                  limits: NodeLimits | None = None) -> None:
-        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-            raise ConfigError("a node needs the cluster's shared secret: at least 16 bytes")
+        secret = check_secret(secret)
         self.transport = check_transport(transport)
         self.tls = check_tls(tls)
         if self.tls is not None and self.transport != "tcp":
@@ -73,9 +73,13 @@ class Node:
         self.advertise = advertise      # the address peers should use (default: where it listens)
         self.publisher: Publisher | None = None
         self._host, self._port = parse_address(listen)
+        check_advertised(self._host, directory, advertise)
         self.address = ""
         self.refused = 0          # frames refused (bad MAC, stale, replayed, malformed, other namespace)
+        self.refused_frames = 0   # of them, frames (logged sparsely: a stranger's loop must not flood the log)
+        self.failed_handshakes = 0    # TLS handshakes that failed (logged sparsely too)
         self.served = 0           # requests answered
+        self._finds = asyncio.Semaphore(MAX_FINDS)    # (bound to the node's loop at first use)
         self.gate = Gate(self.limits)                 # connections and pre-authentication bytes
         self.replays = ReplayGuard(capacity=self.limits.replay_entries)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,7 +141,8 @@ class Node:
 
     def _run(self) -> None:
         try:
-            srv = socket.create_server((self._host, self._port), reuse_port=False,
+            family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+            srv = socket.create_server((self._host, self._port), family=family, reuse_port=False,
                                        backlog=min(4096, socket.SOMAXCONN))
         except OSError as e:
             self._error = e
@@ -146,7 +151,7 @@ class Node:
         srv.setblocking(False)
         self._server = srv
         host, port = srv.getsockname()[:2]
-        self.address = f"{host}:{port}"
+        self.address = format_address(host, port)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)     # this thread's loop: asyncio helpers find it even at shutdown
         self._loop = loop
@@ -201,8 +206,10 @@ class Node:
         except (OSError, EOFError, asyncio.TimeoutError, ssl.SSLError) as e:
             self.gate.closed(w)
             self.refused += 1
-            log.warning("node %s: refused a connection: TLS handshake failed (%s)", self.address,
-                        _short(e))
+            self.failed_handshakes += 1
+            if _sparse(self.failed_handshakes):
+                log.warning("node %s: refused a connection: TLS handshake failed (%s)%s", self.address,
+                            _short(e), _so_far(self.failed_handshakes, "failed TLS handshakes"))
             sock.close()
             return
         writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)
@@ -278,7 +285,10 @@ class Node:
                 self.served += 1
         except FrameError as e:
             self.refused += 1
-            log.warning("node %s: refused a frame: %s", self.address, e)
+            self.refused_frames += 1
+            if _sparse(self.refused_frames):
+                log.warning("node %s: refused a frame: %s%s", self.address, e,
+                            _so_far(self.refused_frames, "frames refused"))
             try:
                 if not isinstance(e, _Answered):          # its ERR went out before its bytes were dropped
                     await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
@@ -306,7 +316,8 @@ class Node:
             if req.payload:
                 raise FrameError("FIND carries no payload")
             try:
-                hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
+                async with self._finds:    # each FIND asks every peer: bounded, whoever sends them
+                    hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
             except KvtierError as e:       # a closed store
                 raise FrameError(f"FIND refused: {e}") from None
             await conn.send(Frame("OK", self.seed, n=hit.blocks, re=re).encode(self.secret))
@@ -386,6 +397,24 @@ async def _off_loop(cm: AbstractContextManager[T]) -> AsyncIterator[T]:
 def _sparse(n: int) -> bool:
     """Whether the n-th occurrence of a repeated event is logged: 1, 10, 100, 1000, then every 10,000th."""
     return n in (1, 10, 100, 1000) or (n > 0 and n % 10000 == 0)
+
+
+def _so_far(n: int, what: str) -> str:
+    """The count after a sparsely logged message (see _sparse): nothing the first time."""
+    return "" if n == 1 else f" ({n} {what} so far; only the 1st, 10th, 100th, ... are logged)"
+
+
+def check_advertised(host: str, directory: Directory | None, advertise: str | None) -> None:
+    """A node that publishes to a directory must publish an address other machines can dial:
+    ConfigError when it listens on every interface (0.0.0.0, ::) with no `advertise`, and
+    for an advertised address that is malformed or names port 0."""
+    if advertise is not None:
+        parse_address(advertise, any_port=False)
+    elif directory is not None and directory.publishes and is_unspecified(host):
+        shown = f"[{host}]" if ":" in host else host
+        raise ConfigError(f"a node listening on {shown} (every interface) would publish {shown} to the directory, "
+                          "which no other machine can reach: give the address peers should use, "
+                          "advertise='HOST:PORT' (--advertise HOST:PORT on the command line)")
 
 
 def _short(e: BaseException) -> str:

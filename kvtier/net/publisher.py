@@ -5,7 +5,8 @@ the directory in one pipelined call, and the node's lease is renewed. If the lea
 lapsed, or the directory could not be reached, the next round publishes everything the
 store holds again (so a restarted Redis is refilled) instead of keeping an unbounded backlog.
 While the directory is down its calls fail fast (it retries with backoff and logs each
-change of state itself), so the rounds cost nothing and log nothing more.
+change of state itself), so the rounds cost nothing and log nothing more. On stop the node
+leaves: its lease goes, and it is taken off the entries of every block it may have published.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from kvtier.errors import KvtierError
 from kvtier.net.directory import Directory, DirectoryError
 
 if TYPE_CHECKING:
@@ -36,11 +38,23 @@ class Publisher:
         return self
 
     def stop(self) -> None:
+        """Stop publishing and leave the directory, taking this node off every entry it
+        published (others that hold those blocks stay listed)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.directory.leave(self.address)
+        self.directory.leave(self.address, self._listed())
         self.store.watch(False)
+
+    def _listed(self) -> list[bytes]:
+        """The keys the directory may list under this node: what the store holds, and what
+        entered or left it since the last round (not yet published)."""
+        try:
+            keys = dict.fromkeys(self.store.cached_keys())
+            keys.update(dict.fromkeys(k for _, k in self.store.changes() or ()))
+        except KvtierError:       # a store closed first: lookups prune what is left once the lease is gone
+            return []
+        return list(keys)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):

@@ -24,6 +24,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.net.client import PeerClient, PeerError
 from kvtier.net.directory import Directory, DirectoryError, PeerList
+from kvtier.net.frames import check_secret
 from kvtier.net.health import Health
 from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import check_transport
@@ -40,8 +41,7 @@ class Remote:
                  tls: Tls | None = None) -> None:
         if (peers is None) == (directory is None):
             raise ConfigError("give a Remote either peers=['host:port', ...] or directory=RedisDirectory(url)")
-        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-            raise ConfigError("the cluster's shared secret must be at least 16 bytes")
+        secret = check_secret(secret)
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout}")
         self.transport = check_transport(transport)    # "tcp" or "ucx": how peers are reached
@@ -56,7 +56,7 @@ class Remote:
         self.promote = promote
         self.name = name
         self.errors = 0            # peer or directory calls that failed (each a miss, never an exception)
-        self._clients: dict[str, PeerClient] = {}
+        self._clients: dict[tuple[str, bool], PeerClient] = {}   # (address, for lookups) -> client
         self._health: dict[str, Health] = {}
         self._lock = threading.Lock()
         self._ns = b""
@@ -69,12 +69,17 @@ class Remote:
         self._ns, self._block_bytes = ns, block_bytes
         self.directory.bind(ns, self._ask)
 
-    def client(self, address: str) -> PeerClient:
+    def client(self, address: str, lookup: bool = False) -> PeerClient:
+        """The client for `address`: one for fetches, one for lookups (`lookup`), so a HAS
+        never queues behind a long GET on the one connection (a client sends one request at
+        a time: an engine's lookup, asked while its loader fetched from that peer, timed out
+        and marked the peer down)."""
         with self._lock:
-            c = self._clients.get(address)
+            c = self._clients.get((address, lookup))
             if c is None:
-                c = self._clients[address] = PeerClient(address, self.secret, self._ns, self._block_bytes,
-                                                           self.timeout, transport=self.transport, tls=self.tls)
+                c = self._clients[(address, lookup)] = PeerClient(address, self.secret, self._ns, self._block_bytes,
+                                                                     self.timeout, transport=self.transport,
+                                                                     tls=self.tls)
             return c
 
     def health(self, address: str) -> Health:
@@ -85,24 +90,25 @@ class Remote:
                 h = self._health[address] = Health(f"peer {address}", log)
             return h
 
-    def _call(self, address: str, call) -> Any:
+    def _call(self, address: str, call, lookup: bool = False) -> Any:
         """`call(client)` on the peer at `address`; PeerError at once while it is backing off."""
         h = self.health(address)
         if not h.attempt():
             self.errors += 1
             raise PeerError(address, f"not answering; next try in {h.retry_in():.1f} s")
         try:
-            out = call(self.client(address))
+            out = call(self.client(address, lookup))
         except PeerError as e:
             self.errors += 1
-            h.failed(e.reason, "refusing requests" if e.refused else "unreachable")
+            if not e.busy:                 # our own client was busy: a miss, not the peer's fault
+                h.failed(e.reason, "refusing requests" if e.refused else "unreachable")
             raise
         h.succeeded()
         return out
 
     def _ask(self, address: str, keys: Sequence[bytes]) -> int:
         try:
-            return self._call(address, lambda c: c.has(keys))
+            return self._call(address, lambda c: c.has(keys), lookup=True)
         except PeerError:
             return 0        # logged by the peer's Health when it went away
 
@@ -118,7 +124,7 @@ class Remote:
 
         def one(address: str) -> str | None:
             try:
-                self._call(address, lambda c: c.ping())
+                self._call(address, lambda c: c.ping(), lookup=True)
                 return None
             except PeerError as e:
                 return e.reason
@@ -158,7 +164,7 @@ class Remote:
         return {"directory": type(self.directory).__name__, "transport": self.transport, "tls": self.tls is not None,
                 "timeout_s": self.timeout,
                 "errors": self.errors,
-                "peers_contacted": sorted(self._clients)}
+                "peers_contacted": sorted({address for address, _ in self._clients})}
 
     def close(self) -> None:
         for c in self._clients.values():

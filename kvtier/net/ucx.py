@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.net.address import format_address
 from kvtier.net.frames import MAC_BYTES, MAX_HEADER, PREFIX_BYTES, FrameError
 
 T = TypeVar("T")
@@ -131,7 +132,7 @@ class UcxServer:
     def __init__(self, node: Any, host: str, port: int) -> None:
         self.node = node
         self.listener = run(self._listen(port), time.monotonic() + 30)
-        self.address = f"{host}:{self.listener.port}"
+        self.address = format_address(host, self.listener.port)
 
     async def _listen(self, port: int) -> Any:
         ucxx = require_ucxx()
