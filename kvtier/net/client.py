@@ -62,7 +62,7 @@ class PeerClient:
     use `PeerClient.for_store`); `tls=Tls(ca=FILE)` reaches a node that serves TLS."""
 
     def __init__(self, address: str, secret: bytes, ns: bytes, block_bytes: int, timeout: float = 0.5,
-                 transport: str = "tcp", tls: Tls | None = None) -> None:
+                 transport: str = "tcp", tls: Tls | None = None, wait_busy: bool = True) -> None:
         secret = check_secret(secret)
         if not isinstance(ns, (bytes, bytearray)) or len(ns) != 16:
             raise ConfigError("ns must be the store's 16-byte namespace seed (store.keyer.seed)")
@@ -78,6 +78,10 @@ class PeerClient:
         self.secret, self.ns, self.block_bytes, self.timeout = bytes(secret), bytes(ns), block_bytes, timeout
         self._chan: Channel | None = None
         self._lock = threading.Lock()
+        # A request waits its turn behind this client's earlier one (pushes and fetches queue);
+        # with wait_busy=False (lookups) it waits only until its own deadline, then is a
+        # PeerError with busy=True (a miss that is not the peer's fault).
+        self.wait_busy = wait_busy
 
     @classmethod
     def for_store(cls, store: Store, address: str, secret: bytes, **kw: object) -> PeerClient:
@@ -150,7 +154,7 @@ class PeerClient:
     def _call(self, req: Frame, rows, send_rows: bool = False) -> int:
         moved = len(req.keys) * self.block_bytes if req.op in ("GET", "PUT") else 0
         deadline = time.monotonic() + self.timeout + moved / MIN_RATE
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if not self.wait_busy else -1):
             raise PeerError(self.address, "busy: this client's earlier request to the peer was still running "
                             "at the deadline", busy=True)
         try:

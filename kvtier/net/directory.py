@@ -155,7 +155,7 @@ for i = 1, n do
       for _, h in ipairs(here) do
         local j = i
         while j <= n and lists[j][h] do j = j + 1 end
-        if j - i > best then cur, best = h, j - i end
+        if j - i >= best then cur, best = h, j - i end   -- a tie: the newest holder (least likely stale)
       end
     end
   end

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvtier.store import Store
 
 log = logging.getLogger("kvtier.publisher")
+MAX_UNSENT_REMOVALS = 1 << 16   # removals kept for the next round while the directory fails
 
 
 class Publisher:
@@ -28,6 +29,10 @@ class Publisher:
         self.store, self.directory, self.address, self.every = store, directory, address, every
         self.resync = True          # publish everything at the next round
         self.errors = 0
+        # Blocks that left the store and are not yet off the directory: a failed round (or a
+        # lapsed lease's publish of everything) must still remove them, or a live node stays
+        # listed beside the real holders for blocks it no longer has (and lookups prefer it).
+        self._removed: dict[bytes, None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-publisher", daemon=True)
         store.watch()
@@ -65,18 +70,26 @@ class Publisher:
         batch = self.store.changes()
         if batch is None:               # more changed than the feed keeps: publish everything
             self.resync, batch = True, []
+        last: dict[bytes, str] = {}
+        for op, key in batch:            # a key added then dropped in one batch: dropped
+            last[key] = op
+        for key, op in last.items():
+            if op == "-":
+                self._removed[key] = None
+            else:
+                self._removed.pop(key, None)
+        while len(self._removed) > MAX_UNSENT_REMOVALS:      # bounded: the oldest go unsent
+            del self._removed[next(iter(self._removed))]
         everything = self.store.cached_keys() if self.resync else None
         try:
             if not self.directory.heartbeat(self.address):
                 everything = everything if everything is not None else self.store.cached_keys()
             if everything is not None:
-                self.directory.publish(self.address, everything, [])
+                held = set(everything)
+                self.directory.publish(self.address, everything, [k for k in self._removed if k not in held])
             else:
-                last: dict[bytes, str] = {}
-                for op, key in batch:            # a key added then dropped in one batch: dropped
-                    last[key] = op
-                self.directory.publish(self.address, [k for k, op in last.items() if op == "+"],
-                                       [k for k, op in last.items() if op == "-"])
+                self.directory.publish(self.address, [k for k, op in last.items() if op == "+"], list(self._removed))
+            self._removed.clear()
             self.resync = False
         except DirectoryError as e:   # the directory logs when it goes away and comes back
             self.errors += 1

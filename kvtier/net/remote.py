@@ -79,7 +79,7 @@ class Remote:
             if c is None:
                 c = self._clients[(address, lookup)] = PeerClient(address, self.secret, self._ns, self._block_bytes,
                                                                      self.timeout, transport=self.transport,
-                                                                     tls=self.tls)
+                                                                     tls=self.tls, wait_busy=not lookup)
             return c
 
     def health(self, address: str) -> Health:
