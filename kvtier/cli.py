@@ -164,13 +164,17 @@ def _broken_pipe() -> int:
     return 128 + 13   # as if killed by SIGPIPE, like other Unix tools in a pipe
 
 
+def _interrupted() -> int:
+    print("kvtier: interrupted", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     try:                        # option types import what they check: Ctrl-C can land in there
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
     except KeyboardInterrupt:
-        print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     if extra:                   # named by the command they were given to, whose --help lists its options
         Parser(prog=getattr(args, "_prog", "kvtier")).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
@@ -190,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _broken_pipe()
     except KeyboardInterrupt:
-        print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     except MemoryError:
         return _fail("out of memory: give a smaller --capacity (or free memory) and run again", EXIT_FAILURE)
     except OSError as e:

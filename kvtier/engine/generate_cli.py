@@ -151,14 +151,13 @@ def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSourc
     names each setting as the user gave it: a flag, a key of their config file, a default."""
     from kvtier.config import SettingSources
     from kvtier.errors import ConfigError
-    from kvtier.tiers.disk import ALIGN
+    from kvtier.tiers.disk import ALIGN, disk_slot_bytes
     from kvtier.units import format_bytes, parse_bytes
 
     sources = sources or SettingSources(CACHE_FLAGS, frozenset(CACHE_FLAGS))
     for name, value in (("device_capacity", cache.device_capacity), ("host_capacity", cache.host_capacity),
                         ("disk_capacity", cache.disk_capacity if cache.disk_path else None)):
-        # A disk slot is the block rounded up to O_DIRECT's alignment (DiskTier.slot_size).
-        need = -(-block_bytes // ALIGN) * ALIGN if name == "disk_capacity" else block_bytes
+        need = disk_slot_bytes(block_bytes) if name == "disk_capacity" else block_bytes
         what = "KV block" if need == block_bytes else f"disk slot ({block_bytes}-byte blocks rounded up to {ALIGN})"
         if value is not None and parse_bytes(value) < need:
             raise ConfigError(f"{sources.describe(name, format_bytes(parse_bytes(value)))} is smaller than one {what} "

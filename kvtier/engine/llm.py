@@ -36,7 +36,7 @@ from kvtier.engine.batch import StepBatch
 from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampling import SamplingParams, make_generator, sample
+from kvtier.engine.sampling import SamplingParams, _is_int, make_generator, sample
 from kvtier.engine.scheduler import Scheduled, Scheduler
 from kvtier.engine.spec import SpeculativeConfig, SpecStats, make_proposer
 from kvtier.engine.spec.verify import verify
@@ -90,7 +90,7 @@ class LLM:
                               f"not {type(speculative).__name__}")
         for name, value, lo, hi in (("seed", seed, 0, 2**64 - 1), ("max_batched_tokens", max_batched_tokens, 1, None),
                                     ("max_seqs", max_seqs, 1, None)):
-            if not _whole(value) or value < lo or (hi is not None and value > hi):
+            if not _is_int(value) or value < lo or (hi is not None and value > hi):
                 raise ConfigError(f"{name} must be a whole number {'in ' + str(lo) + '..' + str(hi) if hi else '>= ' + str(lo)}"
                                   f", got {value!r}")
         self.speculative = speculative
@@ -442,11 +442,6 @@ def _prompt_list(prompts: object) -> list:
 def _token(x: object) -> bool:
     """A token id: a Python or numpy integer (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)     # numpy's integers register
-
-
-def _whole(value: object) -> bool:
-    """An int that is not a bool (True is 1 to Python, never a count or a seed to a user)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _close(adapter: KVAdapter, store: Store | None, close_proposer: Callable[[], None] | None = None,

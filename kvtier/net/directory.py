@@ -110,6 +110,15 @@ local function holders(v)
   end
   return t
 end
+local rewritten = {}
+local function rewrite(v, fn)
+  local out = rewritten[v]
+  if out == nil then
+    out = fn(holders(v))
+    rewritten[v] = out
+  end
+  return out
+end
 """
 
 # KEYS[1]: the hash; KEYS[2]: the prefix of lease keys. ARGV: block keys in prefix order.
@@ -169,29 +178,19 @@ return out
 # holders, then its oldest.
 _ADD = _HELPERS + """
 local node, cap = ARGV[1], tonumber(ARGV[2])
-local after = {}
-local function with_node(v)
-  local out = after[v]
-  if out == nil then
-    local t = holders(v)
-    if t[node] then
-      out = false
-    else
-      local hs = {}
-      for _, h in ipairs(t) do if #t < cap or live(h) then hs[#hs + 1] = h end end
-      while #hs >= cap do table.remove(hs, 1) end
-      hs[#hs + 1] = node
-      out = table.concat(hs, ',')
-    end
-    after[v] = out
-  end
-  return out
+local function with_node(t)
+  if t[node] then return false end
+  local hs = {}
+  for _, h in ipairs(t) do if #t < cap or live(h) then hs[#hs + 1] = h end end
+  while #hs >= cap do table.remove(hs, 1) end
+  hs[#hs + 1] = node
+  return table.concat(hs, ',')
 end
 local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, 3))
 local set = {}
 for i, v in ipairs(vals) do
   local new = node
-  if v then new = with_node(v) end
+  if v then new = rewrite(v, with_node) end
   if new then
     set[#set + 1] = ARGV[i + 2]
     set[#set + 1] = new
@@ -205,25 +204,16 @@ return #set / 2
 # leaves each entry: the other holders stay listed.
 _FORGET = _HELPERS + """
 local node = ARGV[1]
-local after = {}
-local function without_node(v)
-  local out = after[v]
-  if out == nil then
-    local t = holders(v)
-    out = false
-    if t[node] then
-      local hs = {}
-      for _, h in ipairs(t) do if h ~= node then hs[#hs + 1] = h end end
-      out = table.concat(hs, ',')
-    end
-    after[v] = out
-  end
-  return out
+local function without_node(t)
+  if not t[node] then return false end
+  local hs = {}
+  for _, h in ipairs(t) do if h ~= node then hs[#hs + 1] = h end end
+  return table.concat(hs, ',')
 end
 local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
 local set, del = {}, {}
 for i, v in ipairs(vals) do
-  local new = v and without_node(v)
+  local new = v and rewrite(v, without_node)
   if new == '' then del[#del + 1] = ARGV[i + 1]
   elseif new then set[#set + 1] = ARGV[i + 1]; set[#set + 1] = new end
 end

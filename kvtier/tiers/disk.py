@@ -53,6 +53,11 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def disk_slot_bytes(block_bytes: int) -> int:
+    """A block's slot on disk: rounded up to ALIGN (O_DIRECT)."""
+    return _round_up(block_bytes, ALIGN)
+
+
 def _aligned(a: np.ndarray) -> bool:
     return a.ctypes.data % ALIGN == 0
 
@@ -109,7 +114,7 @@ class DiskTier(Tier):
     def slot_size(self, block_bytes: int) -> int:
         """A block's slot on disk is rounded up to ALIGN (O_DIRECT): the slab never exceeds the
         capacity (it took twice the capacity with 2 KiB blocks)."""
-        return _round_up(block_bytes, ALIGN)
+        return disk_slot_bytes(block_bytes)
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
         self.slot_bytes = self.slot_size(block_bytes)
@@ -661,7 +666,7 @@ def present_blocks(path: str | os.PathLike, block_bytes: int) -> int:
         size = (Path(path) / "slab.bin").stat().st_size
     except OSError:
         return 0
-    return size // _round_up(block_bytes, ALIGN)
+    return size // disk_slot_bytes(block_bytes)
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
