@@ -3,7 +3,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as hs
 
 import kvtier
@@ -618,3 +618,25 @@ def test_a_block_refused_after_its_own_put_evicted_it_counts_once(layout, ns):
     assert (t.blocks, t.present, t.rejected) == (0, 2, 2) and store.lookup(chain).blocks == 2
     assert c.put_rejected == 2 == store.stats().tiers[0].rejected
     store.close()
+
+
+@settings(max_examples=400, deadline=None)
+@given(hs.lists(hs.tuples(hs.sampled_from("ab"), hs.integers(0, 12), hs.integers(0, 1), hs.booleans()),
+                min_size=1, max_size=25))
+@example([("a", 1, 0, False), ("b", 11, 1, False), ("a", 0, 0, False), ("b", 11, 1, False)])
+def test_repinning_a_longer_chain_equals_unpin_then_pin(ops):
+    """Pins.pin keeps a session's pinned keys when its new keys extend them (a session's next
+    turn, its answer's blocks) and adds only the rest: every floor, budget count and return
+    value must be what releasing the pin and pinning afresh gives."""
+    from kvtier.pins import Pins
+
+    chain = [bytes([i]) * 16 for i in range(12)]
+    other = [bytes([100 + i]) * 16 for i in range(12)]
+    fast, ref = Pins([8, 20], 0.5, lambda: 0.0), Pins([8, 20], 0.5, lambda: 0.0)
+    for session, n, tier, forked in ops:
+        keys = (chain[:n // 2] + other[n // 2:n]) if forked else chain[:n]
+        ref.unpin(session)
+        assert fast.pin(session, keys, 60, tier) == ref.pin(session, keys, 60, tier)
+        assert fast._floor == ref._floor and fast.pinned == ref.pinned
+        assert {s: (r.keys, r.tier) for s, r in fast.sessions().items()} == \
+            {s: (r.keys, r.tier) for s, r in ref.sessions().items()}

@@ -632,6 +632,28 @@ def test_failed_load_is_reported_recomputed_and_saved_again(pair, monkeypatch):
     assert "r2" not in w._tainted and w.counters["save_skipped_blocks"] == 0
 
 
+def test_a_sessions_pin_covers_its_answers_blocks(pair):
+    """The session's next prompt is this prompt plus the answer: the blocks generated tokens
+    fill join the session's pin (it covered the prompt's blocks only), and stay pinned after
+    the request ends."""
+    s, w, caches = pair
+    toks, gen = list(range(100, 118)), [300, 301, 302, 303, 304, 305]
+    req = _request("r1", toks, all_token_ids=list(toks))
+    req.kv_transfer_params = {"x-session-affinity": "agent-1"}
+    _admit(s, req, [0, 1, 2, 3, 4, 5])
+    _step(s, w, req, [0, 1, 2, 3, 4, 5], 0, 18)
+    pins = w.store.index.pins
+    assert len(pins.sessions()["agent-1"].keys) == 4
+    req.all_token_ids = toks + gen[:3]              # block 4 (tokens 16..19) is whole
+    plan = _step(s, w, req, [0, 1, 2, 3, 4, 5], 18, 2, new=False)
+    assert [(r.start, r.end) for r in plan.saves] == [(4, 5)]
+    want = w.store.keys(toks + gen[:2])             # the prompt's 4 blocks and the answer's first
+    s.finished("r1")
+    w.finished({"r1"})
+    assert pins.sessions()["agent-1"].keys == list(want)
+    assert all(pins.floor(k) == 0 for k in want)
+
+
 def test_session_pin_and_tagged_requests_do_not_share(pair):
     s, w, caches = pair
     toks = list(range(400, 413))

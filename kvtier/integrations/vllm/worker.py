@@ -76,6 +76,7 @@ class WorkerSide:
         self.address = ""
         self.secret = cfg.secret or os.urandom(32)
         self._chains: dict[str, BlockKeys] = {}    # req_id -> keys of its full blocks (prompt, then generated)
+        self._sessions: dict[str, tuple[str, float]] = {}   # req_id -> (session, ttl) of a pinned request
         self._tainted: dict[str, int] = {}      # req_id -> first block computed over a failed load
         self._errors: set[int] = set()
         self._load: _StepLoad | None = None
@@ -141,20 +142,32 @@ class WorkerSide:
         bt, seed, h = self.store.layout.block_tokens, self.store.keyer.seed, self.cfg.store.hash
         for r in plan.new:
             keys = self._chains[r.req_id] = request_keys(r.token_ids, bt, seed, h, r.tag)
-            if r.session and keys:
-                # Pinning keys not cached yet protects them when they arrive; a session's
-                # next request (a longer prompt) replaces the pin with its own chain.
-                try:       # in the host tier: vLLM's pages are not in the store
-                    self.adapter.pin(r.session, keys, r.ttl, tier=0)
-                except KvtierError as e:
-                    log.warning("kvtier: pinning session %r failed: %s", r.session, e)
+            if r.session:
+                self._sessions[r.req_id] = (r.session, r.ttl)
+                self._pin(r.req_id)
         for g in plan.grown:                 # generated tokens filled blocks: continue the chain
             chain = self._chains.get(g.req_id)
             if chain is not None:            # (empty for a prompt shorter than a block: its root)
                 self._chains[g.req_id] = chain + chain_keys(g.token_ids, bt, chain.last, h, start=len(chain),
                                                             origin=chain.origin)
+                self._pin(g.req_id)          # the answer's blocks are the session's next prompt
         for rid in plan.resync:
             self._tainted.pop(rid, None)
+
+    def _pin(self, req_id: str) -> None:
+        """Pin a session request's chain so far (its prompt, then the blocks its answer
+        fills). Keys not cached yet are protected when they arrive; the session's next
+        request replaces the pin with its own, longer chain (a pin that a chain extends
+        only adds the new keys)."""
+        session = self._sessions.get(req_id)
+        keys = self._chains.get(req_id)
+        if session is None or not keys:
+            return
+        assert self.adapter is not None
+        try:       # in the host tier: vLLM's pages are not in the store
+            self.adapter.pin(session[0], keys, session[1], tier=0)
+        except KvtierError as e:
+            log.warning("kvtier: pinning session %r failed: %s", session[0], e)
 
     def start_load(self, plan: StepPlan) -> None:
         """Start this step's loads (adapter.load_into: read and scatter on its loader thread)."""
@@ -253,6 +266,7 @@ class WorkerSide:
     def finished(self, req_ids: set[str]) -> None:
         for rid in req_ids:
             self._chains.pop(rid, None)
+            self._sessions.pop(rid, None)
             self._tainted.pop(rid, None)
 
     def drain(self) -> None:
