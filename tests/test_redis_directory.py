@@ -123,8 +123,10 @@ def bound(url: str) -> RedisDirectory:
 
 
 def entries(d: RedisDirectory, keys) -> list[str]:
-    """Each key's entry in the namespace's hash, as stored (holders joined by commas)."""
-    return [v.decode() if v else "" for v in d.r.hmget(d.hash, keys)]
+    """Each key's entry in the namespace's hash: its holders' addresses (without their
+    processes' tokens) joined by commas."""
+    return [",".join(h.partition("@")[0] for h in v.decode().split(",")) if v else ""
+            for v in d.r.hmget(d.hash, keys)]
 
 
 def test_every_live_holder_of_a_block_stays_findable(server):
@@ -145,7 +147,7 @@ def test_every_live_holder_of_a_block_stays_findable(server):
     assert d.locate(keys) == ["10.0.0.2:7700"] * 20           # one run from B, not A then B
     assert entries(d, keys[10:]) == ["10.0.0.2:7700"] * 10
     d.publish("10.0.0.1:7700", keys[10:], [])
-    d.r.delete(d.lease + "10.0.0.2:7700")                      # B dies: its lease ends
+    d.r.delete(d.lease + d.holder("10.0.0.2:7700"))                      # B dies: its lease ends
     assert d.locate(keys) == ["10.0.0.1:7700"] * 20
     assert entries(d, keys) == ["10.0.0.1:7700"] * 20           # and the lookup pruned it everywhere
     d.close()
@@ -157,10 +159,75 @@ def test_a_lookup_prunes_dead_holders_from_every_entry_it_reads(server):
     for node, held in (("10.0.0.1:7700", keys[:10]), ("10.0.0.9:7700", keys)):
         d.heartbeat(node)
         d.publish(node, held, [])
-    d.r.delete(d.lease + "10.0.0.9:7700")
+    d.r.delete(d.lease + d.holder("10.0.0.9:7700"))
     assert d.locate(keys) == ["10.0.0.1:7700"] * 10
     assert entries(d, keys) == ["10.0.0.1:7700"] * 10 + [""] * 20     # past the gap too
     d.close()
+
+
+def test_a_node_restarted_at_its_address_is_not_the_holder_of_its_last_runs_blocks(server):
+    """A node crashes and comes back empty at the same address (a rolling restart): the
+    blocks its last run published are another live node's to serve. It renewed the same
+    lease, so lookups kept choosing it (the newest holder) and every fetch from it missed."""
+    a, b = "10.0.0.1:7700", "10.0.0.2:7700"
+    first, other = bound(server.url), bound(server.url)      # A's first process; B
+    keys = [i.to_bytes(16, "big") for i in range(10)]
+    other.heartbeat(b)
+    other.publish(b, keys, [])
+    first.heartbeat(a)
+    first.publish(a, keys, [])
+    assert first.locate(keys) == [a] * 10                     # the newest holder
+    again = bound(server.url)                                 # A's next process, after a SIGKILL
+    assert again.heartbeat(a) is False                        # a fresh lease: publish everything
+    again.publish(a, keys[:2], [])                            # it recovered 2 blocks from its disk
+    # The old run's lease ended at the new run's first heartbeat, not lease_s later: B is
+    # chosen (it holds the longest run), and the lookup took the old run off every entry.
+    assert again.locate(keys) == [b] * 10
+    assert entries(again, keys) == [f"{b},{a}"] * 2 + [b] * 8
+    for d in (first, other, again):
+        d.close()
+
+
+def test_a_sweep_clears_dead_holders_past_any_lookups_gap(server):
+    """Entries past a lookup's first gap were never pruned: a crashed node's blocks that
+    nobody asks for again stayed in Redis for good. Sweep steps walk the whole hash."""
+    d = bound(server.url)
+    live, dead = "10.0.0.1:7700", "10.0.0.9:7700"
+    keys = [i.to_bytes(16, "big") for i in range(5000)]
+    d.heartbeat(live)
+    d.publish(live, keys[:100], [])
+    d.heartbeat(dead)
+    d.publish(dead, keys, [])
+    d.r.delete(d.lease + d.holder(dead))
+    assert d.locate(keys[100:]) == []                          # the gap: the lookup prunes its first chunk only
+    assert d.r.hlen(d.hash) > 1000
+    for _ in range(100):                                       # steps of ~SWEEP_COUNT entries, any node's
+        d.sweep()
+        if d.r.get(d.cursor) == b"0":
+            break
+    assert d.r.get(d.cursor) == b"0"                           # a whole pass
+    assert d.r.hlen(d.hash) == 100 and entries(d, keys[:100]) == [live] * 100
+    assert d.locate(keys) == [live] * 100
+    d.close()
+
+
+def test_a_running_node_takes_steps_of_the_sweep(server, monkeypatch):
+    from kvtier.net import publisher
+    monkeypatch.setattr(publisher, "SWEEP_EVERY", 0.05)
+    st = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    node = kvtier.Node(st, "127.0.0.1:0", SECRET, directory=RedisDirectory(server.url)).start()
+    d = bound(server.url)
+    d.hash, d.lease = f"kvtier:{st.keyer.seed.hex()}:blocks", f"kvtier:{st.keyer.seed.hex()}:node:"
+    keys = [i.to_bytes(16, "big") for i in range(3000)]
+    d.heartbeat("10.0.0.9:7700")
+    d.publish("10.0.0.9:7700", keys, [])
+    d.r.delete(d.lease + d.holder("10.0.0.9:7700"))            # it died; nobody looks its blocks up
+    try:
+        assert wait_for(lambda: d.r.hlen(d.hash) == 0, secs=10)
+    finally:
+        node.stop()
+        st.close()
+        d.close()
 
 
 def test_holders_per_block_are_capped_dead_ones_dropped_first(server):
@@ -171,7 +238,7 @@ def test_holders_per_block_are_capped_dead_ones_dropped_first(server):
         d.heartbeat(node)
         d.publish(node, keys, [])
     assert entries(d, keys) == [",".join(nodes[2:6])]          # MAX_HOLDERS, the latest publishers
-    d.r.delete(d.lease + nodes[4])
+    d.r.delete(d.lease + d.holder(nodes[4]))
     d.heartbeat(nodes[6])
     d.publish(nodes[6], keys, [])
     assert entries(d, keys) == [",".join(nodes[2:4] + nodes[5:7])]   # the dead one made room
@@ -364,3 +431,17 @@ def test_wrong_or_missing_redis_password_is_a_clear_error_at_start(tmp_path):
         d.close()
     finally:
         srv.stop()
+
+
+def test_a_disaggregated_workers_directory_sweeps_through_its_base(server):
+    """A P/D worker's node publishes through a HandoffDirectory around the Redis one: its
+    sweep steps must reach Redis (the base class's sweep does nothing)."""
+    from kvtier.net.handoff import HandoffDirectory
+    d = bound(server.url)
+    keys = [i.to_bytes(16, "big") for i in range(50)]
+    d.heartbeat("10.0.0.9:7700")
+    d.publish("10.0.0.9:7700", keys, [])
+    d.r.delete(d.lease + d.holder("10.0.0.9:7700"))
+    hd = HandoffDirectory(d)
+    assert hd.sweep() == 50 and d.r.hlen(d.hash) == 0
+    hd.close()

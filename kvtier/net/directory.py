@@ -6,10 +6,13 @@
   lease that expires when a node dies. Each block lists up to MAX_HOLDERS nodes, so a block
   stays findable while any listed node that holds it lives; a lookup of any number of keys
   is one round trip (a Lua script that also checks the holders' leases and prunes dead ones).
+  A holder is a node's address and a token of its process, so a node restarted at the same
+  address is not taken for the holder of what its last run published.
 """
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
@@ -26,6 +29,8 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 MAX_HOLDERS = 4       # nodes listed per block (the latest publishers): bounds Redis memory per block
 CHUNK = 1000          # block keys per script call: bounds how long one call holds Redis
 LEAVE_CHUNKS = 16     # script calls per round trip when a stopping node removes itself
+SWEEP_COUNT = 1000    # entries a sweep step reads (Redis's HSCAN COUNT hint)
+TOKEN_KEEP_MS = 86_400_000   # how long Redis remembers which process an address last had
 
 
 class DirectoryError(KvtierError):
@@ -57,6 +62,10 @@ class Directory(ABC):
 
     def leave(self, node: str, held: Sequence[Key] = ()) -> None:
         """`node` is going away: drop its lease, and its entries for the blocks `held`."""
+
+    def sweep(self) -> int:
+        """One step of clearing dead holders from entries no lookup reads; how many changed."""
+        return 0
 
     def close(self) -> None:
         """Release connections and threads."""
@@ -200,6 +209,27 @@ if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
 return #set / 2
 """
 
+# KEYS[1]: the hash; KEYS[2]: the prefix of lease keys; KEYS[3]: the sweep's cursor. ARGV[1]:
+# entries to read. One step of a walk over the whole hash that every node advances in turn:
+# dead holders leave the entries read (a lookup prunes only the entries it reads, up to its
+# first gap: a crashed node's blocks that nobody asks for again stayed for good).
+_SWEEP = _HELPERS + """
+local function alive_only(t)
+  local hs = {}
+  for _, h in ipairs(t) do if live(h) then hs[#hs + 1] = h end end
+  return table.concat(hs, ',')
+end
+local r = redis.call('HSCAN', KEYS[1], redis.call('GET', KEYS[3]) or '0', 'COUNT', ARGV[1])
+local kv, changed = r[2], 0
+for i = 1, #kv, 2 do
+  local new = rewrite(kv[i + 1], alive_only)
+  if new == '' then redis.call('HDEL', KEYS[1], kv[i]); changed = changed + 1
+  elseif new ~= kv[i + 1] then redis.call('HSET', KEYS[1], kv[i], new); changed = changed + 1 end
+end
+redis.call('SET', KEYS[3], r[1])
+return changed
+"""
+
 # KEYS[1]: the hash. ARGV[1]: the node; ARGV[2..]: blocks it no longer holds. Only the node
 # leaves each entry: the other holders stay listed.
 _FORGET = _HELPERS + """
@@ -291,6 +321,12 @@ class RedisDirectory(Directory):
         self._lookup = self.r.register_script(_LOOKUP)
         self._add = self.r.register_script(_ADD)
         self._forget = self.r.register_script(_FORGET)
+        self._sweep = self.r.register_script(_SWEEP)
+        # This process's token: entries name a holder as address@token, and its lease key
+        # too. A node restarted at the same address (a crash, a rolling restart) holds
+        # another token, so what its last run published is dead, pruned, never chosen: a
+        # fetch of it from the new process was a miss for blocks another holder had.
+        self.token = os.urandom(4).hex()
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run one Redis call, unless Redis is down and not due for a retry."""
@@ -319,42 +355,64 @@ class RedisDirectory(Directory):
         super().bind(ns, ask)
         self.hash = f"kvtier:{ns.hex()}:blocks"
         self.lease = f"kvtier:{ns.hex()}:node:"
+        self.tokens = f"kvtier:{ns.hex()}:token:"     # + address: the token of the process there now
+        self.cursor = f"kvtier:{ns.hex()}:sweep"
         try:   # load the scripts now, so that even the first lookup is one round trip
-            self._call(lambda: [self.r.script_load(code) for code in (_LOOKUP, _ADD, _FORGET)])
+            self._call(lambda: [self.r.script_load(code) for code in (_LOOKUP, _ADD, _FORGET, _SWEEP)])
         except DirectoryError:
             pass   # Redis is down for now (logged): the scripts load themselves on first use
+
+    def holder(self, node: str) -> str:
+        """How this process's node at address `node` is listed in entries and lease keys."""
+        return f"{node}@{self.token}"
 
     def locate(self, keys: Sequence[Key]) -> list[str]:
         if not keys:
             return []
-        return [h.decode() for h in self._call(lambda: self._lookup(keys=[self.hash, self.lease], args=list(keys)))]
+        found = self._call(lambda: self._lookup(keys=[self.hash, self.lease], args=list(keys)))
+        return [h.decode().partition("@")[0] for h in found]
 
     def publish(self, node: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
         """Add `node` to the holders of `added`, remove it from those of `removed`."""
         if not added and not removed:
             return
+        who = self.holder(node)
 
         def send() -> None:
             pipe = self.r.pipeline(transaction=False)     # one round trip for the whole batch
             for part in _chunks(added):
-                self._add(keys=[self.hash, self.lease], args=[node, MAX_HOLDERS, *part], client=pipe)
+                self._add(keys=[self.hash, self.lease], args=[who, MAX_HOLDERS, *part], client=pipe)
             for part in _chunks(removed):
-                self._forget(keys=[self.hash], args=[node, *part], client=pipe)
+                self._forget(keys=[self.hash], args=[who, *part], client=pipe)
             pipe.execute()
         self._call(send)
 
     def heartbeat(self, node: str) -> bool:
-        return self._call(lambda: self.r.set(self.lease + node, b"1", px=self.lease_ms, get=True)) is not None
+        who = self.holder(node)
+        if self._call(lambda: self.r.set(self.lease + who, b"1", px=self.lease_ms, get=True)) is not None:
+            return True
+        # A first heartbeat (or one after a lapse): this process is the node at `node` now.
+        # The lease of a process that was there before ends at once, not lease_s later.
+        # (The address's token outlives any lease it must end, then goes: addresses come and go.)
+        before = self._call(lambda: self.r.set(self.tokens + node, self.token, get=True,
+                                               px=max(self.lease_ms, TOKEN_KEEP_MS)))
+        if before is not None and before.decode() != self.token:
+            self._call(lambda: self.r.delete(self.lease + f"{node}@{before.decode()}"))
+        return False
+
+    def sweep(self) -> int:
+        return int(self._call(lambda: self._sweep(keys=[self.hash, self.lease, self.cursor], args=[SWEEP_COUNT])))
 
     def leave(self, node: str, held: Sequence[Key] = ()) -> None:
         """Drop the lease first (lookups skip the node at once), then the node from the
         entries of `held`: LEAVE_CHUNKS script calls of CHUNK keys per round trip, so Redis
         serves others in between however much the node held."""
+        who = self.holder(node)
         try:
-            self._call(lambda: self.r.delete(self.lease + node))
+            self._call(lambda: self.r.delete(self.lease + who))
             step = CHUNK * LEAVE_CHUNKS
             for i in range(0, len(held), step):
-                self._call(lambda: self._forget_all(node, held[i:i + step]))
+                self._call(lambda: self._forget_all(who, held[i:i + step]))
         except DirectoryError:
             pass   # Redis is down: the lease runs out by itself, and lookups prune what they read
 

@@ -88,6 +88,9 @@ class HandoffDirectory(Directory):
         if self.base is not None:
             self.base.leave(node, held)
 
+    def sweep(self) -> int:
+        return self.base.sweep() if self.base is not None else 0
+
     def close(self) -> None:
         if self.base is not None:
             self.base.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.publisher")
 MAX_UNSENT_REMOVALS = 1 << 16   # removals kept for the next round while the directory fails
+# Seconds between a node's steps of the directory's sweep. A step costs Redis about 1 ms
+# (1,000 entries, half of them rewritten: 1.2 ms): with 100 nodes, 1 % of its time.
+SWEEP_EVERY = 10.0
 
 
 class Publisher:
@@ -34,6 +38,7 @@ class Publisher:
         # listed beside the real holders for blocks it no longer has (and lookups prefer it).
         self._removed: dict[bytes, None] = {}
         self._stop = threading.Event()
+        self._next_sweep = time.monotonic() + SWEEP_EVERY
         self._thread = threading.Thread(target=self._run, name="kvtier-publisher", daemon=True)
         store.watch()
 
@@ -64,6 +69,12 @@ class Publisher:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             self.round()
+            if time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + SWEEP_EVERY
+                try:       # every node takes a step in turn: dead holders leave entries nobody reads
+                    self.directory.sweep()
+                except DirectoryError:
+                    pass   # the directory logs its outages itself
 
     def round(self) -> None:
         """Publish what changed (or everything, after a lapse) and renew the lease."""
