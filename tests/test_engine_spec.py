@@ -492,3 +492,26 @@ def test_mtp_sampled_requests_are_seeded(mtp_checkpoint):
         a, b = llm.generate([tokens(4, 20), tokens(4, 20)], [hot, hot])
         st = llm.stats()["spec"]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24 and st["accepted_tokens"] > 0
+
+
+def test_a_draft_that_fails_to_build_closes_its_own_store(monkeypatch):
+    """LLM() closes what it built when a draft fails; the draft's own store (its device
+    pages) was left open when the draft's runner failed after the store was made."""
+    from kvtier.engine.spec import draft as dmod
+    from kvtier.store import Store
+
+    built: list[Store] = []
+    real_build = StoreConfig.build
+
+    def spy(self, *a, **k):
+        built.append(real_build(self, *a, **k))
+        return built[-1]
+
+    def broken_runner(*a, **k):
+        raise RuntimeError("out of device memory")
+
+    monkeypatch.setattr(StoreConfig, "build", spy)
+    monkeypatch.setattr(dmod, "ModelRunner", broken_runner)
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        LLM("kimi-tiny", speculative=DRAFT)
+    assert len(built) == 2 and all(s._closed for s in built)   # the target's store and the draft's

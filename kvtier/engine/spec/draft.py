@@ -73,7 +73,12 @@ class DraftModelProposer:
         store = StoreConfig(block_tokens=bt, device_capacity=pages * layout.block_bytes,
                             host_capacity=None).build(layout, self.info.namespace(), device=self.model.device)
         self.adapter = KVAdapter(store)
-        self.runner = ModelRunner(self.model, self.adapter.pool())
+        try:
+            self.runner = ModelRunner(self.model, self.adapter.pool())
+        except BaseException:        # the target's LLM() fails with this: its draft pages must go too
+            self.adapter.close()
+            store.close()
+            raise
         self.budget = target.scheduler.max_batched_tokens
         self.seqs: dict[str, DraftSeq] = {}
 
