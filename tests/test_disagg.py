@@ -322,7 +322,10 @@ class FakePrefill(FakeServer):
 
 class FakeDecode(FakeServer):
     """A decode worker that looks ready but fails: `mode` "503" answers every generation
-    503 (not generating); "die" streams one chunk and drops the connection mid-answer."""
+    503 (not generating); "die" streams one chunk and drops the connection mid-answer;
+    "early" starts a stream and dies before its first token; "drop" reads the request and
+    drops the connection without answering; "full" starts a stream whose first event is a
+    kv_cache_full error (as `kvtier serve` says a full cache once a stream started)."""
 
     def __init__(self, mode: str) -> None:
         me = self
@@ -349,10 +352,23 @@ class FakeDecode(FakeServer):
                 if mode == "503":
                     self.send_json({"error": {"message": "draining", "code": "service_unavailable"}}, 503)
                     return
+                self.close_connection = True
+                if mode == "drop":
+                    self.connection.shutdown(2)
+                    return
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
+                if mode == "early":
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+                    return
+                if mode == "full":
+                    error = {"error": {"message": "full", "type": "server_error", "param": None, "code": "kv_cache_full"}}
+                    for chunk in (b"data: " + json.dumps(error).encode() + b"\n\n", b"data: [DONE]\n\n", b""):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    return
                 chunk = b'data: {"id": "cmpl-fake", "choices": [{"index": 0, "text": "half"}]}\n\n'
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
@@ -483,6 +499,92 @@ def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_ret
     finally:
         r.stop()
         dying.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_decode_worker_gone_or_full_before_its_first_token_is_replaced_by_the_next(pd, stream):
+    """A decode worker killed while it computes the prompt (the stream started, no token yet;
+    or no answer at all), or whose stream says its cache is full before any token: the client
+    has seen nothing of it, so the next decode worker answers, once, and nothing is cut."""
+    _, _, d, ref, _ = pd
+    fakes = [FakeDecode(mode) for mode in ("early", "drop", "full")]
+    r = Router("--decode", *(f.url for f in fakes), d.url, "--poll-interval", "60")     # the failing ones first
+    try:
+        r.wait_ready()
+        prompt = f"[{stream}: Turn 10 (gone before its first token)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        if stream:
+            text, lines, _ = _sse(r.url, _body(prompt))
+            assert text == want and lines.count("[DONE]") == 1
+        else:
+            assert _complete(r.client(), prompt).choices[0].text == want
+        h = r.health().json()
+        assert [f.posts for f in fakes] == [1, 1, 1]
+        assert h["stats"]["decode_retries"] == 3 and h["stats"]["cut"] == 0 and h["stats"]["unserved"] == 0
+        assert {w["url"]: w["sent"] for w in h["workers"]} == {**{f.url: 0 for f in fakes}, d.url: 1}
+    finally:
+        r.stop()
+        for f in fakes:
+            f.stop()
+
+
+class OtherSecretPrefill(FakeServer):
+    """A prefill worker started with another --secret-file: its hand-overs carry a signature
+    the decode workers refuse. `cluster`: the secret's id it reports (None: it reports none,
+    as a worker of an older version)."""
+
+    def __init__(self, cluster: str | None) -> None:
+        me = self
+        self.prefills = 0
+
+        class Handler(JsonHandler):
+            def do_GET(self) -> None:          # /kvtier/load
+                self.send_json(ready("prefill", BT, **({"cluster": cluster} if cluster else {})))
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path != "/kvtier/prefill":
+                    self.send_json({"error": {"message": "no", "code": "not_found"}}, 404)
+                    return
+                me.prefills += 1
+                self.send_json({"object": "kvtier.prefill", "prompt_tokens": 400, "block_tokens": BT,
+                                "keys": ["00" * 16], "node": "127.0.0.1:1", "signature": "ab" * 32})
+
+        super().__init__(Handler)
+
+
+@pytest.mark.parametrize("tells", [True, False])
+def test_a_prefill_worker_with_another_secret_costs_the_client_nothing(pd, tells):
+    """Its hand-overs would be refused by the decode worker (400 invalid_signature, a field the
+    client never sent). A worker that reports its secret's id is kept out of rotation (and
+    /health says why); one that does not is found out by the refusal, and the decode worker is
+    asked again without the hand-over. Either way the client gets its answer."""
+    _, p, d, ref, _ = pd
+    assert _load(p)["cluster"] == _load(d)["cluster"]                   # same --secret-file, same id
+    other = OtherSecretPrefill("0123456789abcdef" if tells else None)
+    r = Router("--prefill", other.url, "--decode", d.url, "--direct-below", "0")
+    try:
+        _until(lambda: r.health().json()["calibrated"], r.health().text)
+        time.sleep(0.5)                                                  # a few polls
+        h = r.health().json()
+        mine = next(w for w in h["workers"] if w["url"] == other.url)
+        if tells:
+            assert mine["status"] == "down" and "secret" in mine["error"], mine
+            assert any("differs from every decode worker's" in x for x in r.lines), r.lines
+        prompt = f"[{tells}: Turn 11 (another secret)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        got = _complete(r.client(), prompt)
+        assert got.choices[0].text == want
+        h = r.health().json()["stats"]
+        if tells:
+            assert other.prefills == 0 and h["direct"] == 1
+        else:
+            assert other.prefills == 1 and h["decode_retries"] == 1
+            assert any("refuses the hand-over" in x for x in r.lines), r.lines
+        assert "Traceback" not in "".join(r.lines)
+    finally:
+        r.stop()
+        other.stop()
 
 
 class HangingWorker(FakeServer):
@@ -671,6 +773,18 @@ def _finished(server) -> dict[str, float]:
     """The server's finished requests by reason (length, stop, abort, error)."""
     counts = server.metrics().get("kvtier:request_success_total", {})
     return {dict(k)["finished_reason"]: v for k, v in counts.items()}
+
+
+def test_a_prefill_worker_counts_its_prefills_in_its_metrics(pd):
+    """/kvtier/prefill requests are requests of the prefill worker: kvtier:request_success_total
+    counts them (each a one-token `length`; one the router gave up, `abort`), and every finish reason's
+    series is there from the start, so a rate over them works on a fresh worker."""
+    _, p, *_ = pd
+    before = _finished(p)
+    assert set(before) == {"length", "stop", "abort", "error"}, before
+    _wrapped(p, "/kvtier/prefill", _body("[prefill counted] " + PROMPT))
+    after = _finished(p)
+    assert after["length"] == before["length"] + 1 and after["abort"] == before["abort"], after
 
 
 def test_a_router_restart_loses_only_what_was_in_flight(pd):

@@ -12,8 +12,11 @@ A generation request (POST /v1/completions, /v1/chat/completions):
 3. a decode worker is chosen by the rule and sent the client's body plus
    `kvtier_handoff: {node, keys, signature}` as the prefill worker signed it (the router holds
    no secret and changes none of it); it pulls the prefix from that node and streams. A decode
-   worker that cannot be reached, or answers 503 before generating, is replaced by the
-   next; nothing is retried once a response started, so no request is answered twice;
+   worker that cannot be reached, answers 503, or goes away (or says it is full or draining)
+   before its first token, is replaced by the next: a stream's answer starts only with its
+   first token, and nothing is retried after that, so no request is answered twice. Prefill
+   and decode workers are paired only where they share a secret (their /kvtier/load `cluster`);
+   a decode worker that refuses a hand-over's signature is asked again without it;
 4. the answer passes through unchanged (ids, chunks, [DONE], usage): the client sees one
    ordinary response.
 """
@@ -240,7 +243,7 @@ class Router:
             self.stats.unserved += 1
             raise ApiError(503, "no decode worker is ready; retry later (GET /health lists the workers)",
                            code="service_unavailable")
-        handoff = first = None
+        handoff = first = source = None
         prefillers = [w for w in self.pools.prefill if w.ready]
         if prefillers:
             target, uncached = self.pick(decoders, prompt, session, "decode")
@@ -248,26 +251,30 @@ class Router:
                 # push: the decode worker is chosen now, and the prefill worker sends it the blocks
                 push_to = {"node": target.node, "signature": target.node_signature} \
                     if self.cfg.handoff == "push" and target.node else None
-                handoff, answer = await self._prefill(body, prompt, session, headers, chat, push_to)
+                handoff, answer, source, pushed = await self._prefill(
+                    body, prompt, session, headers, chat, push_to, [target] if push_to is not None else decoders)
                 if answer is not None:
                     return answer, "rejected"
-                first = target if push_to is not None else None
+                first = target if pushed else None
         if handoff is not None:
             self.stats.disaggregated += 1
         else:
             self.stats.direct += 1
-        answer = await self._decode(path, body, prompt, session, headers, chat, handoff, first)
+        answer = await self._decode(path, body, prompt, session, headers, chat, handoff, first, source)
         status = getattr(answer, "status_code", 200)          # a decode worker's own error, passed through
         if status >= 400:
             return answer, "rejected" if status < 500 else "unserved"
         return answer, "disaggregated" if handoff is not None else "direct"
 
-    async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                       chat: bool, push_to: dict | None = None) -> tuple[dict | None, Response | None]:
-        """Prefill on a prefill worker: (the hand-over, None), (None, a 4xx to answer), or
-        (None, None) when no prefill worker could do it (the decode worker computes).
-        `push_to`: the decode worker's signed node ({node, signature} from its /kvtier/load),
-        which the prefill worker PUTs the blocks to."""
+    async def _prefill(self, body: dict, prompt: Prompt, session: str | None, headers: dict, chat: bool,
+                       push_to: dict | None, decoders: list[Worker]
+                       ) -> tuple[dict | None, Response | None, Worker | None, bool]:
+        """Prefill on a prefill worker: (the hand-over, None, the prefill worker, whether it pushed
+        the blocks), (None, a 4xx to answer, ...), or (None, None, None, False) when no prefill
+        worker could do it (the decode worker computes). `push_to`: the decode worker's signed
+        node ({node, signature} from its /kvtier/load), which the prefill worker PUTs the blocks
+        to. Only prefill workers one of `decoders` trusts (the same secret) are asked: a hand-over
+        signed with another secret would be refused."""
         assert self.client is not None
         tried: set[str] = set()
         outer: dict[str, Any] = {"api": "chat" if chat else "completions", "request": body}
@@ -275,9 +282,10 @@ class Router:
             outer["push_to"] = push_to
         payload = orjson.dumps(outer)
         while True:
-            workers = [w for w in self.pools.prefill if w.ready and w.url not in tried]
+            workers = [w for w in self.pools.prefill if w.ready and w.url not in tried
+                       and any(d.trusts(w) for d in decoders)]
             if not workers:
-                return None, None
+                return None, None, None, False
             w, uncached = self.pick(workers, prompt, session, "prefill")
             tried.add(w.url)
             w.prefill_tokens += uncached
@@ -295,8 +303,16 @@ class Router:
                 w.failed(f"prefill answered {r.status_code}")
                 self.stats.prefill_retries += 1
                 continue
+            if r.status_code == 400 and "push_to" in outer and _refused(r.content, "push_to"):
+                # its secret is not the decode worker's (a worker that does not tell its id): pull
+                log.warning("prefill worker %s refuses the push target of %s (their secrets differ); pulling "
+                            "instead", w.url, push_to["node"] if push_to else None)
+                outer.pop("push_to")
+                payload = orjson.dumps(outer)
+                tried.discard(w.url)
+                continue
             if r.status_code != 200:
-                return None, Response(r.content, r.status_code, media_type="application/json")
+                return None, Response(r.content, r.status_code, media_type="application/json"), None, False
             try:
                 data = r.json()
                 hand = {"node": data["node"], "keys": list(data["keys"]), "signature": data.get("signature")}
@@ -313,16 +329,22 @@ class Router:
             if isinstance(pushed, dict) and isinstance(pushed.get("bytes"), int):
                 self.stats.pushed_bytes += pushed["bytes"]
                 self.stats.push_failures += bool(pushed.get("error"))
-            return hand, None
+            return hand, None, w, isinstance(pushed, dict)
 
     async def _decode(self, path: str, body: dict, prompt: Prompt, session: str | None, headers: dict,
-                      chat: bool, handoff: dict | None, first: Worker | None = None) -> Any:
+                      chat: bool, handoff: dict | None, first: Worker | None = None,
+                      source: Worker | None = None) -> Any:
         """Stream the request from a decode worker (`first` if it is ready: the one the blocks
-        were pushed to), the next one if it cannot be reached or answers 503."""
+        were pushed to). The next one takes it if the worker cannot be reached, answers 503, or
+        goes away (or says it is full or draining) before its first token: the client has seen
+        nothing of it yet, so nothing is answered twice. `source`: the prefill worker that
+        signed `handoff`; a decode worker that does not trust it (another secret) gets the
+        request without the hand-over and computes the prompt."""
         assert self.client is not None
-        send = dict(body, kvtier_handoff=handoff) if handoff is not None else body
-        content = orjson.dumps(send)
+        plain = orjson.dumps(body)
+        with_hand = orjson.dumps(dict(body, kvtier_handoff=handoff)) if handoff is not None else plain
         tried: set[str] = set()
+        refused: set[str] = set()          # decode workers that refused the hand-over's signature
         tokens = prompt.tokens_of(prompt.size, self.tokens_per_byte)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS[chat]
         while True:
@@ -330,26 +352,27 @@ class Router:
             if not workers:
                 self.stats.unserved += 1
                 raise ApiError(503, "no decode worker could serve this request; retry later", code="service_unavailable")
+            if handoff is not None and source is not None:
+                workers = [w for w in workers if w.trusts(source)] or workers
             if first is not None and first in workers:
                 w, uncached = first, 0
             else:
                 w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
+            hand = handoff is not None and w.url not in refused and (source is None or w.trusts(source))
             tried.add(w.url)
             load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
             try:
-                resp = await self.client.send(self.client.build_request("POST", w.url + path, content=content,
-                                                                        headers=headers), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                load.release()
-                w.failed(f"{type(e).__name__}: {e}")
-                self.stats.decode_retries += 1
-                continue
+                resp = await self.client.send(self.client.build_request(
+                    "POST", w.url + path, content=with_hand if hand else plain, headers=headers), stream=True)
             except httpx.HTTPError as e:
                 load.release()
                 w.failed(f"{type(e).__name__}: {e}")
-                self.stats.unserved += 1
-                raise ApiError(502, f"the decode worker failed before answering: {type(e).__name__}",
-                               code="bad_gateway") from None
+                if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                    self.stats.unserved += 1       # it took the request and stayed silent: not tried twice
+                    raise ApiError(502, f"the decode worker failed before answering: {type(e).__name__}",
+                                   code="bad_gateway") from None
+                self.stats.decode_retries += 1     # unreachable, or gone before answering: the next one
+                continue
             except BaseException:            # cancelled: the client went away
                 load.release()
                 raise
@@ -358,21 +381,60 @@ class Router:
                 await resp.aclose()
                 self.stats.decode_retries += 1
                 continue
-            self.routed(w, prompt)
-            self.remember(session, "decode", w)
-            w.sent += 1
             ctype = resp.headers.get("content-type", "")
             if resp.status_code == 200 and ctype.startswith("text/event-stream"):
-                return EventStream(_relay(resp, load, skip=1 if chat else 0, stats=self.stats),
-                                   on_close=load.release)
+                chunks = resp.aiter_raw()
+                try:
+                    head = await _head(chunks, events=2 if chat else 1)    # a chat stream's role chunk, then
+                except httpx.HTTPError as e:                              # the first token (or its error)
+                    load.release()
+                    await _close(resp, chunks)
+                    w.failed(f"went away before its first token: {type(e).__name__}: {e}")
+                    if isinstance(e, httpx.TimeoutException):
+                        self.stats.unserved += 1
+                        raise ApiError(502, f"the decode worker failed before answering: {type(e).__name__}",
+                                       code="bad_gateway") from None
+                    self.stats.decode_retries += 1
+                    continue
+                except BaseException:
+                    load.release()
+                    await _close(resp, chunks)
+                    raise
+                if _busy(head):                  # full or draining before its first token: another may
+                    load.release()
+                    await _close(resp, chunks)
+                    self.stats.decode_retries += 1
+                    continue
+                load.prefilled()                 # the first token is out: its prompt is computed
+                self.routed(w, prompt)
+                self.remember(session, "decode", w)
+                w.sent += 1
+                return EventStream(_relay(resp, chunks, head, load, stats=self.stats), on_close=load.release)
             try:
                 data = await resp.aread()
             except httpx.HTTPError as e:
-                raise ApiError(502, f"the decode worker failed while answering: {type(e).__name__}",
-                               code="bad_gateway") from None
+                w.failed(f"went away before answering: {type(e).__name__}: {e}")
+                if isinstance(e, httpx.TimeoutException):
+                    self.stats.unserved += 1
+                    raise ApiError(502, f"the decode worker failed while answering: {type(e).__name__}",
+                                   code="bad_gateway") from None
+                self.stats.decode_retries += 1        # nothing reached the client: the next one
+                continue
             finally:
                 load.release()                        # first: a cancel during aclose() must not keep it
                 await resp.aclose()
+            if resp.status_code == 400 and hand and _refused(data, "kvtier_handoff"):
+                # it does not take the prefill worker's signature (another secret, one that does not
+                # tell its id): the same worker again, without the hand-over; it computes the prompt
+                log.warning("decode worker %s refuses the hand-over signed by %s (their secrets differ); it "
+                            "computes the prompt", w.url, source.url if source else handoff.get("node"))
+                refused.add(w.url)
+                tried.discard(w.url)
+                self.stats.decode_retries += 1
+                continue
+            self.routed(w, prompt)
+            self.remember(session, "decode", w)
+            w.sent += 1
             if resp.status_code == 200:
                 try:
                     self.learn(prompt, orjson.loads(data)["usage"]["prompt_tokens"])
@@ -434,16 +496,51 @@ class _Load:
             self.w.decode_seqs -= 1
 
 
-async def _relay(resp: httpx.Response, load: _Load, skip: int, stats: Stats) -> AsyncIterator[bytes]:
-    """The decode worker's SSE bytes as they come; an error chunk and [DONE] if it dies
-    mid-stream (the worker leaves the rotation until a poll finds it ready: `failures`, and
-    the router's `cut`)."""
-    seen = 0
+MAX_HEAD_BYTES = 1 << 20       # what the router reads of a stream before it starts relaying it
+BUSY = ("kv_cache_full", "shutting_down", "service_unavailable")
+
+
+async def _head(chunks: AsyncIterator[bytes], events: int) -> bytes:
+    """The first `events` SSE events of a stream (fewer if it ends first), as raw bytes."""
+    head = b""
+    while head.count(b"\n\n") < events and len(head) < MAX_HEAD_BYTES:
+        try:
+            head += await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+    return head
+
+
+def _busy(head: bytes) -> bool:
+    """Whether a stream's first events are an error that another worker may not give (full,
+    draining), so the request can go to the next one: the client has seen nothing of it."""
+    for event in head.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"error"' in event:
+            try:
+                return orjson.loads(event[6:])["error"].get("code") in BUSY
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                return False
+    return False
+
+
+def _refused(content: bytes, param: str) -> bool:
+    """Whether a worker's 4xx body refuses the signature of the router's `param` field."""
     try:
-        async for chunk in resp.aiter_raw():
-            seen += 1
-            if seen > skip:
-                load.prefilled()        # the first token is out: its prompt is computed
+        error = orjson.loads(content)["error"]
+        return error.get("code") == "invalid_signature" and error.get("param") == param
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return False
+
+
+async def _relay(resp: httpx.Response, chunks: AsyncIterator[bytes], head: bytes, load: _Load,
+                 stats: Stats) -> AsyncIterator[bytes]:
+    """The decode worker's SSE bytes: `head` (read before the answer started), then the rest of
+    `chunks` as they come; an error chunk and [DONE] if it dies mid-stream (the worker leaves
+    the rotation until a poll finds it ready: `failures`, and the router's `cut`)."""
+    try:
+        if head:
+            yield head
+        async for chunk in chunks:
             yield chunk
     except httpx.HTTPError as e:
         load.w.failed(f"went away mid-answer: {type(e).__name__}: {e}")
@@ -451,6 +548,13 @@ async def _relay(resp: httpx.Response, load: _Load, skip: int, stats: Stats) -> 
         yield sse_event(ApiError(502, f"the decode worker went away mid-answer: {type(e).__name__}",
                                  code="bad_gateway").body())
         yield b"data: [DONE]\n\n"
+    finally:
+        await _close(resp, chunks)
+
+
+async def _close(resp: httpx.Response, chunks: Any) -> None:
+    try:
+        await chunks.aclose()
     finally:
         await resp.aclose()
 

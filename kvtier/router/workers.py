@@ -30,6 +30,9 @@ class Worker:
     role: str | None = None            # what it reports: both, prefill, decode
     node: str | None = None            # its kvtier node, host:port, as it reports it
     node_signature: str | None = None  # decode workers: their signature of `node`, passed on as a push target
+    cluster: str | None = None         # the id of the secret it signs with (serve/roles.py); None: not told
+    foreign: bool = False              # a prefill worker whose secret no ready decode worker shares
+    answered_ready: bool = False       # its last /kvtier/load said ready (a foreign one stays down)
     block_tokens: int = 16
     kv_events: bool = False            # it publishes GET /kvtier/events (router/blocks.py)
     pulled_bytes: int = 0              # KV it handed over, as it reports it (decode: pulled, prefill: pushed)
@@ -54,8 +57,14 @@ class Worker:
         self.status, self.error = "down", why
         self.failures += 1
 
+    def trusts(self, other: Worker) -> bool:
+        """Whether what `other` signs (a hand-over, a push target) checks here: the same secret,
+        as far as both tell (a worker that does not say is given the benefit of the doubt)."""
+        return self.cluster is None or other.cluster is None or self.cluster == other.cluster
+
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "pool": self.pool, "status": self.status, "role": self.role, "node": self.node,
+                **({"cluster": self.cluster} if self.cluster else {}),
                 "prefill_tokens": self.prefill_tokens, "decode_seqs": self.decode_seqs,
                 "decode_blocks": self.decode_blocks, "sent": self.sent, "failures": self.failures,
                 **({"error": self.error} if self.error and not self.ready else {})}
@@ -71,7 +80,28 @@ class Pools:
         return self.prefill + self.decode
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
+        was = {w.url: (w.status, w.foreign) for w in self.all}
         await asyncio.gather(*(_poll(client, w) for w in self.all))
+        self._check_secrets()
+        for w in self.all:
+            if w.status != was[w.url][0] or w.foreign > was[w.url][1]:     # down, and now we know why
+                (log.warning if w.status == "down" else log.info)(
+                    "worker %s (%s): %s -> %s%s", w.url, w.pool, was[w.url][0], w.status,
+                    f" ({w.error})" if w.status == "down" and w.error else "")
+
+    def _check_secrets(self) -> None:
+        """A prefill worker whose secret no ready decode worker shares is down: every hand-over
+        it signed would be refused (400 invalid_signature), and every push target it was given
+        too. It comes back when a poll finds a decode worker with its secret."""
+        ids = {w.cluster for w in self.decode if w.ready and w.cluster}
+        for w in self.prefill:
+            w.foreign = bool(w.answered_ready and w.cluster and ids and w.cluster not in ids)
+            if w.foreign:
+                w.status = "down"
+                w.error = (f"its secret (--secret-file, $KVTIER_SECRET) differs from every decode worker's (id "
+                           f"{w.cluster}, theirs {', '.join(sorted(ids))}): they would refuse its hand-overs")
+            elif w.answered_ready:
+                w.status = "ready"
 
     async def poll_forever(self, client: httpx.AsyncClient, interval: float) -> None:
         while True:
@@ -80,7 +110,7 @@ class Pools:
 
 
 async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
-    was = w.status
+    """Read `w`'s /kvtier/load into it (the caller logs a change of status)."""
     try:
         r = await client.get(w.url + "/kvtier/load", timeout=POLL_TIMEOUT_S)
         data = r.json()
@@ -96,6 +126,7 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
     w.polled_at = time.monotonic()
     if data:
         w.role, w.node, w.node_signature = data.get("role"), data.get("node"), data.get("node_signature")
+        w.cluster = data["cluster"] if isinstance(data.get("cluster"), str) else None
         w.block_tokens = int(data.get("block_tokens") or w.block_tokens)
         w.kv_events = data.get("kv_events") is True
         w.pulled_bytes = int(data.get("pulled_bytes") or 0)
@@ -104,6 +135,6 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
             w.status, w.error = "down", f"it runs --role {w.role}, not prefill"
         elif w.pool == "prefill" and not w.node:
             w.status, w.error = "down", "it has no kvtier node to hand KV over from (start it with --role prefill)"
-    if w.status != was:
-        (log.warning if w.status == "down" else log.info)("worker %s (%s): %s -> %s%s", w.url, w.pool, was, w.status,
-                    f" ({w.error})" if w.status == "down" and w.error else "")
+    w.answered_ready = w.ready
+    if w.foreign and w.ready:                  # not in rotation before Pools._check_secrets says it may be
+        w.status = "down"

@@ -43,7 +43,7 @@ from kvtier.net.remote import Remote
 from kvtier.serve import protocol as P
 from kvtier.serve.engine_loop import Failed, Finished, Submission
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.roles import HANDOFF, PUSH_TARGET, reachable_node, sign, signed
+from kvtier.serve.roles import HANDOFF, PUSH_TARGET, cluster_id, reachable_node, sign, signed
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -99,6 +99,8 @@ class Disagg:
                                "running": running, "waiting": waiting, "inflight": svc.inflight,
                                "prefill_tokens": 0, "kv_usage": 0.0, "handed_over": self.handed_over,
                                "prefills": self.prefills, "kv_events": True}
+        if self.key is not None:
+            out["cluster"] = cluster_id(self.key)                 # equal ids: equal secrets (roles.py)
         if node is not None and self.key is not None and self.role == "decode":
             out["node_signature"] = sign(self.key, PUSH_TARGET, node)     # what a push_to to it carries
         llm = svc.engine.llm
@@ -218,9 +220,11 @@ async def prefill(svc: Service, request: Request) -> Any:
             for ev in await events.get():
                 if isinstance(ev, Failed):
                     over = True
+                    svc.metrics.outcome("error")
                     raise ApiError(ev.status, ev.message, code=ev.code)
                 if isinstance(ev, Finished):
                     over = True
+                    svc.metrics.outcome(ev.reason)        # a prefill is one request of one token
                     return sum(ev.cached_by_tier.values())
 
     svc.begin()
@@ -234,6 +238,7 @@ async def prefill(svc: Service, request: Request) -> Any:
     finally:
         if not over:                              # the router went away (or cancelled the call)
             svc.engine.abort(rid)
+            svc.metrics.outcome("abort")
         svc.end()
     adapter.pin(pin, keys, d.pin_ttl)             # now a short, bounded wait for the pull
     node = d.public_node(request)

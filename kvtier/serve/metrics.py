@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvtier.serve.protocol import TIERS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REASONS = ("length", "stop", "abort", "error")     # kvtier:request_success_total{finished_reason}
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
@@ -42,6 +43,8 @@ class ServeMetrics:
         self._model = model
         self._requests = Counter("kvtier:request_success", "Finished requests, by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
+        for reason in REASONS:              # every series from the start (a rate needs it)
+            self._requests.labels(model, reason)
 
     def attach(self, engine: Any) -> None:
         """Read engine and store state at scrape time (engine: an EngineLoop)."""

@@ -25,6 +25,7 @@ NODE_PORT_OFFSET = 1000
 DEV_SECRET = b"kvtier-development-secret-INSECURE"
 HANDOFF = b"kvtier hand-over"        # signed by a prefill worker: its node and the prompt's block keys
 PUSH_TARGET = b"kvtier push target"  # signed by a decode worker: its node, which prefill workers may push to
+CLUSTER_ID = b"kvtier cluster id"    # signed by every worker: nothing, so equal secrets give equal ids
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -83,6 +84,15 @@ def _signed_bytes(purpose: bytes, node: str, keys: Sequence[bytes]) -> bytes:
 def sign(key: bytes, purpose: bytes, node: str, keys: Sequence[bytes] = ()) -> str:
     """HMAC-SHA256 (hex) of `node` and `keys` for `purpose` (HANDOFF or PUSH_TARGET)."""
     return hmac.new(key, _signed_bytes(purpose, node, keys), hashlib.sha256).hexdigest()
+
+
+def cluster_id(key: bytes) -> str:
+    """A short name of the secret `key` derives from, for /kvtier/load: workers that answer the
+    same id sign and check with the same key, so a router can tell a worker whose --secret-file
+    differs (every hand-over it signs would be refused) before it routes through it. An HMAC of
+    a fixed tag under a purpose of its own: it reveals nothing of the key, and is no signature
+    of a hand-over or a push target."""
+    return sign(key, CLUSTER_ID, "")[:16]
 
 
 def signed(key: bytes | None, purpose: bytes, node: str, keys: Sequence[bytes], signature: Any) -> bool:
