@@ -755,8 +755,7 @@ def test_router_disconnects_silent_clients_and_logs_no_traceback_for_one_gone_mi
     try:
         host, port = r.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as idle:
-            t0 = time.monotonic()
-            assert idle.recv(10) == b"" and time.monotonic() - t0 < 5
+            assert idle.recv(10) == b""          # closed by the router (a hang: the socket's 10 s timeout)
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{")

@@ -60,7 +60,7 @@ def test_a_silent_connection_is_closed_after_the_deadline(port):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         t0 = time.monotonic()
         assert s.recv(10) == b""
-        assert TIMEOUT * 0.9 < time.monotonic() - t0 < TIMEOUT * 6
+        assert time.monotonic() - t0 > TIMEOUT * 0.9      # not before the deadline (a hang: the socket's timeout)
 
 
 def test_a_long_answer_and_a_pipelined_request_behind_it_are_not_cut(port):

@@ -258,7 +258,7 @@ def test_a_peer_that_stalls_dies_or_lies_costs_a_miss(mode, expect, verify, monk
     store = client_store([peer.address], timeout=0.3)
     t0 = time.monotonic()
     loaded, out = fetch(store, keys)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 20, "the fetch outlived its deadline: a hang"    # (0.3 s + bytes at 100 MB/s)
     assert loaded == expect
     assert torch.equal(out[:loaded], payload(keys[:loaded], LAYOUT.block_bytes))
     assert store.lookup(keys).by_tier()["host"] == expect     # only verified blocks were kept

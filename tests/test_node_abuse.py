@@ -212,7 +212,10 @@ def test_connections_over_the_cap_are_closed_at_once():
     with kvtier.Node(store, "127.0.0.1:0", SECRET, limits=NodeLimits(max_connections=4)) as node:
         host, port = node.address.rsplit(":", 1)
         held = [socket.create_connection((host, int(port))) for _ in range(4)]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10               # all four accepted and counted
+        while node.gate.open < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert node.gate.open == 4
         with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
             c.ping()                                      # served: the oldest silent one made room
         held[0].settimeout(10)

@@ -59,7 +59,7 @@ def test_a_receiver_that_is_gone_or_too_small_ends_the_push_early():
     with Node(store(), "127.0.0.1:0", SECRET) as gone:
         address = gone.address
     out = Pusher(SECRET, timeout=0.5).push(sender, keys, address)
-    assert out.blocks == 0 and out.error and time.monotonic() - t0 < 5
+    assert out.blocks == 0 and out.error and time.monotonic() - t0 < 30     # a miss within its deadline, not a hang
     out = Pusher(SECRET).push(sender, keys, "127.0.0.1:0")          # no node listens on port 0: not dialled
     assert out.blocks == 0 and "port 0" in out.error
     # a PUT of more blocks than the receiver's top tier holds is refused (an ERR reply), and

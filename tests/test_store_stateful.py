@@ -1,7 +1,8 @@
 """Stateful (model-based) tests of kvtier.Store.
 
-A hypothesis RuleBasedStateMachine drives a real Store over one or two small HostTiers
-with a fake clock, against a plain-Python model that knows:
+A hypothesis RuleBasedStateMachine drives a real Store over one to three small tiers (host
+memory; the lowest one on disk in some runs) with a fake clock, against a plain-Python
+model that knows:
 
 - every key ever put (the payload of a key is derived from the key alone, so the model
   never has to know which blocks were evicted: it only checks that what the store
@@ -10,17 +11,21 @@ with a fake clock, against a plain-Python model that knows:
   value (budget accounting), unpin()'s return value and stats' pinned counts;
 - the store's operation counters.
 
-After every step it checks: capacity never exceeded; per-tier counter identities; every
-readable key was put and holds exactly its bytes; pinned blocks that arrived stay
-readable (and in their floor tier or above) until the pin expires or is released;
-distinct readable keys never exceed capacity (and equal the used slots when nothing is
-in flight). A flood rule checks that blocks no longer pinned are evicted under pressure.
+After every step it checks: capacity never exceeded; per-tier counter identities (what
+entered a tier less what left it is what it holds; what left a tier entered the next or
+was dropped); every readable key was put and holds exactly its bytes; pinned blocks that
+arrived stay readable (and in their floor tier or above) until the pin expires or is
+released; distinct readable keys never exceed capacity, and when nothing is in flight the
+index's copies in each tier are that tier's used slots and reading() holds the whole
+cached prefix. A flood rule checks that blocks no longer pinned are evicted under
+pressure; a put of exactly the top tier's slots is taken, one more is refused unchanged.
 
 A few focused tests pin down single behaviours (leaf-first LRU, pin TTL boundary,
 pin replacement) and two bugs found while writing this file (now fixed).
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 
@@ -128,7 +133,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- setup -----------------------------------------------------------------------
     @initialize(caps=st.one_of(st.tuples(st.integers(4, 12)),
-                               st.tuples(st.integers(4, 12), st.integers(2, 8))),
+                               st.tuples(st.integers(4, 12), st.integers(2, 8)),
+                               st.tuples(st.integers(4, 12), st.integers(2, 8), st.integers(2, 8))),
                 pin_budget=st.sampled_from([0.25, 0.5, 0.75, 0.9]), disk=st.booleans(),
                 head=st.sampled_from([None, 1, 2]))
     def setup(self, caps, pin_budget, disk, head) -> None:
@@ -140,9 +146,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.pin_budget = pin_budget
         tiers = [kvtier.HostTier(blocks=c, name=f"t{i}") for i, c in enumerate(self.caps)]
         self.tmp = None
-        if disk and len(caps) == 2:   # the lower tier on disk: verified reads, LMDB records
+        if disk and len(caps) >= 2:   # the lowest tier on disk: verified reads, LMDB records
             self.tmp = tempfile.mkdtemp(prefix="kvtier-stateful-")
-            tiers[1] = kvtier.DiskTier(self.tmp, blocks=caps[1], name="t1", io_threads=2)
+            last = len(caps) - 1
+            tiers[last] = kvtier.DiskTier(self.tmp, blocks=caps[last], name=f"t{last}", io_threads=2)
         self.store = kvtier.Store(LAYOUT, tiers, NS, pin_budget=pin_budget, clock=lambda: self.now)
         self.chains = [self.store.keys(s) for s in SEQS]
 
@@ -315,7 +322,8 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.store.write_in_place(keys, write, wait)
         except OSError:
-            pass
+            if not fail:
+                raise
         finally:
             del self.store._reserve
         self.c["puts"] += 1                       # one save, however many parts it was reserved in
@@ -334,13 +342,33 @@ class StoreMachine(RuleBasedStateMachine):
     def read_in_place(self, seq) -> None:
         """An engine's load read straight from where the blocks are held (Store.reading)."""
         keys = self.chains[seq]
+        hit = self.lookup(keys).blocks if not self.pending else None
         with self.store.reading(keys) as held:
             rows = held.rows()
             assert len(rows) == held.blocks == len(held.tiers) <= len(keys)
+            if hit is not None:          # nothing in flight: it holds the whole cached prefix
+                assert held.blocks == hit, "reading() held less than the cached prefix"
             for k, r in zip(keys, rows):
                 assert np.array_equal(r, payload_row(k)), "a held block's bytes are not the block's"
         self.c["gets"] += 1
         self.c["get_blocks"] += held.blocks
+
+    @rule(over=st.sampled_from([0, 1]), form=FORMS)
+    def put_at_capacity(self, over, form) -> None:
+        """A put of exactly the top tier's slots is taken (blocks pinned there may refuse
+        some); one block more is a CapacityError that changes nothing."""
+        self.floods += 1
+        chain = self.store.keys([20_000_000 + 10_000 * self.floods + i for i in range((self.caps[0] + over) * BT)])
+        if over:
+            before = self.store.stats()
+            with pytest.raises(CapacityError):
+                self.store.put(chain, payload(chain, form))
+            after = self.store.stats()
+            assert [t.used_blocks for t in after.tiers] == [t.used_blocks for t in before.tiers]
+            assert after.counters.puts == before.counters.puts
+            return
+        t = self.put_keys(chain, form, True)
+        assert t.blocks + t.present + t.rejected == len(chain) and t.present == 0
 
     @precondition(lambda self: not self.pending_puts())
     @rule(seq=st.integers(0, len(SEQS) - 1))
@@ -440,19 +468,16 @@ class StoreMachine(RuleBasedStateMachine):
         assert [t.capacity_blocks for t in s.tiers] == self.caps
         for t in s.tiers:
             assert 0 <= t.used_blocks <= t.capacity_blocks
-        if len(s.tiers) == 1:
-            t = s.tiers[0]
-            assert t.inserted - t.dropped == t.used_blocks
-            assert t.evicted == t.dropped and t.demoted_in == 0
-        else:
-            # A copy leaving t0 either moves down (t1.demoted_in) or is dropped; t0 also
-            # gains copies promoted up from t1 (counted in t0.inserted).
-            t0, t1 = s.tiers
-            assert t0.demoted_in == 0
-            assert t0.evicted == t1.demoted_in + t0.dropped
-            assert t0.inserted - t1.demoted_in - t0.dropped == t0.used_blocks
-            assert t1.demoted_in - t1.dropped == t1.used_blocks
-            assert t1.evicted == t1.dropped and t1.inserted == 0
+        # A copy enters a tier by a put or a promotion (inserted) or from the tier above
+        # (demoted_in), and leaves it by eviction (moved down, or dropped); only the top
+        # tier takes puts and promotions, and what leaves the bottom one is dropped.
+        top, bottom = s.tiers[0], s.tiers[-1]
+        assert top.demoted_in == 0 and all(t.inserted == 0 for t in s.tiers[1:])
+        for t in s.tiers:
+            assert t.inserted + t.demoted_in - t.evicted == t.used_blocks
+        for upper, lower in zip(s.tiers, s.tiers[1:]):
+            assert upper.evicted == lower.demoted_in + upper.dropped
+        assert bottom.evicted == bottom.dropped
 
         # Pins: sessions and per-tier pinned counts match the model.
         assert s.pinned_sessions == len(active)
@@ -480,8 +505,8 @@ class StoreMachine(RuleBasedStateMachine):
                 readable[k] = hit.tiers[0]
         assert len(readable) <= sum(self.caps)
         copies = self.peek(readable, quiet)
-        if quiet:
-            assert copies == sum(t.used_blocks for t in s.tiers)
+        if quiet:                # the index's copies in each tier are its used slots
+            assert copies == [t.used_blocks for t in s.tiers]
 
         # Pinned blocks that arrived stay readable, in their floor tier or above.
         for k in list(self.prot):
@@ -495,9 +520,9 @@ class StoreMachine(RuleBasedStateMachine):
                 # A block pinned while below its floor may only move up (promotion).
                 self.prot[k] = max(f, readable[k])
 
-    def peek(self, readable: dict[bytes, int], quiet: bool) -> int:
+    def peek(self, readable: dict[bytes, int], quiet: bool) -> list[int]:
         """White-box: read every copy of each readable block without touching LRU order;
-        returns how many copies the index holds in all."""
+        returns how many copies of ready blocks the index holds in each tier."""
         store = self.store
         with store._lock:
             idx = store.index
@@ -512,10 +537,15 @@ class StoreMachine(RuleBasedStateMachine):
                 for t, slot in [(e.tier, e.slot), *(e.copies or {}).items()]:
                     assert np.array_equal(np.asarray(store.tiers[t].block(slot)), payload_row(k)), \
                         "a slot of a readable block does not hold the bytes put under its key"
-            return sum(1 + len(e.copies or {}) for e in idx.entries.values() if e.ready)
+            per_tier = [0] * len(self.caps)
+            for e in idx.entries.values():
+                if e.ready:
+                    for t in [e.tier, *(e.copies or {})]:
+                        per_tier[t] += 1
+            return per_tier
 
 
-StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+StoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.filter_too_much])
 TestStoreStateful = StoreMachine.TestCase
@@ -642,3 +672,29 @@ def test_put_not_rejected_while_unpinned_victims_exist():
         c = s.keys(list(range(200, 200 + BT)))
         t = s.put(c, payload(c, "u8"))
         assert t.rejected == 0, "rejected although e0..e2 in t0 are unpinned and evictable"
+
+
+def test_a_pinned_block_with_no_room_below_stays_where_it_is():
+    """A block pinned to the tier below its own may leave its tier only downwards: when every
+    slot below is held (a load reading them), evicting it would drop a pinned block, so it
+    stays put and the put goes to other victims."""
+    with make_store(4, 2, pin_budget=0.5) as s:
+        below = s.keys(list(range(2 * BT)))
+        s.put(below, payload(below, "u8"))
+        fill = s.keys(list(range(5_000, 5_000 + 4 * BT)))
+        s.put(fill, payload(fill, "u8"))                   # `below` is demoted into the lower tier
+        assert s.lookup(below).tiers == [1, 1]
+        a = s.keys(list(range(7_000, 7_000 + BT)))
+        assert s.pin("agent", a, 60.0, tier=1) == 1
+        s.put(a, payload(a, "u8"))
+        lower = [k for k, e in s.index.entries.items() if e.tier == 1]
+        assert len(lower) == 2 and s.lookup(a).tiers == [0]
+        with contextlib.ExitStack() as stack:             # the lower tier's slots: all held by loads
+            assert all(stack.enter_context(s.reading([k])).blocks == 1 for k in lower)
+            for i in range(8):                             # pressure on the top tier
+                fresh = s.keys([9_000 + 10 * i + j for j in range(BT)])
+                s.put(fresh, payload(fresh, "u8"))
+            assert s.lookup(a).blocks == 1, "a pinned block was dropped for want of room below"
+        out = out_buffer(1, "u8")
+        s.get(a, out)
+        assert_bytes(a, out)

@@ -296,10 +296,11 @@ def test_load_handle_waits_for_the_staging_thread_and_reports_its_failure():
     from kvtier.transfer import LoadHandle
 
     h = LoadHandle(2)
-    threading.Thread(target=lambda: (time.sleep(0.05), h._ready(0, True), h._ready(1, True))).start()
-    t0 = time.perf_counter()
+    reached: list[int] = []
+    threading.Thread(target=lambda: (time.sleep(0.05), h._ready(0, True), reached.append(1),
+                                     h._ready(1, True))).start()
     h.wait_for_layer(1)                       # blocks until the thread has queued layer 1
-    assert time.perf_counter() - t0 >= 0.04 and h.done()
+    assert reached == [1] and h.done()
     bad = LoadHandle(2)
     bad._ready(0, True)
     bad._failed(RuntimeError("pinned allocation failed"))
