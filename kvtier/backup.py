@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import deque
 from contextlib import contextmanager
+from time import monotonic
 from typing import Iterator, Sequence
 
 from kvtier.ids import BlockKey, TierId
@@ -25,6 +26,7 @@ log = logging.getLogger("kvtier.backup")
 BATCH_BLOCKS = 1024     # blocks copied per pass: a pass holds them (not evictable) until it ends
 IDLE_EXIT_S = 1.0       # the thread ends after this long with nothing to copy (a store dropped
                         # without close() is then not kept alive by it); submit() starts another
+WARN_EVERY_S = 60.0     # failed passes are logged at most this often (a full disk fails every pass)
 
 
 class Backup:
@@ -42,6 +44,8 @@ class Backup:
         self._thread: threading.Thread | None = None
         self.copied = 0          # blocks given a copy in `tier`
         self.failed = 0          # blocks whose copy failed (each is demoted when evicted instead)
+        self._warned_at: float | None = None   # when a failure was last logged
+        self._unlogged = [0, 0]  # failed passes and blocks not logged since
 
     def submit(self, keys: Sequence[BlockKey]) -> None:
         """Copy these blocks down soon (the ones still cached in the top tier and not there yet)."""
@@ -70,13 +74,29 @@ class Backup:
                 n = self._mover.copy_into(self.tier, batch, down_only=True)
             except Exception as e:       # best effort: a block without a copy is demoted when evicted
                 failed = len(batch)
-                log.warning("backup of %d blocks to tier %d failed: %s", len(batch), self.tier, e)
+                self._log_failure(len(batch), e)
             finally:
                 with self._cond:
                     self._busy = False   # whatever happened: paused() must not wait forever
                     self.copied += n
                     self.failed += failed
                     self._cond.notify_all()
+
+    def _log_failure(self, blocks: int, e: Exception) -> None:
+        """One warning for the first failed pass, then at most one per WARN_EVERY_S with the
+        count since: a cause that fails every pass (a full disk) wrote a line per pass."""
+        now = monotonic()
+        self._unlogged[0] += 1
+        self._unlogged[1] += blocks
+        if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
+            return
+        passes, n = self._unlogged
+        since = f" ({passes} passes, {n} blocks since the last warning)" if self._warned_at is not None else ""
+        log.warning("backup of %d blocks to tier %d failed: %s%s; blocks without a copy are demoted when "
+                    "evicted instead (next such warning in %.0f s at the earliest)", blocks, self.tier, e, since,
+                    WARN_EVERY_S)
+        self._warned_at = now
+        self._unlogged = [0, 0]
 
     @property
     def copying(self) -> bool:

@@ -3,8 +3,9 @@
 Every option is checked before any memory is taken, so a typo is a one-line error at
 once. Peers and Redis may come up in any order: one that does not answer at start is
 reported on one line and retried with backoff (kvtier/net/health.py), and its coming
-back is reported too. Ctrl-C or SIGTERM stops the node cleanly: it stops serving,
-leaves the directory, and closes the store (writing host blocks down to a disk tier).
+back is reported too. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops the node
+cleanly: it stops serving, leaves the directory, and closes the store (writing host blocks
+down to a disk tier).
 --salt-file makes the node serve one tenant's namespace; --tls-cert/--tls-key serve TLS and
 --tls-ca fetches from TLS peers (docs/cluster.md, Security).
 """
@@ -279,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
             where.insert(1, f"disk {config.disk_path}{disk_size(store)}")
         with Node(store, args.listen, secret, directory=directory, advertise=args.advertise,
                   transport=args.transport, tls=serve_tls, limits=limits) as node:
-            for sig in (signal.SIGINT, signal.SIGTERM):     # from here on, a signal stops the node cleanly
+            # From here on, a signal stops the node cleanly. SIGHUP too: a node started from a
+            # terminal that closed (an ssh session dropped) died at once, losing every block
+            # only in host memory.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, on_signal)
             say(f"kvtier node: serving {ns.model!r} (revision {ns.revision!r}, shard {ns.shard or 'none'}; "
                 f"{layout.describe()}; {', '.join(where)}) on {node.address}")

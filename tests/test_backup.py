@@ -278,3 +278,34 @@ def test_a_chain_lands_in_consecutive_host_slots_after_churn(backup):
         assert slots == list(range(slots[0], slots[0] + len(slots))), (c, slots)
     assert st.stats().tiers[1].evicted > 0          # the host tier did churn
     a.store.close()
+
+
+def test_a_backup_failing_every_pass_is_logged_once_a_minute_with_a_count(monkeypatch, caplog):
+    """A cause that fails every pass (a full disk below the pages) wrote one warning per pass:
+    an engine caching blocks all the time wrote them without bound. Now the first failure,
+    then one per WARN_EVERY_S saying how many passes and blocks failed since."""
+    clock = [1000.0]
+    monkeypatch.setattr(kvtier.backup, "monotonic", lambda: clock[0])
+    a = make(device_blocks=8)
+    st = a.store
+    host = st.tiers[1]
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(host, "write", full)
+    with caplog.at_level("WARNING", logger="kvtier.backup"):
+        for r in range(5):
+            _, pages, _ = compute(a, 100 * r, 1, float(r))
+            assert st.backup.drain(timeout=10)
+            a.free(pages)
+        assert st.backup.failed == 5
+        assert len(caplog.records) == 1 and "No space left on device" in caplog.text
+        clock[0] += kvtier.backup.WARN_EVERY_S
+        _, pages, _ = compute(a, 1000, 1, 9.0)
+        assert st.backup.drain(timeout=10)
+        a.free(pages)
+    assert len(caplog.records) == 2, caplog.text
+    assert "(5 passes, 5 blocks since the last warning)" in caplog.records[1].getMessage()
+    monkeypatch.undo()
+    a.close()
+    st.close()

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 
@@ -583,3 +584,69 @@ def test_a_begun_write_is_recorded_only_once_waited_for(tmp_path):
     assert disk.read(slots, out, keys=keys) == []
     assert np.array_equal(out, rows)
     disk.close()
+
+
+class FullIndexEnv:
+    """An LMDB environment on a filesystem that filled up: a write transaction fails as LMDB's
+    does there (mdb_txn_commit: No space left on device); reads and everything else pass."""
+
+    def __init__(self, env):
+        self._env = env
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def begin(self, *a, write=False, **kw):
+        txn = self._env.begin(*a, write=write, **kw)
+        if not write:
+            return txn
+
+        class Failing:
+            def __enter__(self_):
+                return txn.__enter__()
+
+            def __exit__(self_, *exc):
+                txn.abort()
+                raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return Failing()
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_full_filesystem_is_a_kvtier_error_that_says_so(tmp_path, write_through):
+    """With the slab preallocated only index.lmdb grows, and on a full filesystem its commit
+    fails: put, flush and close raised lmdb.DiskError (`kvtier node`: "unexpected DiskError
+    ... please report it"). Now a kvtier error that names the cause, and the tier is whole
+    again once there is room."""
+    path = tmp_path / "kv"
+    store = open_store(path, host=4, disk=64, write_through=write_through)
+    a, b = chains(store, 2)
+    store.put(a, payload(a, LAYOUT.block_bytes))
+    store.flush()
+    disk = store.tiers[1]
+    real = disk._env
+    disk._env = FullIndexEnv(real)
+    with pytest.raises(kvtier.KvtierError, match="is full: its index cannot grow .*free some space") as e:
+        store.put(b, payload(b, LAYOUT.block_bytes))     # written through, or a's demotion
+        store.flush()
+    assert not isinstance(e.value, lmdb.Error)
+    disk._env = real                                     # room again
+    store.put(b, payload(b, LAYOUT.block_bytes))
+    store.close()
+    store = open_store(path, host=4, disk=64)
+    for keys in (a, b):
+        loaded, out = read(store, keys)
+        assert torch.equal(out[:loaded], payload(keys[:loaded], LAYOUT.block_bytes))
+    assert read(store, b)[0] == 4                        # the put after the failure is on disk
+    store.close()
+
+
+def test_a_full_filesystem_at_open_is_a_capacity_error(tmp_path, monkeypatch):
+    """Opening an existing tier at another size writes its meta record: on a full filesystem
+    that raised lmdb.DiskError; now a CapacityError (`kvtier: error: ...`), the lock let go."""
+    open_store(tmp_path / "kv", disk=64).close()
+    real = lmdb.open
+    monkeypatch.setattr(lmdb, "open", lambda *a, **kw: FullIndexEnv(real(*a, **kw)))
+    with pytest.raises(CapacityError, match="is full: its index cannot grow"):
+        open_store(tmp_path / "kv", disk=32)
+    monkeypatch.undo()
+    open_store(tmp_path / "kv", disk=32).close()
