@@ -590,18 +590,25 @@ def test_a_prefill_worker_with_another_secret_costs_the_client_nothing(pd, tells
 class HangingWorker(FakeServer):
     """A worker that looks ready as `role` and never answers a generation or a prefill: it
     reads the request and waits until the router closes the connection (`closed` lists the
-    paths whose call the router gave up). /tokenize answers, so the router calibrates."""
+    paths whose call the router gave up). /tokenize answers, so the router calibrates. With
+    `freeze`, a request also freezes its polls (a process stopped: SIGSTOP, a deadlock)."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, freeze: bool = False) -> None:
         me = self
         self.posts: list[str] = []
         self.bodies: list[dict] = []
         self.closed: list[str] = []
+        self.frozen = threading.Event()
+        self.released = threading.Event()
 
         class Handler(JsonHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:          # /kvtier/load
+                if me.frozen.is_set():
+                    me.released.wait(60)
+                    self.close_connection = True
+                    return
                 self.send_json(ready(role, BT))
 
             def do_POST(self) -> None:
@@ -611,6 +618,8 @@ class HangingWorker(FakeServer):
                     return
                 me.posts.append(self.path)
                 me.bodies.append(json.loads(raw))
+                if freeze:
+                    me.frozen.set()
                 self.connection.settimeout(120)
                 try:
                     gone = self.connection.recv(1) == b""
@@ -622,12 +631,61 @@ class HangingWorker(FakeServer):
 
         super().__init__(Handler)
 
+    def stop(self) -> None:
+        self.released.set()
+        super().stop()
+
 
 def _until(check, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
+
+
+def test_a_prefill_worker_that_hangs_is_given_up_once_it_stops_answering_polls(pd):
+    """A prefill worker that takes the request and then hangs (its polls unanswered too, as a
+    SIGSTOPped process) held the client until --request-timeout (600 s); once it has left
+    two polls unanswered the router gives its call up and the decode worker computes."""
+    _, _, d, ref, _ = pd
+    pre = HangingWorker("prefill", freeze=True)
+    r = Router("--prefill", pre.url, "--decode", d.url, "--poll-interval", "0.2")
+    try:
+        r.wait_ready()
+        prompt = "[Turn 9 (hung prefill)] " + PROMPT
+        want = _complete(ref.client(), prompt).choices[0].text
+        got = _complete(r.client(), prompt)
+        assert got.choices[0].text == want and pre.posts == ["/kvtier/prefill"]
+        _until(lambda: pre.closed == ["/kvtier/prefill"], f"the hung prefill call was not closed: {pre.closed}")
+        h = r.health().json()["stats"]
+        assert h["prefill_retries"] == 1 and h["direct"] == 1 and h["unserved"] == 0
+        assert "Traceback" not in "".join(r.lines)
+    finally:
+        r.stop()
+        pre.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_worker_that_hangs_before_answering_is_replaced_once_it_stops_answering_polls(pd, stream):
+    _, _, d, ref, _ = pd
+    dec = HangingWorker("decode", freeze=True)
+    r = Router("--decode", dec.url, d.url, "--poll-interval", "0.2")      # ties go to the first
+    try:
+        r.wait_ready()
+        prompt = ("[Streamed, hung decode] " if stream else "[Whole, hung decode] ") + PROMPT   # no block in common
+        want = _complete(ref.client(), prompt).choices[0].text
+        if stream:
+            text, lines, _ = _sse(r.url, _body(prompt))
+            assert text == want and lines.count("[DONE]") == 1
+        else:
+            assert _complete(r.client(), prompt).choices[0].text == want
+        assert dec.posts == ["/v1/completions"]
+        _until(lambda: dec.closed == ["/v1/completions"], f"the hung call was not closed: {dec.closed}")
+        h = r.health().json()["stats"]
+        assert h["decode_retries"] == 1 and h["unserved"] == 0
+    finally:
+        r.stop()
+        dec.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])

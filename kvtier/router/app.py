@@ -39,7 +39,7 @@ from kvtier.router.blocks import MAX_ROUNDS, BlockMap
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker
+from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker, unless_lost
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, ClientGone, EchoAffinity, EventStream, read_body,
@@ -291,7 +291,7 @@ class Router:
             w.prefill_tokens += uncached
             w.sent += 1
             try:
-                r = await self.client.post(w.url + "/kvtier/prefill", content=payload, headers=headers)
+                r = await unless_lost(w, self.client.post(w.url + "/kvtier/prefill", content=payload, headers=headers))
             except httpx.HTTPError as e:
                 w.failed(f"prefill failed: {type(e).__name__}: {e}")
                 self.stats.prefill_retries += 1
@@ -362,8 +362,8 @@ class Router:
             tried.add(w.url)
             load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
             try:
-                resp = await self.client.send(self.client.build_request(
-                    "POST", w.url + path, content=with_hand if hand else plain, headers=headers), stream=True)
+                resp = await unless_lost(w, self.client.send(self.client.build_request(
+                    "POST", w.url + path, content=with_hand if hand else plain, headers=headers), stream=True))
             except httpx.HTTPError as e:
                 load.release()
                 w.failed(f"{type(e).__name__}: {e}")
@@ -385,7 +385,7 @@ class Router:
             if resp.status_code == 200 and ctype.startswith("text/event-stream"):
                 chunks = resp.aiter_raw()
                 try:
-                    head = await _head(chunks, events=2 if chat else 1)    # a chat stream's role chunk, then
+                    head = await unless_lost(w, _head(chunks, events=2 if chat else 1))   # a chat's role chunk, then
                 except httpx.HTTPError as e:                              # the first token (or its error)
                     load.release()
                     await _close(resp, chunks)
@@ -411,7 +411,7 @@ class Router:
                 w.sent += 1
                 return EventStream(_relay(resp, chunks, head, load, stats=self.stats), on_close=load.release)
             try:
-                data = await resp.aread()
+                data = await unless_lost(w, resp.aread())
             except httpx.HTTPError as e:
                 w.failed(f"went away before answering: {type(e).__name__}: {e}")
                 if isinstance(e, httpx.TimeoutException):
@@ -540,7 +540,11 @@ async def _relay(resp: httpx.Response, chunks: AsyncIterator[bytes], head: bytes
     try:
         if head:
             yield head
-        async for chunk in chunks:
+        while True:
+            try:
+                chunk = await unless_lost(load.w, chunks.__anext__())
+            except StopAsyncIteration:
+                break
             yield chunk
     except httpx.HTTPError as e:
         load.w.failed(f"went away mid-answer: {type(e).__name__}: {e}")

@@ -7,6 +7,12 @@ before the first poll (the router may start before its workers). The loads the r
 are the router's own counts (exact for the traffic this router sends): outstanding prefill
 tokens (added when a prompt is sent, removed when its prefill answer or first token comes
 back) and decode blocks (a request's prompt + max_tokens in blocks, while it streams).
+
+A worker that stops answering its polls (LOST_AFTER_POLLS in a row: a hung process, SIGSTOP,
+a deadlock) is `lost`: the calls the router has in flight to it give up at once (`unless_lost`)
+instead of waiting out --request-timeout, and go to another worker where nothing reached the
+client yet. A busy worker still answers its polls (its HTTP front reads counts without the
+engine).
 """
 from __future__ import annotations
 
@@ -14,12 +20,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 import httpx
 
 log = logging.getLogger("kvtier.router")
 POLL_TIMEOUT_S = 2.0
+LOST_AFTER_POLLS = 2       # polls in a row a worker left unanswered before its calls give up
+T = TypeVar("T")
+
+
+class WorkerLost(httpx.TransportError):
+    """A call given up because its worker stopped answering polls (handled as a transport error)."""
 
 
 @dataclass
@@ -45,6 +57,8 @@ class Worker:
     error: str = ""
     was_ready: bool = False            # found ready at least once (down since then: not "starting up")
     polled_at: float = 0.0
+    unanswered: int = 0                # polls in a row it did not answer
+    lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)   # set: it hangs (see above)
 
     @property
     def ready(self) -> bool:
@@ -118,9 +132,18 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
         if r.status_code == 404:               # a server without the P/D routes: an older kvtier serve
             status, data = "down", {}
             w.error = "no /kvtier/load: not a kvtier serve worker of this version"
+        w.unanswered = 0
+        w.lost.clear()
     except (httpx.HTTPError, ValueError) as e:
         status, data = "down", {}
         w.error = f"{type(e).__name__}: {e}" or type(e).__name__
+        if isinstance(e, httpx.HTTPError):
+            w.unanswered += 1
+            if w.unanswered >= LOST_AFTER_POLLS and not w.lost.is_set():
+                if w.sent:
+                    log.warning("worker %s (%s) answered none of its last %d polls: giving up its calls in flight",
+                                w.url, w.pool, w.unanswered)
+                w.lost.set()
     w.status = status if status in ("ready", "starting") else "down"
     w.was_ready |= w.status == "ready"
     w.polled_at = time.monotonic()
@@ -138,3 +161,29 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
     w.answered_ready = w.ready
     if w.foreign and w.ready:                  # not in rotation before Pools._check_secrets says it may be
         w.status = "down"
+
+
+async def unless_lost(w: Worker, call: Awaitable[T]) -> T:
+    """Await `call` (a request to `w`, or a read of its answer) in this task, unless `w` is
+    lost first (see the module docstring): then the call is cancelled and WorkerLost raised.
+    The call stays in the calling task (httpx's streams and connection locks belong to it):
+    the watcher cancels this task, as asyncio.timeout() does, and the cancel is taken back."""
+    me = asyncio.current_task()
+    assert me is not None
+    fired = False
+
+    async def watch() -> None:
+        nonlocal fired
+        await w.lost.wait()
+        fired = True
+        me.cancel()
+
+    dog = asyncio.ensure_future(watch())
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if fired and me.uncancel() == 0:       # ours, not a cancel from outside (the client left)
+            raise WorkerLost(f"worker {w.url} stopped answering (no answer to {w.unanswered} polls)") from None
+        raise
+    finally:
+        dog.cancel()
