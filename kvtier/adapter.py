@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from kvtier.errors import CapacityError, ConfigError, LayoutError, TransferError
+from kvtier.errors import CapacityError, ClosedError, ConfigError, LayoutError, TransferError
 from kvtier.handles import Transfer
 from kvtier.ids import BlockKey, SlotId
 from kvtier.inplace import HeldBlocks
@@ -186,6 +186,14 @@ class KVAdapter:
         # closes the last one's loader, which must not happen between another thread
         # choosing it and queueing its load ("cannot schedule new futures after shutdown").
         self._movers_lock = threading.Lock()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """(With _movers_lock held.) A closed adapter starts no mover again: its threads
+        would outlive close() and never be stopped."""
+        if self._closed:
+            raise ClosedError("this KVAdapter is closed; make a new KVAdapter(store) (the store stays open "
+                              "until store.close())")
 
     # -- tokens -> keys -> lookup -----------------------------------------------------
     def keys(self, tokens: object, parent: BlockKeys | None = None) -> BlockKeys:
@@ -247,6 +255,8 @@ class KVAdapter:
             raise LayoutError(f"load() takes what lookup(tokens) returned (a PrefixMatch), not "
                               f"{type(match).__name__}: match = adapter.lookup(tokens); adapter.load(match)")
         st, tier = self.store, self.device_tier
+        with self._movers_lock:
+            self._check_open()
         plan = st.pages.plan(match.keys[:match.blocks])
         n, handle = len(plan.pages), None
         if plan.lower:
@@ -280,6 +290,7 @@ class KVAdapter:
         in_memory: every block is in a memory tier, so all of them arrive (nothing to verify)
         and this returns without waiting for the loader's thread to hold them."""
         with self._movers_lock:
+            self._check_open()
             if self._pool_loader is None:
                 self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout, threaded=True)
             handle = self._pool_loader.load_held(hold, torch.tensor(pages, dtype=torch.int64)[:, None],
@@ -332,6 +343,9 @@ class KVAdapter:
         and no copy back from a GPU)."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
+        if paged.device.type not in ("cpu", "cuda"):
+            raise LayoutError(f"the engine's pages are on {paged.device}, but kvtier moves pages on the CPU or a "
+                              "CUDA GPU only: keep the KV cache there (or copy these pages to one of them)")
         if paged.layout != self.layout:
             raise LayoutError(f"paged was built for {paged.layout.describe()} but the store holds "
                               f"{self.layout.describe()}: build the PagedKV with the store's layout")
@@ -366,6 +380,7 @@ class KVAdapter:
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
         with self._movers_lock:
+            self._check_open()
             self._use(paged)
             if self._loader is None:
                 self._loader = LayerLoader(paged, self.layout, threaded=True)
@@ -377,6 +392,8 @@ class KVAdapter:
         them; wait() on the result puts them into the store (from any thread)."""
         st = self.store
         st._check_open()
+        with self._movers_lock:
+            self._check_open()
         table = self._engine_pages(paged, page_table, keys)
         if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
             # Host pages: gathered straight into reserved top-tier slots (one copy), which
@@ -385,6 +402,7 @@ class KVAdapter:
                                                           to_blocks=True, rows=w.slots))
             return PagesSave(None, keys, st, done)
         with self._movers_lock:
+            self._check_open()
             self._use(paged)
             if self._saver is None:
                 self._saver = Saver(paged, self.layout)
@@ -411,8 +429,10 @@ class KVAdapter:
         return self.store.unpin(session)
 
     def close(self) -> None:
-        """Stop the loader threads (after the loads in flight)."""
+        """Stop the loader threads (after the loads in flight). Later loads and saves raise
+        ClosedError; lookups, pins and free() still reach the store until it is closed."""
         with self._movers_lock:
+            self._closed = True
             loaders = (self._pool_loader, self._loader)
             self._pool_loader = self._paged = self._loader = self._saver = None
         for loader in loaders:
