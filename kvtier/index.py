@@ -589,6 +589,20 @@ class BlockIndex:
         self._drop_copy(key, e, t)
         return Move(key, t, slot, None)
 
+    def undo_demotion(self, move: Move) -> Move | None:
+        """A demotion whose bytes never arrived (the lower tier's write failed): forget the copy
+        it made in `move.dst_tier`, counted as a drop from `move.src_tier` rather than a move
+        in and a drop there (so what left a tier still entered the next or was dropped).
+        Returns the forgotten copy, or None where the block is no longer there."""
+        assert move.dst_tier is not None
+        gone = self.discard(move.key, move.dst_tier)
+        if gone is not None:
+            dst = self.tiers[move.dst_tier].counters
+            dst.dropped -= 1
+            dst.demoted_in -= 1
+            self.tiers[move.src_tier].counters.dropped += 1
+        return gone
+
     def _drop_copy(self, key: Key, e: Entry, tier: TierId) -> None:
         """Forget `e`'s copy in `tier` (its slot is already free or reused)."""
         if tier != e.tier:

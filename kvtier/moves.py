@@ -8,7 +8,9 @@ the write fails), and the dropping of copies whose bytes failed verification.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -20,6 +22,9 @@ from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
 from kvtier.tiers.base import PendingWrite, Tier
 
+log = logging.getLogger("kvtier.store")
+WARN_EVERY_S = 60.0     # failed demotions are logged at most this often (a failing disk fails every put)
+
 
 class Mover:
     """The tiers, the index and the lock of one store, and the operations that move bytes
@@ -30,6 +35,8 @@ class Mover:
         self.index = index
         self._lock = lock
         self.counters = counters
+        self._warned_at: float | None = None
+        self._unlogged = 0          # blocks dropped for a failed demotion since the last warning
 
     def apply(self, res: Reservation) -> None:
         """Carry out a reservation's moves (caller holds the lock). If one fails, the blocks
@@ -53,11 +60,18 @@ class Mover:
         a move into a slot must follow the move out of it). Consecutive demotions between
         the same two tiers that touch no slot or block twice are one batched write (one disk
         transaction); a drop independent of that batch may go first, as it moves no bytes.
+
+        A demotion whose write fails (a full or failing disk) drops its blocks instead: they
+        were being evicted, and a cache that loses them is a cache; failing the put (an
+        engine's page allocation) for them stopped the engine for as long as the disk failed.
         """
         batch: list[Move] = []
         touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
         keys: set[bytes] = set()
         drops: list[Move] = []                     # consecutive drops from one tier, released at once
+        failed: list[Move] = []                    # demotions whose bytes did not arrive
+        lost: set[bytes] = set()                   # their blocks: a later move of one moves nothing
+        error: Exception | None = None
 
         def release_drops() -> None:
             if drops:
@@ -65,9 +79,15 @@ class Mover:
                 drops.clear()
 
         def flush() -> None:
+            nonlocal error
             if batch:
                 src_slots, keys_ = [m.src_slot for m in batch], [m.key for m in batch]
-                self._copy(batch[0].src_tier, src_slots, batch[0].dst_tier, [m.dst_slot for m in batch], keys_)
+                try:
+                    self._copy(batch[0].src_tier, src_slots, batch[0].dst_tier, [m.dst_slot for m in batch], keys_)
+                except Exception as e:
+                    error = error or e
+                    failed.extend(batch)
+                    lost.update(keys_)
                 self.tiers[batch[0].src_tier].release(src_slots, keys_)
                 batch.clear()
                 touched.clear()
@@ -83,6 +103,10 @@ class Mover:
                 drops.append(m)
                 continue
             release_drops()
+            if m.key in lost:                      # its bytes never reached this move's source
+                failed.append(m)
+                self.tiers[m.src_tier].release([m.src_slot], [m.key])
+                continue
             there = (m.dst_tier, m.dst_slot)
             if batch and ((m.src_tier, m.dst_tier) != (batch[0].src_tier, batch[0].dst_tier)
                           or here in touched or there in touched or m.key in keys):
@@ -92,6 +116,23 @@ class Mover:
             keys.add(m.key)
         release_drops()
         flush()
+        if failed:
+            self._dropped_for(failed, error)
+
+    def _dropped_for(self, failed: list[Move], error: Exception | None) -> None:
+        """Forget the copies that failed demotions were to make (their slots hold no block),
+        so those blocks are dropped where they had no other copy; log it, sparsely."""
+        for m in failed:
+            gone = self.index.undo_demotion(m)
+            if gone is not None:
+                self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
+        self._unlogged += len({m.key for m in failed})
+        now = time.monotonic()
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+            log.warning("moving evicted blocks down failed (%s); dropped %d block(s)%s instead of failing the "
+                        "request (next such warning in %.0f s at the earliest)", error, self._unlogged,
+                        " since the last warning" if self._warned_at is not None else "", WARN_EVERY_S)
+            self._warned_at, self._unlogged = now, 0
 
     def discard(self, bad: list[tuple[bytes, int]]) -> None:
         """Drop copies whose bytes failed verification: they are misses from now on."""

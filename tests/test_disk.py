@@ -9,6 +9,8 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 import kvtier
 import kvtier.store
@@ -401,21 +403,30 @@ class FailingTier(kvtier.HostTier):
         super().write(slots, rows, idx, keys)
 
 
-def test_a_failed_demotion_undoes_the_put_and_keeps_the_index_true():
+def test_a_failed_demotion_drops_the_evicted_blocks_and_the_put_goes_on(caplog):
+    """A lower tier whose writes fail (a full or failing disk): the blocks being evicted into
+    it are dropped and the put stores its own. The put failed instead, and with it every
+    engine request that needed a page for as long as the disk failed."""
     low = FailingTier(blocks=8, name="low")
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=2, name="top"), low], NS)
-    a, b = store.keys([1] * 16), store.keys([2] * 16)
+    a, b, c = store.keys([1] * 16), store.keys([2] * 16), store.keys([3] * 16)
     store.put(a, payload(a, LAYOUT.block_bytes))
     low.broken = True
-    with pytest.raises(kvtier.TransferError, match="lower tier failed"):
-        store.put(b, payload(b, LAYOUT.block_bytes))      # must demote a: the write fails
-    low.broken = False
-    assert store.lookup(b).blocks == 0                     # nothing half-done is visible
-    n = store.lookup(a).blocks                             # a is gone or intact, never wrong
-    loaded, out = read(store, a[:n])
-    assert loaded == n and torch.equal(out, payload(a[:n], LAYOUT.block_bytes))
-    t = store.put(b, payload(b, LAYOUT.block_bytes))       # the keys are not stuck
+    t = store.put(b, payload(b, LAYOUT.block_bytes))      # must demote a: the write fails
     assert t.blocks == 2 and store.lookup(b).blocks == 2
+    assert store.lookup(a).blocks == 0                     # dropped, not listed in a slot without it
+    assert store.stats().tier("low").used_blocks == 0       # its slots hold no block: none is listed
+    loaded, out = read(store, b)
+    assert loaded == 2 and torch.equal(out, payload(b, LAYOUT.block_bytes))
+    assert "dropped 2 block(s)" in caplog.text and caplog.text.count("moving evicted blocks down failed") == 1
+    store.put(c, payload(c, LAYOUT.block_bytes))           # fails again: logged once a minute at most
+    assert caplog.text.count("moving evicted blocks down failed") == 1
+    low.broken = False
+    store.put(a, payload(a, LAYOUT.block_bytes))           # demotes c: the lower tier works again
+    assert store.lookup(c).by_tier() == {"top": 0, "low": 2}
+    assert [t.used_blocks for t in store.stats().tiers] == [2, 2]
+    loaded, out = read(store, c)
+    assert loaded == 2 and torch.equal(out, payload(c, LAYOUT.block_bytes))
     assert all(e.refs == 0 for e in store.index.entries.values())
 
 
@@ -650,3 +661,37 @@ def test_a_full_filesystem_at_open_is_a_capacity_error(tmp_path, monkeypatch):
         open_store(tmp_path / "kv", disk=32)
     monkeypatch.undo()
     open_store(tmp_path / "kv", disk=32).close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(caps=hs.tuples(hs.integers(2, 6), hs.integers(2, 6), hs.integers(2, 6)),
+       ops=hs.lists(hs.tuples(hs.integers(1, 11), hs.integers(1, 4), hs.booleans(), hs.booleans(), hs.booleans()),
+                    min_size=1, max_size=30))
+def test_failing_lower_tiers_never_fail_a_put_nor_break_the_index(caps, ops):
+    """Puts while the middle and bottom tiers' writes fail at random (a block may be demoted
+    twice in one put): no put fails, every readable block holds its bytes, each tier's copies
+    are its used slots, and what left a tier entered the next one or was dropped."""
+    mid, low = FailingTier(blocks=caps[1], name="mid"), FailingTier(blocks=caps[2], name="low")
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=caps[0], name="top"), mid, low], NS)
+    for seed, blocks, mid_broken, low_broken, get in ops:
+        keys = store.keys([seed] * 4 * min(blocks, caps[0]))
+        if get:
+            n = store.lookup(keys).blocks
+            loaded, out = read(store, keys[:n])
+            assert loaded == n and torch.equal(out, payload(keys[:n], LAYOUT.block_bytes))
+            continue
+        mid.broken, low.broken = mid_broken, low_broken
+        store.put(keys, payload(keys, LAYOUT.block_bytes))
+        mid.broken = low.broken = False
+        s = store.stats()
+        for t in s.tiers:
+            assert t.inserted + t.demoted_in - t.evicted == t.used_blocks
+        for upper, lower in zip(s.tiers, s.tiers[1:]):
+            assert upper.evicted == lower.demoted_in + upper.dropped
+        assert s.tiers[-1].evicted == s.tiers[-1].dropped
+        copies = [0, 0, 0]
+        for e in store.index.entries.values():
+            for t in [e.tier, *(e.copies or {})]:
+                copies[t] += 1
+        assert copies == [t.used_blocks for t in s.tiers]
+    store.close()
