@@ -48,11 +48,13 @@ BLOCK = {"llama": 128, "deepseek_v3": 16}   # vLLM's CPU block sizes (MHA, MLA)
 # ------------------------------------------------------------------ real vLLM
 
 def run_engine(tmp: Path, model: Path, prompts: list[list[int]], connector: dict | None = None, *,
-               multiprocess: bool = False, kv_params: list | None = None, max_tokens: int = 8) -> dict:
+               multiprocess: bool = False, kv_params: list | None = None, max_tokens: int = 8,
+               lag: bool = False) -> dict:
     """One vLLM engine in a child process; returns its JSON result (outputs, kvtier counters)."""
     job = tmp / f"job-{os.urandom(4).hex()}.json"
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "connector": connector,
-                               "multiprocess": multiprocess, "kv_params": kv_params, "max_tokens": max_tokens}))
+                               "multiprocess": multiprocess, "kv_params": kv_params, "max_tokens": max_tokens,
+                               "lag": lag}))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     p = subprocess.run([sys.executable, str(TESTS / "vllm_run.py"), str(job)], capture_output=True, text=True,
                        env=env, timeout=400)
@@ -122,6 +124,26 @@ def test_the_next_turn_loads_the_blocks_the_last_answer_filled(models, tmp_path)
     second = run_engine(tmp_path, models["llama"], [turn], conn)["outputs"][0]
     assert second["cached"] == 768                               # 640 without the answer's block
     assert second["tokens"] == alone
+
+
+def test_a_block_completed_by_the_last_step_is_saved_after_the_request_finished(models, tmp_path):
+    """With vLLM's asynchronous scheduling a block's save comes a step after its KV, so a
+    request whose last step completed a block ended before its save was planned: the block
+    was lost. The connector now saves it in the next step and vLLM frees the pages only once
+    the worker reports them sent (request_finished's delayed free; run here on vLLM's CPU
+    engine with the scheduler's view of the tokens held one step back, as asynchronous
+    scheduling has it)."""
+    conn = disk_config(tmp_path / "disk")
+    # KV of 768 tokens: the last step completes block 6. Offline, vLLM steps again only for the
+    # next request (a server's engine loop steps on by itself): a short one, with no block.
+    first = run_engine(tmp_path, models["llama"], [A, A[:5]], conn, max_tokens=119, lag=True)
+    answer = first["outputs"][0]["tokens"]
+    assert first["kvtier"]["save_blocks"] == 6                   # 5 of the prompt, 1 filled by the answer
+    assert first["kvtier"]["final_saves"] == 1
+    turn = A + answer + prompt_ids(30, 4)
+    alone = run_engine(tmp_path, models["llama"], [turn])["outputs"][0]["tokens"]
+    second = run_engine(tmp_path, models["llama"], [turn], conn)["outputs"][0]
+    assert second["cached"] == 768 and second["tokens"] == alone
 
 
 def test_multiprocess_engine_loads_a_live_peers_prefix(models, baseline, tmp_path):
@@ -466,6 +488,43 @@ def test_blocks_filled_by_generated_tokens_are_saved(pair, save_generated):
     _step(s, w, req2, [10, 11, 12, 13, 14, 15], want * T, 24 - want * T)
     for t in caches.values():
         assert torch.equal(t[10:10 + want], t[0:want])
+
+
+@pytest.mark.parametrize("tainted", [False, True])
+def test_a_finished_requests_last_block_is_saved_next_step_and_its_pages_released(pair, monkeypatch, tainted):
+    """Asynchronous scheduling (the scheduler sees the tokens a step late): the block the last
+    step completed is saved in the step after the request finished, and the workers report
+    the request sent so vLLM frees its pages; also when that save is skipped (a failed load
+    tainted the request), or vLLM would hold the pages for good."""
+    s, w, caches = pair
+    monkeypatch.setattr(s, "_known", lambda r: list(r.all_token_ids)[:-1])
+    toks, gen = list(range(100, 118)), [300, 301, 302]
+    req = _request("r1", toks, all_token_ids=list(toks))
+    _admit(s, req, [0, 1, 2, 3, 4, 5])
+    for t in caches.values():
+        t[:6] = torch.randn(6, 2, T, 16)
+    _step(s, w, req, [0, 1, 2, 3, 4, 5], 0, 18)
+    req.all_token_ids = toks + gen[:1]
+    _step(s, w, req, [0, 1, 2, 3, 4, 5], 18, 1, new=False)
+    req.all_token_ids = toks + gen[:2]
+    plan = _step(s, w, req, [0, 1, 2, 3, 4, 5], 19, 1, new=False)      # completes block 4 (tokens 16..19)
+    assert plan.saves == []                                             # its last token not yet known
+    req.all_token_ids, req.num_computed_tokens = toks + gen, 20          # it finished: max_tokens
+    assert s.finish(req, [0, 1, 2, 3, 4, 5]) is True                    # vLLM keeps the pages
+    if tainted:
+        w._tainted["r1"] = 4
+    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                           num_computed_tokens=[]), num_scheduled_tokens={}, preempted_req_ids=set())
+    plan = s.build(idle, lambda rid: [])
+    assert plan.final == ["r1"] and [(r.start, r.end, r.pages) for r in plan.saves] == [(4, 5, [4])]
+    w.ingest(plan)
+    w.start_load(plan)
+    w.end_step(plan)
+    w.drain()
+    assert w.sent() == {"r1"} and w.sent() == set()                    # reported once
+    w.finished({"r1"})
+    assert w.store.lookup(w.store.keys(toks + gen[:2])).blocks == (4 if tainted else 5)
+    assert s.build(idle, lambda rid: []).empty()
 
 
 def test_an_answer_to_a_prompt_shorter_than_a_block_is_saved(pair):

@@ -9,9 +9,11 @@ process at a time), so two runs in sequence are two vLLM instances sharing the t
 JOB: {"model": path, "prompts": [[ids...], ...], "max_tokens": 8, "connector": {extra config} | null,
       "multiprocess": false, "max_model_len": 2048, "kv_params": [{...} | null per prompt],
       "ttft": false, "warmup": [ids...] | null, "prefix_caching": true, "kv_cache_bytes": 64 << 20,
-      "hold": path | null}
+      "hold": path | null, "lag": false}
 With "hold" the engine stays up after its result line (its kvtier node serving peers) until
-that file exists (at most 10 minutes).
+that file exists (at most 10 minutes). With "lag" the connector's scheduler sees each
+request's tokens one step late, as under vLLM's asynchronous scheduling (a GPU's default;
+vLLM turns it off on a CPU): single-process mode only.
 Each output: {"tokens": [...], "cached": vLLM's num_cached_tokens, "ttft": seconds (with "ttft")}.
 """
 from __future__ import annotations
@@ -33,6 +35,10 @@ def main(path: str) -> None:
     from vllm.config import KVTransferConfig
 
     kv = None
+    if job.get("lag"):
+        from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+        SchedulerSide._known = lambda self, request: list(request.all_token_ids)[:-1]
     if job.get("connector") is not None:
         kv = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                               kv_role="kv_both", kv_connector_extra_config=job["connector"])

@@ -154,11 +154,13 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.end_step(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Saves copy the pages in the step that fills them, so vLLM may free a finished
-        # request's pages at once: nothing is held, no asynchronous loads to report.
-        if self._worker is not None:
-            self._worker.finished(finished_req_ids)
-        return None, None
+        # Saves copy the pages in the step that fills them, so vLLM frees a finished request's
+        # pages at once, but for a last save planned after it finished (request_finished):
+        # those requests are reported sent once their save has read the pages.
+        if self._worker is None:
+            return None, None
+        self._worker.finished(finished_req_ids)
+        return self._worker.sent() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -213,6 +215,6 @@ class KvtierConnector(KVConnectorBase_V1):
             self._sched.on_output(connector_output.invalid_block_ids)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._sched is not None:
-            self._sched.finished(request.request_id)
-        return False, None
+        if self._sched is None:
+            return False, None
+        return self._sched.finish(request, block_ids), None

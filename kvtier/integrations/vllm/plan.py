@@ -67,6 +67,9 @@ class StepPlan:
     # Requests whose failed load the scheduler has handled (vLLM recomputes from the failed
     # block): their saves, skipped since the failure, may resume.
     resync: list[str] = field(default_factory=list)
+    # Finished requests whose last blocks this step saves (vLLM keeps their pages until the
+    # workers report them sent, after the save read them).
+    final: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.new or self.grown or self.loads or self.saves or self.resync)
+        return not (self.new or self.grown or self.loads or self.saves or self.resync or self.final)

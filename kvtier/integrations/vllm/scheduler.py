@@ -9,6 +9,9 @@
     on_output(invalid ids)      a load failed: vLLM recomputes from the failed block, those
                                 blocks are saved again once recomputed and are not counted
                                 in the request's num_cached_tokens
+    finish(request, pages)      vLLM finished it: a block its last step completed whose save
+                                was not planned yet (asynchronous scheduling) is saved in the
+                                next step, and vLLM keeps the pages until the workers say so
 
 The workers' stores live in the worker processes; lookups go to the worker's kvtier node
 (loopback TCP, one authenticated FIND round trip: the worker's tiers, then what its remote
@@ -23,7 +26,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.plan import BlockRange, Grown, NewRequest, StepPlan, request_keys
@@ -98,7 +101,9 @@ class SchedulerSide:
         self.workers: list[WorkerStore] = []
         self._pool: ThreadPoolExecutor | None = None
         self._reqs: dict[str, _Req] = {}
-        self.counters = {"lookups": 0, "hit_blocks": 0, "load_blocks": 0, "save_blocks": 0, "failed_loads": 0}
+        self._final: StepPlan = StepPlan()       # finished requests' last saves, for the next step
+        self.counters = {"lookups": 0, "hit_blocks": 0, "load_blocks": 0, "save_blocks": 0, "failed_loads": 0,
+                         "final_saves": 0}
 
     def set_workers(self, infos: list[dict[str, Any]]) -> None:
         """The workers' handshakes: where their stores answer lookups, and their key seeds."""
@@ -182,7 +187,7 @@ class SchedulerSide:
     # -- each step -----------------------------------------------------------------------
     def build(self, so: Any, block_ids_of: Callable[[str], list[int]]) -> StepPlan:
         """The plan for the step `so` (vLLM's SchedulerOutput) describes."""
-        plan = StepPlan()
+        plan, self._final = self._final, StepPlan()
         cached = so.scheduled_cached_reqs
         scheduled = {r.req_id for r in so.scheduled_new_reqs} | set(cached.req_ids)
         for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -218,20 +223,33 @@ class SchedulerSide:
             st.loading, st.pending = st.pending, None
         B = self.block_tokens
         full = (computed + so.num_scheduled_tokens.get(rid, 0)) // B       # blocks whose KV this step completes
+        self._save(plan, st, rid, full, self._known(st.request), ids)
+
+    def _save(self, plan: StepPlan, st: _Req, rid: str, full: int, known: Sequence[int],
+              ids: Callable[[], list[int]]) -> bool:
+        """Save the request's blocks [st.saved, full) whose tokens are `known`; whether any."""
+        B = self.block_tokens
         if self.cfg.save_generated and full > st.n_blocks:
             # Generated tokens filled blocks: their ids are the request's (scheduled draft
             # tokens are not, and may be rejected: only tokens vLLM has accepted are keyed).
-            known = getattr(st.request, "all_token_ids", None) or ()
             grown = min(full, len(known) // B)
             if grown > st.n_blocks:
                 plan.grown.append(Grown(rid, list(known[st.n_blocks * B: grown * B])))
                 st.n_blocks = grown
         full = min(full, st.n_blocks)
-        if full > st.saved:
-            pages = ids()
-            plan.saves.append(BlockRange(rid, st.saved, full, list(pages[st.saved:full])))
-            self.counters["save_blocks"] += full - st.saved
-            st.saved = full
+        if full <= st.saved:
+            return False
+        pages = ids()
+        plan.saves.append(BlockRange(rid, st.saved, full, list(pages[st.saved:full])))
+        self.counters["save_blocks"] += full - st.saved
+        st.saved = full
+        return True
+
+    def _known(self, request: Any) -> Sequence[int]:
+        """The tokens of `request` vLLM has accepted so far. With asynchronous scheduling (vLLM's
+        default on a GPU) a step is planned before the previous step's token is known, so the
+        block that token completes is saved a step later (finish() saves a finished request's)."""
+        return getattr(request, "all_token_ids", None) or ()
 
     def on_output(self, invalid_block_ids: set[int] | None) -> None:
         """Blocks that failed to load: vLLM recomputes from the first one; save them again."""
@@ -248,6 +266,24 @@ class SchedulerSide:
                 st.resync = True
                 st.loading = None
                 self.counters["failed_loads"] += 1
+
+    def finish(self, request: Any, block_ids: list[int]) -> bool:
+        """vLLM finished `request` (`block_ids`: its pages of computed tokens). Whether vLLM must
+        keep those pages until the workers report them sent: a block whose KV is computed but
+        whose save would come a step later (asynchronous scheduling: the last step's token
+        was not yet known when the step was planned) is saved in the next step instead of lost."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None or st.skip or not st.sent or not self.cfg.save_generated:
+            return False
+        # Tokens whose KV is computed: vLLM's own reckoning at this point (less any step still in flight).
+        computed = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0) or 0)
+        known = getattr(request, "all_token_ids", None) or ()
+        if not self._save(self._final, st, request.request_id, computed // self.block_tokens, known,
+                          lambda: list(block_ids)):
+            return False
+        self._final.final.append(request.request_id)
+        self.counters["final_saves"] += 1
+        return True
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

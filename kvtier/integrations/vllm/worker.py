@@ -77,6 +77,7 @@ class WorkerSide:
         self.secret = cfg.secret or os.urandom(32)
         self._chains: dict[str, BlockKeys] = {}    # req_id -> keys of its full blocks (prompt, then generated)
         self._sessions: dict[str, tuple[str, float]] = {}   # req_id -> (session, ttl) of a pinned request
+        self._sent: set[str] = set()            # finished requests whose last save has read their pages
         self._tainted: dict[str, int] = {}      # req_id -> first block computed over a failed load
         self._errors: set[int] = set()
         self._load: _StepLoad | None = None
@@ -84,7 +85,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self.counters = {"load_blocks": 0, "load_failed_blocks": 0, "save_blocks": 0, "save_new_blocks": 0,
-                         "save_dropped_blocks": 0, "save_skipped_blocks": 0, "save_errors": 0}
+                         "save_dropped_blocks": 0, "save_skipped_blocks": 0, "save_errors": 0, "final_saves": 0}
         self._closed = False
 
     # -- setup ---------------------------------------------------------------------------
@@ -224,7 +225,19 @@ class WorkerSide:
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: settle the step's loads, then save its newly full blocks."""
-        self._finish_load()
+        try:
+            self._finish_load()
+            self._save(plan)
+        finally:     # whatever happened to their saves: vLLM frees their pages once told
+            self._sent.update(plan.final)
+            self.counters["final_saves"] += len(plan.final)
+
+    def sent(self) -> set[str]:
+        """Finished requests whose pages vLLM may free now (their last save read them)."""
+        out, self._sent = self._sent, set()
+        return out
+
+    def _save(self, plan: StepPlan) -> None:
         if not plan.saves or self.pages is None or self.adapter is None:
             return
         paged, bb = self.pages.paged, self.pages.layout.block_bytes
