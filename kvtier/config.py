@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvtier.errors import ConfigError
-from kvtier.policies import DEFAULT_POLICY, make_policy
+from kvtier.policies import DEFAULT_POLICY, make_policy, policy_names
 from kvtier.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class StoreConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:
-            raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} (see `kvtier policies`)")
+            raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} (one of {', '.join(policy_names())}; docs/policies.md)")
         make_policy(self.policy, 1)          # an unknown name fails here, not when a store is built
         from kvtier.keys import HASHES
         if self.hash not in HASHES:

@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.net import Node, NodeLimits
     from kvtier.policies import make_policy
     from kvtier.config import StoreConfig
+    from kvtier.engine.generate_cli import check_capacities
     from kvtier.net.remote import Remote
     from kvtier.units import format_bytes, parse_bytes
 
@@ -234,11 +235,15 @@ def run(args: argparse.Namespace) -> int:
     secret = read_secret(args.secret_file)
     salt = read_salt(args.salt_file)
     serve_tls, fetch_tls = tls_options(args)
-    config = StoreConfig.from_cli(args.config, block_tokens=args.block_tokens, host_capacity=args.capacity,
-                                  disk_path=args.disk, disk_capacity=args.disk_capacity, policy=args.policy)
+    config, sources = StoreConfig.from_command(args.config, {
+        "block_tokens": ("--block-tokens", args.block_tokens), "host_capacity": ("--capacity", args.capacity),
+        "disk_path": ("--disk", args.disk), "disk_capacity": ("--disk-capacity", args.disk_capacity),
+        "policy": ("--policy", args.policy)})
     if config.host_capacity is None:
         raise ConfigError("a node serves from a host tier: give host_capacity (--capacity) a size")
     layout = preset_layout(args.layout, config.block_tokens)
+    # A tier smaller than one block is named as the user gave it (a flag, a key of the file).
+    check_capacities(config, layout.block_bytes, sources, device=False)
     ns = Namespace(args.model or args.layout, args.revision, args.shard, salt=salt)
     make_policy(config.policy, 1)
     if args.directory and args.peers:

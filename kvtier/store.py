@@ -38,7 +38,7 @@ from kvtier.layout import KVLayout
 from kvtier.moves import Mover, group_by_tier
 from kvtier.payload import as_rows
 from kvtier.pool import PagePool
-from kvtier.policies import DEFAULT_POLICY
+from kvtier.policies import DEFAULT_POLICY, policy_names
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.policies.base import BlockInfo
 from kvtier.submit import submit
@@ -165,7 +165,7 @@ class Store:
         if not isinstance(policy, str) and (not isinstance(policy, Sequence)
                                             or not all(isinstance(p, str) for p in policy)):
             raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} or one name per tier, "
-                              f"got {policy!r} (see `kvtier policies`)")
+                              f"got {policy!r} (one of {', '.join(policy_names())}; docs/policies.md)")
         if remote is not None and not isinstance(remote, Remote):
             raise ConfigError(f"remote must be a kvtier.Remote(peers, secret), not {type(remote).__name__}")
         self.remote = remote                # blocks past the local prefix are fetched from peers

@@ -88,6 +88,17 @@ def test_node_bad_options_are_one_line(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_a_tier_too_small_for_a_block_names_the_setting_as_given(tmp_path):
+    """From a --config file it said only "tier 'host': capacity 5 B is smaller than one block",
+    naming neither the setting nor the file (kvtier generate and serve name both)."""
+    cfg = tmp_path / "kv.json"
+    cfg.write_text('{"host_capacity": "5B"}')
+    r = run_kvtier("node", "--listen", "127.0.0.1:0", "--config", str(cfg), env=ENV, timeout=120)
+    assert_one_line_error(r, 2, f"host_capacity 5 B in {cfg} is smaller than one KV block")
+    r = run_kvtier("node", "--listen", "127.0.0.1:0", "--capacity", "5B", env=ENV, timeout=120)
+    assert_one_line_error(r, 2, "--capacity 5 B is smaller than one KV block", "give --capacity at least")
+
+
 def test_a_short_secret_says_how_short(tmp_path):
     short = tmp_path / "short.secret"
     short.write_bytes(b"12345")

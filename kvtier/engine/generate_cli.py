@@ -146,16 +146,19 @@ def cache_config(args: argparse.Namespace, **more: tuple[str, Any]) -> tuple[Sto
     return config, sources
 
 
-def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSources | None = None) -> None:
-    """Each cache tier holds at least one block of this model. `sources` (a SettingSources)
-    names each setting as the user gave it: a flag, a key of their config file, a default."""
+def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSources | None = None,
+                     device: bool = True) -> None:
+    """Each cache tier holds at least one block of this model (the device tier's only with
+    `device`). `sources` (a SettingSources) names each setting as the user gave it: a flag, a
+    key of their config file, a default."""
     from kvtier.config import SettingSources
     from kvtier.errors import ConfigError
     from kvtier.tiers.disk import ALIGN, disk_slot_bytes
     from kvtier.units import format_bytes, parse_bytes
 
     sources = sources or SettingSources(CACHE_FLAGS, frozenset(CACHE_FLAGS))
-    for name, value in (("device_capacity", cache.device_capacity), ("host_capacity", cache.host_capacity),
+    for name, value in (("device_capacity", cache.device_capacity if device else None),
+                        ("host_capacity", cache.host_capacity),
                         ("disk_capacity", cache.disk_capacity if cache.disk_path else None)):
         need = disk_slot_bytes(block_bytes) if name == "disk_capacity" else block_bytes
         what = "KV block" if need == block_bytes else f"disk slot ({block_bytes}-byte blocks rounded up to {ALIGN})"
