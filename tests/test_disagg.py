@@ -501,6 +501,16 @@ def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_and_is_never_ret
         dying.stop()
 
 
+def _answers_as_one_server(r: Router, ref, prompt: str, stream: bool) -> None:
+    """The router answers `prompt` (streamed or not) with what one server gives, once."""
+    want = _complete(ref.client(), prompt).choices[0].text
+    if stream:
+        text, lines, _ = _sse(r.url, _body(prompt))
+        assert text == want and lines.count("[DONE]") == 1
+    else:
+        assert _complete(r.client(), prompt).choices[0].text == want
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_decode_worker_gone_or_full_before_its_first_token_is_replaced_by_the_next(pd, stream):
     """A decode worker killed while it computes the prompt (the stream started, no token yet;
@@ -512,12 +522,7 @@ def test_a_decode_worker_gone_or_full_before_its_first_token_is_replaced_by_the_
     try:
         r.wait_ready()
         prompt = f"[{stream}: Turn 10 (gone before its first token)] " + PROMPT
-        want = _complete(ref.client(), prompt).choices[0].text
-        if stream:
-            text, lines, _ = _sse(r.url, _body(prompt))
-            assert text == want and lines.count("[DONE]") == 1
-        else:
-            assert _complete(r.client(), prompt).choices[0].text == want
+        _answers_as_one_server(r, ref, prompt, stream)
         h = r.health().json()
         assert [f.posts for f in fakes] == [1, 1, 1]
         assert h["stats"]["decode_retries"] == 3 and h["stats"]["cut"] == 0 and h["stats"]["unserved"] == 0
@@ -673,12 +678,7 @@ def test_a_decode_worker_that_hangs_before_answering_is_replaced_once_it_stops_a
     try:
         r.wait_ready()
         prompt = ("[Streamed, hung decode] " if stream else "[Whole, hung decode] ") + PROMPT   # no block in common
-        want = _complete(ref.client(), prompt).choices[0].text
-        if stream:
-            text, lines, _ = _sse(r.url, _body(prompt))
-            assert text == want and lines.count("[DONE]") == 1
-        else:
-            assert _complete(r.client(), prompt).choices[0].text == want
+        _answers_as_one_server(r, ref, prompt, stream)
         assert dec.posts == ["/v1/completions"]
         _until(lambda: dec.closed == ["/v1/completions"], f"the hung call was not closed: {dec.closed}")
         h = r.health().json()["stats"]

@@ -365,15 +365,17 @@ def test_slow_and_oversized_unauthenticated_clients_cannot_make_a_node_hold_memo
 
 # -- the log --------------------------------------------------------------------------------
 def hammer(node: kvtier.Node, n: int, data: bytes) -> None:
-    """n strangers, one after another: connect, send `data`, close; until the node has refused all."""
+    """n strangers, one after another: connect, send `data`, close; until the node has dealt
+    with all: refused each, or (a loaded machine: accepted faster than read) closed the
+    longest-waiting to admit a newer one (gate.evicted; some of those it had refused first)."""
     host, port = node.address.rsplit(":", 1)
     for _ in range(n):
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(data)
-    deadline = time.monotonic() + 10
-    while node.refused < n and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while node.refused + node.gate.evicted < n and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert node.refused == n
+    assert node.refused + node.gate.evicted >= n
 
 
 def test_strangers_in_a_loop_cannot_flood_the_log(caplog):
