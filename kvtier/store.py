@@ -40,7 +40,6 @@ from kvtier.payload import as_rows
 from kvtier.pool import PagePool
 from kvtier.policies import DEFAULT_POLICY, policy_names
 from kvtier.stats import StoreCounters, StoreStats, TierStats
-from kvtier.policies.base import BlockInfo
 from kvtier.submit import submit
 from kvtier.tiers.base import PendingWrite, Tier
 from kvtier.net.remote import Remote
@@ -200,12 +199,10 @@ class Store:
                 bound.append(t)
             self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
                                     layout.block_tokens, pin_budget, clock)
-            bt = layout.block_tokens
             self.recovered = 0   # blocks found in persistent tiers when the store opened
             for i, t in enumerate(self.tiers):
                 if t.persistent:
-                    items = [(k, slot, BlockInfo(k, None, 0, bt, bt, 0)) for k, slot in t.recover()]
-                    self.recovered += self.index.adopt(i, items)
+                    self.recovered += self.index.adopt(i, t.recover())
         except BaseException:
             for t in bound:       # nothing stays locked or mapped by a store that never opened
                 t.close()
