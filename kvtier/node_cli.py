@@ -197,17 +197,6 @@ def tls_options(args: argparse.Namespace) -> tuple[object, object]:
     return serve, fetch
 
 
-def check_published_address(args: argparse.Namespace) -> None:
-    """With --directory the node publishes its address: one other machines can dial, so
-    --listen on every interface (0.0.0.0, [::]) needs --advertise."""
-    from kvtier.net.address import is_unspecified, parse_address
-
-    if args.directory and not args.advertise and is_unspecified(parse_address(args.listen)[0]):
-        raise ConfigError(f"--listen {args.listen} listens on every interface, and --directory would publish "
-                          "that address, which no other machine can dial: give --advertise HOST:PORT, the "
-                          "address peers should use (e.g. this machine's IP and the port)")
-
-
 def disk_size(store: Store) -> str:
     """The disk tier's size as the banner shows it ("" without one)."""
     from kvtier.units import format_bytes
@@ -225,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.keys import Namespace
     from kvtier.layout import preset_layout
     from kvtier.net import Node, NodeLimits
-    from kvtier.policies import make_policy
+    from kvtier.net.address import parse_address
+    from kvtier.net.node import check_advertised
     from kvtier.config import StoreConfig
     from kvtier.engine.generate_cli import check_capacities
     from kvtier.net.remote import Remote
@@ -245,14 +235,13 @@ def run(args: argparse.Namespace) -> int:
     # A tier smaller than one block is named as the user gave it (a flag, a key of the file).
     check_capacities(config, layout.block_bytes, sources, device=False)
     ns = Namespace(args.model or args.layout, args.revision, args.shard, salt=salt)
-    make_policy(config.policy, 1)
     if args.directory and args.peers:
         raise ConfigError("give --peers or --directory, not both")
     if args.advertise and not args.directory:
         raise ConfigError("--advertise is for --directory (peers listed with --peers are reached as listed)")
     if args.lease is not None and not args.directory:
         raise ConfigError("--lease is for --directory (how long this node's entry there lives without renewal)")
-    check_published_address(args)
+    check_advertised(parse_address(args.listen)[0], bool(args.directory), args.advertise)
     args.lease = 10.0 if args.lease is None else args.lease
 
     directory = remote = None

@@ -160,6 +160,17 @@ def start_node(*args: str) -> tuple[subprocess.Popen, Lines, Lines]:
     return p, Lines(p.stdout), Lines(p.stderr)
 
 
+def serve_then_stop(sig: int, *args: str) -> tuple[Lines, Lines]:
+    """A node started with `args`, stopped by `sig` once it serves (it must exit 0): its output."""
+    p, out, err = start_node(*args)
+    try:
+        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+    finally:
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == 0
+    return out, err
+
+
 def test_a_peer_down_at_start_is_reported_once_and_when_it_comes_up():
     port = free_port()
     peer = f"127.0.0.1:{port}"
@@ -195,12 +206,7 @@ def test_a_peer_with_another_secret_is_reported_as_refusing():
 
 
 def test_ctrl_c_stops_a_node_cleanly(tmp_path):
-    p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB")
-    try:
-        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
-    finally:
-        p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) == 0
+    out, err = serve_then_stop(signal.SIGINT, "--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB")
     assert f"host 64.00 MiB, disk {tmp_path / 'kv'} 64.00 MiB" in out.lines[0], out.lines
     assert out.wait_for("stopped; served 0 requests"), out.lines
     assert "kvtier node: stopping (writing host blocks down to disk)" in "".join(out.lines), out.lines
@@ -235,12 +241,7 @@ def test_a_node_with_its_disk_in_a_config_file_shows_it_and_writes_it_down(tmp_p
     """With disk_path in --config rather than --disk, the banner showed no size and the stop
     line did not say it writes host blocks down to disk."""
     (tmp_path / "node.toml").write_text(f'disk_path = "{tmp_path / "kv"}"\ndisk_capacity = "32MiB"\n')
-    p, out, err = start_node("--config", str(tmp_path / "node.toml"))
-    try:
-        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=30) == 0
+    out, err = serve_then_stop(signal.SIGTERM, "--config", str(tmp_path / "node.toml"))
     assert f"disk {tmp_path / 'kv'} 32.00 MiB" in out.lines[0], out.lines
     assert out.wait_for("stopped;"), out.lines
     assert "kvtier node: stopping (writing host blocks down to disk)" in "".join(out.lines), out.lines

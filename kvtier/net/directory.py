@@ -119,6 +119,17 @@ local function holders(v)
   end
   return t
 end
+local pruned = {}
+local function living(v)          -- v's live holders (a list, a set, and t[0] joined by ',')
+  local t = pruned[v]
+  if t == nil then
+    t = {}
+    for _, h in ipairs(holders(v)) do if live(h) then t[#t + 1] = h; t[h] = true end end
+    t[0] = table.concat(t, ',')
+    pruned[v] = t
+  end
+  return t
+end
 local rewritten = {}
 local function rewrite(v, fn)
   local out = rewritten[v]
@@ -136,17 +147,6 @@ end
 # holds the longest run from there (so a prefix is fetched in as few runs as its holders
 # allow; each switch scans at most the run it picks, per candidate: linear in the keys).
 _LOOKUP = _HELPERS + """
-local pruned = {}
-local function living(v)
-  local t = pruned[v]
-  if t == nil then
-    t = {}
-    for _, h in ipairs(holders(v)) do if live(h) then t[#t + 1] = h; t[h] = true end end
-    t[0] = table.concat(t, ',')
-    pruned[v] = t
-  end
-  return t
-end
 local lists, gap = {}, false
 for s = 1, #ARGV, 1000 do
   local e = math.min(s + 999, #ARGV)
@@ -214,15 +214,10 @@ return #set / 2
 # dead holders leave the entries read (a lookup prunes only the entries it reads, up to its
 # first gap: a crashed node's blocks that nobody asks for again stayed for good).
 _SWEEP = _HELPERS + """
-local function alive_only(t)
-  local hs = {}
-  for _, h in ipairs(t) do if live(h) then hs[#hs + 1] = h end end
-  return table.concat(hs, ',')
-end
 local r = redis.call('HSCAN', KEYS[1], redis.call('GET', KEYS[3]) or '0', 'COUNT', ARGV[1])
 local kv, changed = r[2], 0
 for i = 1, #kv, 2 do
-  local new = rewrite(kv[i + 1], alive_only)
+  local new = living(kv[i + 1])[0]
   if new == '' then redis.call('HDEL', KEYS[1], kv[i]); changed = changed + 1
   elseif new ~= kv[i + 1] then redis.call('HSET', KEYS[1], kv[i], new); changed = changed + 1 end
 end
@@ -374,18 +369,17 @@ class RedisDirectory(Directory):
 
     def publish(self, node: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
         """Add `node` to the holders of `added`, remove it from those of `removed`."""
-        if not added and not removed:
-            return
-        who = self.holder(node)
+        if added or removed:
+            self._call(lambda: self._send(self.holder(node), added, removed))
 
-        def send() -> None:
-            pipe = self.r.pipeline(transaction=False)     # one round trip for the whole batch
-            for part in _chunks(added):
-                self._add(keys=[self.hash, self.lease], args=[who, MAX_HOLDERS, *part], client=pipe)
-            for part in _chunks(removed):
-                self._forget(keys=[self.hash], args=[who, *part], client=pipe)
-            pipe.execute()
-        self._call(send)
+    def _send(self, who: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
+        """Holder `who` added to the entries of `added`, taken off those of `removed`: one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for part in _chunks(added):
+            self._add(keys=[self.hash, self.lease], args=[who, MAX_HOLDERS, *part], client=pipe)
+        for part in _chunks(removed):
+            self._forget(keys=[self.hash], args=[who, *part], client=pipe)
+        pipe.execute()
 
     def heartbeat(self, node: str) -> bool:
         who = self.holder(node)
@@ -412,15 +406,9 @@ class RedisDirectory(Directory):
             self._call(lambda: self.r.delete(self.lease + who))
             step = CHUNK * LEAVE_CHUNKS
             for i in range(0, len(held), step):
-                self._call(lambda: self._forget_all(who, held[i:i + step]))
+                self._call(lambda: self._send(who, (), held[i:i + step]))
         except DirectoryError:
             pass   # Redis is down: the lease runs out by itself, and lookups prune what they read
-
-    def _forget_all(self, node: str, keys: Sequence[Key]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for part in _chunks(keys):
-            self._forget(keys=[self.hash], args=[node, *part], client=pipe)
-        pipe.execute()
 
     def close(self) -> None:
         self.r.close()

@@ -73,7 +73,7 @@ class Node:
         self.advertise = advertise      # the address peers should use (default: where it listens)
         self.publisher: Publisher | None = None
         self._host, self._port = parse_address(listen)
-        check_advertised(self._host, directory, advertise)
+        check_advertised(self._host, directory is not None and directory.publishes, advertise)
         self.address = ""
         self.refused = 0          # frames refused (bad MAC, stale, replayed, malformed, other namespace)
         self.refused_frames = 0   # of them, frames (logged sparsely: a stranger's loop must not flood the log)
@@ -404,17 +404,18 @@ def _so_far(n: int, what: str) -> str:
     return "" if n == 1 else f" ({n} {what} so far; only the 1st, 10th, 100th, ... are logged)"
 
 
-def check_advertised(host: str, directory: Directory | None, advertise: str | None) -> None:
-    """A node that publishes to a directory must publish an address other machines can dial:
-    ConfigError when it listens on every interface (0.0.0.0, ::) with no `advertise`, and
-    for an advertised address that is malformed or names port 0."""
+def check_advertised(host: str, publishes: bool, advertise: str | None) -> None:
+    """A node that publishes its address (to a directory) must publish one other machines can
+    dial: ConfigError when it listens on `host` = every interface (0.0.0.0, ::) with no
+    `advertise`, and for an advertised address that is malformed or names port 0. The CLIs
+    call it too, before a model loads."""
     if advertise is not None:
         parse_address(advertise, any_port=False)
-    elif directory is not None and directory.publishes and is_unspecified(host):
+    elif publishes and is_unspecified(host):
         shown = f"[{host}]" if ":" in host else host
         raise ConfigError(f"a node listening on {shown} (every interface) would publish {shown} to the directory, "
-                          "which no other machine can reach: give the address peers should use, "
-                          "advertise='HOST:PORT' (--advertise HOST:PORT on the command line)")
+                          "which no other machine can reach: give --advertise HOST:PORT (advertise='HOST:PORT' "
+                          "in Python), the address peers should use")
 
 
 def _short(e: BaseException) -> str:

@@ -39,7 +39,7 @@ from kvtier.router.blocks import MAX_ROUNDS, BlockMap
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import POLL_TIMEOUT_S, Pools, Worker, unless_lost
+from kvtier.router.workers import POLL_TIMEOUT_S, LostGuard, Pools, Worker, unless_lost
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
 from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, ClientGone, EchoAffinity, EventStream, read_body,
@@ -537,12 +537,13 @@ async def _relay(resp: httpx.Response, chunks: AsyncIterator[bytes], head: bytes
     """The decode worker's SSE bytes: `head` (read before the answer started), then the rest of
     `chunks` as they come; an error chunk and [DONE] if it dies mid-stream (the worker leaves
     the rotation until a poll finds it ready: `failures`, and the router's `cut`)."""
+    guard = LostGuard(load.w)
     try:
         if head:
             yield head
         while True:
             try:
-                chunk = await unless_lost(load.w, chunks.__anext__())
+                chunk = await guard.call(chunks.__anext__())
             except StopAsyncIteration:
                 break
             yield chunk
@@ -553,6 +554,7 @@ async def _relay(resp: httpx.Response, chunks: AsyncIterator[bytes], head: bytes
                                  code="bad_gateway").body())
         yield b"data: [DONE]\n\n"
     finally:
+        guard.close()
         await _close(resp, chunks)
 
 

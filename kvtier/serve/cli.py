@@ -171,12 +171,9 @@ def _cluster(args: argparse.Namespace) -> dict[str, Any] | None:
         listen = args.kv_listen or node_listen_default(args.host, args.port)
     else:
         secret, listen = read_secret(args.secret_file), args.kv_listen or "127.0.0.1:0"
-    if args.directory and not args.advertise:      # checked before the model loads, as the node would
-        from kvtier.net.address import is_unspecified, parse_address
-        host = parse_address(listen)[0]
-        if is_unspecified(host):
-            raise ConfigError(f"the node would listen on {listen} (every interface) and publish that to --directory, "
-                              "which no other machine can reach: give --advertise HOST:PORT (the address peers use)")
+    from kvtier.net.address import parse_address
+    from kvtier.net.node import check_advertised
+    check_advertised(parse_address(listen)[0], bool(args.directory), args.advertise)   # before the model loads
     return {"secret": secret, "peers": args.peers, "directory": args.directory,
             "listen": listen, "advertise": args.advertise, "role": args.role}
 

@@ -142,7 +142,7 @@ class WorkerSide:
         assert self.store is not None and self.adapter is not None
         bt, seed, h = self.store.layout.block_tokens, self.store.keyer.seed, self.cfg.store.hash
         for r in plan.new:
-            keys = self._chains[r.req_id] = request_keys(r.token_ids, bt, seed, h, r.tag)
+            self._chains[r.req_id] = request_keys(r.token_ids, bt, seed, h, r.tag)
             if r.session:
                 self._sessions[r.req_id] = (r.session, r.ttl)
                 self._pin(r.req_id)
