@@ -8,6 +8,9 @@ block the engine caches (PagePool.cache) is copied down soon after, on a thread 
 own, while the engine computes; its eviction is then a drop. (SGLang's HiCache calls this
 its write-through policy.) The price: the tier below holds copies of blocks the pages
 hold too, and the copies run beside the engine instead of when an eviction needs them.
+That price is why `backup="auto"` (the default) backs up only where the tier below holds
+at least AUTO_MIN_RATIO times the top tier's blocks: with a host tier the size of the
+pages, the copies filled it and the store kept half as many distinct blocks.
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 from time import monotonic
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvtier.ids import BlockKey, TierId
-from kvtier.moves import Mover
+
+if TYPE_CHECKING:       # kvtier.config imports this module's setting checks; moves imports tiers
+    from kvtier.moves import Mover
 
 log = logging.getLogger("kvtier.backup")
 
@@ -27,6 +32,24 @@ BATCH_BLOCKS = 1024     # blocks copied per pass: a pass holds them (not evictab
 IDLE_EXIT_S = 1.0       # the thread ends after this long with nothing to copy (a store dropped
                         # without close() is then not kept alive by it); submit() starts another
 WARN_EVERY_S = 60.0     # failed passes are logged at most this often (a full disk fails every pass)
+# backup="auto" backs up only where the tier below has this many times the top tier's slots.
+# The copies hold one slot below for each block the pages hold, so the distinct blocks kept
+# in all are `below` instead of `below + top`: at 2x (SGLang HiCache's default host/GPU
+# ratio) a third fewer; at 1.33x (`kvtier bench serve`'s 6 + 8 MiB) 43% fewer, and its hit
+# ratio fell from 0.56 to 0.36 (docs/serve.md).
+AUTO_MIN_RATIO = 2.0
+
+
+def valid_backup(setting: object) -> bool:
+    """Whether `setting` is one of True, False, "auto" (1 is not True here)."""
+    return isinstance(setting, bool) or setting == "auto"
+
+
+def backup_wanted(setting: bool | str, slots: Sequence[int]) -> bool:
+    """Whether a store whose tiers have `slots` (fastest first) backs its top tier up."""
+    if len(slots) < 2 or setting is False:
+        return False
+    return setting is True or slots[1] >= AUTO_MIN_RATIO * slots[0]
 
 
 class Backup:

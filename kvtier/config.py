@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvtier.backup import AUTO_MIN_RATIO, valid_backup
 from kvtier.errors import ConfigError
 from kvtier.policies import DEFAULT_POLICY, make_policy, policy_names
 from kvtier.units import parse_bytes
@@ -56,7 +57,8 @@ class StoreConfig:
     pin_ttl: float = 600.0                   # seconds a session's prefix stays pinned after its last turn
     write_through: bool = False              # write each new block to disk at once (else on eviction/flush)
     promote: bool = True                     # copy blocks read from lower tiers up into the top tier
-    backup: bool = True                      # copy blocks an engine caches in its pages one tier down, in the background
+    backup: bool | str = "auto"              # copy blocks an engine caches in its pages one tier down, in the background;
+                                             # "auto": where that tier holds 2x the pages' blocks (kvtier.backup)
     io_threads: int = 1                      # store threads for non-blocking get/put
 
     def __new__(cls, *args: Any, **settings: Any) -> StoreConfig:
@@ -89,9 +91,12 @@ class StoreConfig:
             raise ConfigError(f"disk_path must be a directory path (a string), got {self.disk_path!r}")
         if self.disk_direct is not None and not isinstance(self.disk_direct, bool):   # 1 == True: not a boolean
             raise ConfigError(f"disk_direct must be true, false or null (O_DIRECT where allowed), got {self.disk_direct!r}")
-        for name in ("write_through", "promote", "backup"):
+        for name in ("write_through", "promote"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not valid_backup(self.backup):
+            raise ConfigError(f"backup must be true, false or \"auto\" (where the tier below holds "
+                              f"{AUTO_MIN_RATIO:g}x the top tier's blocks), got {self.backup!r}")
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"policy must be a policy name like {DEFAULT_POLICY!r} (one of {', '.join(policy_names())}; docs/policies.md)")
         make_policy(self.policy, 1)          # an unknown name fails here, not when a store is built

@@ -62,6 +62,9 @@ class StoreStats:
     pinned_sessions: int
     recovered_blocks: int = 0    # blocks found in persistent tiers when the store opened
     remote: dict[str, Any] | None = None   # the remote tier's peers, timeout and errors
+    backup: dict[str, Any] | None = None   # background copies one tier down: into which tier, blocks
+                                           # copied and failed; None where off (backup=False, or "auto"
+                                           # with a tier below smaller than 2x the top one)
 
     @property
     def hit_ratio(self) -> float:

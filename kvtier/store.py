@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from kvtier.backup import Backup
+from kvtier.backup import AUTO_MIN_RATIO, Backup, backup_wanted, valid_backup
 from kvtier.checksum import block_checksum
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.handles import Transfer
@@ -140,7 +140,7 @@ class Store:
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], namespace: Namespace, *,
                  remote: Remote | None = None,
                  policy: str | Sequence[str] = DEFAULT_POLICY, hash: str = "xxh3", pin_budget: float = 0.5,
-                 write_through: bool = False, promote: bool = True, backup: bool = True,
+                 write_through: bool = False, promote: bool = True, backup: bool | str = "auto",
                  io_threads: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvtier.KVLayout (KVLayout.mha/.mla), not {type(layout).__name__}")
@@ -175,9 +175,12 @@ class Store:
             raise ConfigError(f"unknown hash {hash!r}; choose one of {', '.join(HASHES)}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
-        for name, v in (("write_through", write_through), ("promote", promote), ("backup", backup)):
+        for name, v in (("write_through", write_through), ("promote", promote)):
             if not isinstance(v, bool):
                 raise ConfigError(f"{name} must be True or False, got {v!r}")
+        if not valid_backup(backup):
+            raise ConfigError(f"backup must be True, False or 'auto' (where the tier below holds "
+                              f"{AUTO_MIN_RATIO:g}x the top tier's blocks), got {backup!r}")
         self.layout = layout
         self.namespace = namespace
         self.tiers = tiers                  # local tiers; self.remote is consulted after them
@@ -222,7 +225,7 @@ class Store:
         # Blocks an engine caches in its pages (PagePool.cache) are copied one tier down in
         # the background, so their eviction at a later admission moves no bytes (kvtier.backup).
         self.backup = (Backup(self._mover, 1, self.tiers[0].capacity_blocks)
-                       if backup and len(self.tiers) > 1 else None)
+                       if backup_wanted(backup, [t.capacity_blocks for t in self.tiers]) else None)
         self._exit_token = close_at_exit(self)   # write-back blocks reach disk at exit without close()
 
     # -- tokens -> keys -> lookup ----------------------------------------------------
@@ -706,8 +709,11 @@ class Store:
                 c = s.counters
                 tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
                                        c.evicted, c.demoted_in, c.dropped, c.rejected, pinned, t.info()))
+            b = self.backup
             return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.pins.sessions()),
-                              self.recovered, self.remote.info() if self.remote else None)
+                              self.recovered, self.remote.info() if self.remote else None,
+                              None if b is None else {"tier": self.tiers[b.tier].name, "copied": b.copied,
+                                                      "failed": b.failed})
 
     def close(self) -> None:
         """Finish pending transfers, flush persistent tiers, and release every tier.

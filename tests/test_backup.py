@@ -238,19 +238,40 @@ def test_a_backup_to_disk_writes_the_blocks_before_their_eviction(tmp_path):
 
 
 def test_backup_is_a_store_config_setting(tmp_path):
-    assert kvtier.StoreConfig().backup is True
-    with pytest.raises(kvtier.ConfigError, match="backup must be true or false"):
+    assert kvtier.StoreConfig().backup == "auto"
+    with pytest.raises(kvtier.ConfigError, match='backup must be true, false or "auto"'):
         kvtier.StoreConfig(backup="yes")
-    with pytest.raises(kvtier.ConfigError, match="backup must be True or False"):
+    with pytest.raises(kvtier.ConfigError, match="backup must be True, False or 'auto'"):
         kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS, backup=1)
     store = kvtier.StoreConfig(backup=False, host_capacity="1MiB").build(LAYOUT, NS, device="cpu")
-    assert store.backup is None
-    store.close()
-    store = kvtier.StoreConfig(host_capacity="1MiB").build(LAYOUT, NS, device="cpu")
-    assert store.backup is not None and store.backup.tier == 1
+    assert store.backup is None and store.stats().backup is None
     store.close()
     store = kvtier.StoreConfig(host_capacity="1MiB").build(LAYOUT, NS)   # one tier: nothing below to copy to
     assert store.backup is None
+    store.close()
+
+
+@pytest.mark.parametrize("host_blocks, setting, on", [
+    (8, "auto", True), (12, "auto", True), (7, "auto", False), (4, "auto", False),
+    (4, True, True), (16, False, False)])
+def test_auto_backs_up_only_into_a_tier_twice_the_pages(host_blocks, setting, on):
+    """Backup copies hold one slot below per block the pages hold: "auto" makes them only
+    where the tier below has at least twice the pages' slots (a host tier the size of the
+    pages kept far fewer distinct blocks with them: docs/serve.md)."""
+    per_block = LAYOUT.block_bytes
+    cfg = kvtier.StoreConfig(device_capacity=4 * per_block, host_capacity=host_blocks * per_block, backup=setting)
+    store = cfg.build(LAYOUT, NS, device="cpu")
+    assert (store.backup is not None) is on
+    a = KVAdapter(store)
+    _keys, pages, _ = compute(a, 0, 4, 1.0)
+    a.free(pages)
+    if on:
+        assert store.backup.drain(timeout=10)
+        assert store.stats().backup == {"tier": "host", "copied": 4, "failed": 0}
+        assert store.index.tiers[1].used == 4          # the pages' blocks have copies below
+    else:
+        assert store.stats().backup is None and store.index.tiers[1].used == 0
+    a.close()
     store.close()
 
 
