@@ -27,6 +27,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -39,11 +40,11 @@ from kvtier.router.blocks import MAX_ROUNDS, BlockMap
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import POLL_TIMEOUT_S, LostGuard, Pools, Worker, unless_lost
+from kvtier.router.workers import POLL_TIMEOUT_S, LostGuard, Pools, Worker, read_small, unless_lost
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, EXCEPTION_HANDLERS, ClientGone, EchoAffinity, EventStream, read_body,
-                              read_json, sse_event, unless_gone)
+from kvtier.serve.sse import (JSON, EXCEPTION_HANDLERS, AFFINITY, ClientGone, EchoAffinity, EventStream, read_body,
+                              read_json, session_of, sse_event, unless_gone)
 
 log = logging.getLogger("kvtier.router")
 FORWARD = ("content-type", "authorization", AFFINITY)
@@ -51,6 +52,11 @@ MAX_SESSIONS = 100_000
 CALIBRATION_TEXT = ("You are a coding agent. Read the repository, call the tools you need, and answer the "
                     "user's question with a short plan, the files to change and the tests to run. ") * 4
 KEYS_TIMEOUT_S = 1.0                          # a prompt's keys from a worker, else the text index decides
+# Bounds on what the router reads of its workers' answers to its own calls (read_small):
+EVENTS_MAX_BYTES = 4 << 20    # a /kvtier/events answer: at most 4,096 events of ~40 bytes
+KEYS_MAX_BYTES = 16 << 20     # a prompt's keys (/kvtier/keys, a prefill's hand-over): ~35 bytes a block;
+                              # 4 MiB of prompt text is at most ~64k blocks of 16 tokens
+SMALL_MAX_BYTES = 64 << 10    # /tokenize of the calibration text
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}   # completions (OpenAI's default), chat (a guess for load only)
 
 
@@ -89,6 +95,9 @@ class Router:
     tokens_per_byte: float = 0.3       # from a worker's tokenizer, then learned from prompt_tokens
     calibrated: bool = False
     client: httpx.AsyncClient | None = None
+    # Polls, KV events and calibration on a client of their own: on the requests' client a
+    # full pool (every connection streaming) failed polls, and two made a worker "lost".
+    poll_client: httpx.AsyncClient | None = None
     _sessions: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
     _poller: asyncio.Task | None = None
     _turn: int = 0                     # round-robin over the workers asked for a prompt's keys
@@ -100,28 +109,34 @@ class Router:
     async def start(self, max_connections: int = 256) -> None:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
+        self.poll_client = httpx.AsyncClient(limits=httpx.Limits(max_connections=2 * len(self.pools.all) + 2),
+                                             timeout=httpx.Timeout(POLL_TIMEOUT_S))
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     async def _poll_forever(self) -> None:
         while True:
-            assert self.client is not None
-            await self.pools.poll_once(self.client)
-            if self.cfg.prefixes == "events":
-                await asyncio.gather(*(self._read_events(w) for w in self.pools.all if w.ready and w.kv_events))
-            if not self.calibrated:
-                await self._calibrate()
+            assert self.poll_client is not None
+            try:
+                await self.pools.poll_once(self.poll_client)
+                if self.cfg.prefixes == "events":
+                    await asyncio.gather(*(self._read_events(w) for w in self.pools.all if w.ready and w.kv_events))
+                if not self.calibrated:
+                    await self._calibrate()
+            except Exception:    # a bug: logged, and the loop goes on (ended, no worker was polled again)
+                log.exception("polling the workers failed; trying again in %g s", self.cfg.poll_interval)
             await asyncio.sleep(self.cfg.poll_interval)
 
     async def _read_events(self, w: Worker) -> None:
         """Bring the router's view of `w`'s blocks up to date from its KV events (bounded)."""
-        assert self.client is not None
+        assert self.poll_client is not None
         for _ in range(MAX_ROUNDS):
             try:
-                r = await self.client.get(w.url + "/kvtier/events", params=self.blocks.query(w.url),
-                                          timeout=POLL_TIMEOUT_S)
-                if r.status_code != 200 or not self.blocks.apply(w.url, r.json()):
+                code, body = await read_small(self.poll_client, "GET", w.url + "/kvtier/events",
+                                              params=self.blocks.query(w.url), limit=EVENTS_MAX_BYTES,
+                                              within=POLL_TIMEOUT_S)
+                if code != 200 or not self.blocks.apply(w.url, orjson.loads(body)):
                     return
-            except (httpx.HTTPError, ValueError, TypeError, IndexError) as e:
+            except (httpx.HTTPError, ValueError) as e:
                 log.debug("KV events of %s: %s", w.url, e)
                 return
 
@@ -135,11 +150,11 @@ class Router:
         self._turn += 1
         w = ask[self._turn % len(ask)]
         try:
-            r = await self.client.post(w.url + "/kvtier/keys", content=orjson.dumps(
-                {"api": "chat" if chat else "completions", "request": body}), timeout=KEYS_TIMEOUT_S,
-                headers={"content-type": "application/json"})
-            if r.status_code == 200:
-                data = r.json()
+            code, answer = await read_small(self.client, "POST", w.url + "/kvtier/keys", content=orjson.dumps(
+                {"api": "chat" if chat else "completions", "request": body}), limit=KEYS_MAX_BYTES,
+                within=KEYS_TIMEOUT_S, headers={"content-type": "application/json"})
+            if code == 200:
+                data = orjson.loads(answer)
                 prompt.keys = [bytes.fromhex(k) for k in data["keys"]]
                 prompt.tokens = int(data["prompt_tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
@@ -147,22 +162,27 @@ class Router:
 
     async def _calibrate(self) -> None:
         """Tokens per byte of text, from a ready worker's tokenizer (once; then learned)."""
-        assert self.client is not None
+        assert self.poll_client is not None
         for w in [w for w in self.pools.all if w.ready]:
             try:
-                r = await self.client.post(w.url + "/tokenize", json={"prompt": CALIBRATION_TEXT,
-                                                                      "add_special_tokens": False})
-                self.tokens_per_byte = r.json()["count"] / len(CALIBRATION_TEXT.encode())
+                _code, body = await read_small(self.poll_client, "POST", w.url + "/tokenize", limit=SMALL_MAX_BYTES,
+                                               within=POLL_TIMEOUT_S, json={"prompt": CALIBRATION_TEXT,
+                                                                            "add_special_tokens": False})
+                count = orjson.loads(body)["count"]
+                if not isinstance(count, int) or count < 1:
+                    raise ValueError(f"a token count of {count!r}")
+                self.tokens_per_byte = count / len(CALIBRATION_TEXT.encode())
                 self.calibrated = True
                 return
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 continue
 
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+        for client in (self.client, self.poll_client):
+            if client is not None:
+                await client.aclose()
 
     # -- choosing ----------------------------------------------------------------------------
     @property
@@ -227,6 +247,7 @@ class Router:
             raise ApiError(400, "the request body must be a JSON object", code="invalid_value")
         for name in INTERNAL_FIELDS:       # set by the router (and workers) only, never by a client
             body.pop(name, None)
+        session_of(request)                # a 400 as the workers answer it: the router keeps one entry per id
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD}
         headers["content-type"] = "application/json"
         # From here the answer is being made: a client that disconnects cancels it, and with it
@@ -291,19 +312,21 @@ class Router:
             w.prefill_tokens += uncached
             w.sent += 1
             try:
-                r = await unless_lost(w, self.client.post(w.url + "/kvtier/prefill", content=payload, headers=headers))
-            except httpx.HTTPError as e:
+                code, content = await unless_lost(w, read_small(
+                    self.client, "POST", w.url + "/kvtier/prefill", content=payload, headers=headers,
+                    limit=KEYS_MAX_BYTES, within=None))
+            except (httpx.HTTPError, ValueError) as e:      # ValueError: an answer past the bound
                 w.failed(f"prefill failed: {type(e).__name__}: {e}")
                 self.stats.prefill_retries += 1
                 log.warning("prefill worker %s failed (%s); trying another", w.url, type(e).__name__)
                 continue
             finally:
                 w.prefill_tokens -= uncached
-            if r.status_code >= 500 or r.status_code == 404:
-                w.failed(f"prefill answered {r.status_code}")
+            if code >= 500 or code == 404:
+                w.failed(f"prefill answered {code}")
                 self.stats.prefill_retries += 1
                 continue
-            if r.status_code == 400 and "push_to" in outer and _refused(r.content, "push_to"):
+            if code == 400 and "push_to" in outer and _refused(content, "push_to"):
                 # its secret is not the decode worker's (a worker that does not tell its id): pull
                 log.warning("prefill worker %s refuses the push target of %s (their secrets differ); pulling "
                             "instead", w.url, push_to["node"] if push_to else None)
@@ -311,10 +334,10 @@ class Router:
                 payload = orjson.dumps(outer)
                 tried.discard(w.url)
                 continue
-            if r.status_code != 200:
-                return None, Response(r.content, r.status_code, media_type="application/json"), None, False
+            if code != 200:
+                return None, Response(content, code, media_type="application/json"), None, False
             try:
-                data = r.json()
+                data = orjson.loads(content)
                 hand = {"node": data["node"], "keys": list(data["keys"]), "signature": data.get("signature")}
                 if not isinstance(hand["node"], str):
                     raise TypeError("node")
@@ -447,9 +470,12 @@ class Router:
         """GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize: any ready decode worker answers."""
         assert self.client is not None
         raw = await read_body(request, self.cfg.max_body_bytes, "router") if request.method == "POST" else None
+        path = request.url.path
+        if "model" in request.path_params:   # one path segment: a decoded "../" in it reached any worker route
+            path = "/v1/models/" + quote(request.path_params["model"], safe="")
         for w in [w for w in self.pools.decode if w.ready]:
             try:
-                r = await self.client.request(request.method, w.url + request.url.path, content=raw,
+                r = await self.client.request(request.method, w.url + path, content=raw,
                                               headers={"content-type": "application/json"})
             except httpx.HTTPError as e:
                 w.failed(f"{type(e).__name__}: {e}")
@@ -502,13 +528,16 @@ BUSY = ("kv_cache_full", "shutting_down", "service_unavailable")
 
 async def _head(chunks: AsyncIterator[bytes], events: int) -> bytes:
     """The first `events` SSE events of a stream (fewer if it ends first), as raw bytes."""
-    head = b""
-    while head.count(b"\n\n") < events and len(head) < MAX_HEAD_BYTES:
+    head = bytearray()
+    seen, pos = 0, 0           # Speed: the scan goes on from the last event's end, never the whole head
+    while seen < events and len(head) < MAX_HEAD_BYTES:
         try:
             head += await chunks.__anext__()
         except StopAsyncIteration:
             break
-    return head
+        while seen < events and (end := head.find(b"\n\n", pos)) >= 0:
+            seen, pos = seen + 1, end + 2
+    return bytes(head)
 
 
 def _busy(head: bytes) -> bool:

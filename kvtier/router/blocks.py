@@ -64,6 +64,10 @@ class BlockMap:
         if not isinstance(answer, dict) or not isinstance(answer.get("events"), list) \
                 or not isinstance(answer.get("next"), int) or not isinstance(answer.get("epoch"), str):
             raise ValueError("not a /kvtier/events answer")
+        try:                       # all read before any is applied: a bad one changes nothing
+            events = [(op, bytes.fromhex(key)) for op, key in answer["events"] if op in ("+", "-")]
+        except (TypeError, ValueError) as e:     # not ["+" | "-", hex] pairs
+            raise ValueError(f"malformed /kvtier/events entry: {e}") from None
         w = self._workers.setdefault(worker, WorkerBlocks())
         if answer["epoch"] != w.epoch or answer.get("reset"):
             if w.epoch is not None:
@@ -72,8 +76,7 @@ class BlockMap:
             w.pending.clear()
             w.epoch = answer["epoch"]
         held, pending = w.held, w.pending
-        for ev in answer["events"]:
-            op, key = ev[0], bytes.fromhex(ev[1])
+        for op, key in events:
             pending.pop(key, None)
             if op == "+":
                 held[key] = None

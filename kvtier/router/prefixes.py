@@ -46,7 +46,8 @@ def canonical(body: Any, chat: bool) -> tuple[bytes, int | None]:
         return b"", None
     if chat:
         parts = []
-        for m in body.get("messages") or []:
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else []:   # the worker answers a bad body its 400
             if isinstance(m, dict):
                 content = m.get("content")
                 if not isinstance(content, str):
@@ -59,7 +60,8 @@ def canonical(body: Any, chat: bool) -> tuple[bytes, int | None]:
     if isinstance(prompt, str):
         return prompt.encode(), None
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt), len(prompt)
+        # 4 bytes a token (ids past 2**32 wrap: the worker refuses them; this only routes)
+        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in prompt), len(prompt)
     return b"", None
 
 

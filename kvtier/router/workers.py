@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, TypeVar
 
 import httpx
+import orjson
 
 log = logging.getLogger("kvtier.router")
 POLL_TIMEOUT_S = 2.0
+LOAD_MAX_BYTES = 64 << 10  # a /kvtier/load answer is a few hundred bytes
 LOST_AFTER_POLLS = 2       # polls in a row a worker left unanswered before its calls give up
 T = TypeVar("T")
 
@@ -117,23 +119,53 @@ class Pools:
             elif w.answered_ready:
                 w.status = "ready"
 
-    async def poll_forever(self, client: httpx.AsyncClient, interval: float) -> None:
-        while True:
-            await self.poll_once(client)
-            await asyncio.sleep(interval)
+
+
+class AnswerTooLarge(ValueError):
+    """A worker's answer to one of the router's own small calls passed its bound."""
+
+
+async def read_small(client: httpx.AsyncClient, method: str, url: str, *, limit: int,
+                     within: float | None, **kwargs: Any) -> tuple[int, bytes]:
+    """(status, body) of a call whose answer is small (a worker's load, events, keys, a
+    prefill's hand-over): at most `limit` bytes, `within` seconds in all (None: the client's
+    timeout per read only). httpx bounds each read, not the whole answer, nor its size: a
+    worker trickling bytes held the poll (and every worker's poll, gathered behind it), one
+    answering without end the router's memory."""
+    try:
+        async with asyncio.timeout(within):
+            async with client.stream(method, url, timeout=httpx.USE_CLIENT_DEFAULT if within is None else within,
+                                     **kwargs) as r:
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > limit:
+                        raise AnswerTooLarge(f"{url} answered more than {limit} bytes")
+                return r.status_code, bytes(body)
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"{url} gave no whole answer in {within:g} s") from None
+
+
+def _count(v: Any, default: int = 0) -> int:
+    """A count a worker reports, `default` where it is missing or not a whole number >= 0."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
 
 
 async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
-    """Read `w`'s /kvtier/load into it (the caller logs a change of status)."""
+    """Read `w`'s /kvtier/load into it (the caller logs a change of status). Whatever it
+    answers, this returns: a value that raised here ended the router's poll loop for good."""
     try:
-        r = await client.get(w.url + "/kvtier/load", timeout=POLL_TIMEOUT_S)
-        data = r.json()
-        status = data.get("status", "down") if isinstance(data, dict) else "down"
-        if r.status_code == 404:               # a server without the P/D routes: an older kvtier serve
-            status, data = "down", {}
-            w.error = "no /kvtier/load: not a kvtier serve worker of this version"
-        w.unanswered = 0
+        code, body = await read_small(client, "GET", w.url + "/kvtier/load", limit=LOAD_MAX_BYTES,
+                                      within=POLL_TIMEOUT_S)
+        w.unanswered = 0                       # it answered: not hung, whatever the answer says
         w.lost.clear()
+        data = orjson.loads(body) if code != 404 else {}
+        if not isinstance(data, dict):
+            raise ValueError("its /kvtier/load answer is not a JSON object")
+        status = data.get("status", "down")
+        if code == 404:                        # a server without the P/D routes: an older kvtier serve
+            status = "down"
+            w.error = "no /kvtier/load: not a kvtier serve worker of this version"
     except (httpx.HTTPError, ValueError) as e:
         status, data = "down", {}
         w.error = f"{type(e).__name__}: {e}" or type(e).__name__
@@ -148,12 +180,13 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
     w.was_ready |= w.status == "ready"
     w.polled_at = time.monotonic()
     if data:
-        w.role, w.node, w.node_signature = data.get("role"), data.get("node"), data.get("node_signature")
+        w.role, w.node, w.node_signature = (v if isinstance(v, str) else None for v in
+                                            (data.get("role"), data.get("node"), data.get("node_signature")))
         w.cluster = data["cluster"] if isinstance(data.get("cluster"), str) else None
-        w.block_tokens = int(data.get("block_tokens") or w.block_tokens)
+        w.block_tokens = _count(data.get("block_tokens"), w.block_tokens) or w.block_tokens
         w.kv_events = data.get("kv_events") is True
-        w.pulled_bytes = int(data.get("pulled_bytes") or 0)
-        w.pushed_bytes = int(data.get("pushed_bytes") or 0)
+        w.pulled_bytes = _count(data.get("pulled_bytes"))
+        w.pushed_bytes = _count(data.get("pushed_bytes"))
         if w.pool == "prefill" and w.role not in (None, "prefill", "both"):
             w.status, w.error = "down", f"it runs --role {w.role}, not prefill"
         elif w.pool == "prefill" and not w.node:

@@ -28,10 +28,9 @@ from kvtier.serve.detok import IncrementalText
 from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.serve.protocol import ApiError
-from kvtier.serve.sse import (AFFINITY, JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
-                              read_json, sse_event, unless_gone)
+from kvtier.serve.sse import (JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
+                              read_json, session_of, sse_event, unless_gone)
 
-MAX_SESSION_ID = 256
 
 
 @dataclass
@@ -190,17 +189,6 @@ class Service:
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         except ConfigError as e:
             raise P.bad(str(e)) from None
-
-
-def session_of(request: Request) -> str | None:
-    value = request.headers.get(AFFINITY)
-    if value is None:
-        return None
-    value = value.strip()
-    if not value or len(value) > MAX_SESSION_ID or not value.isprintable():
-        raise ApiError(400, f"{AFFINITY} must be a printable id of 1 to {MAX_SESSION_ID} characters",
-                       param=AFFINITY, code="invalid_value")
-    return value
 
 
 # -- generation ------------------------------------------------------------------------------

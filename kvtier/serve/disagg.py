@@ -189,8 +189,7 @@ async def block_keys(svc: Service, request: Request) -> Any:
 
 async def prefill(svc: Service, request: Request) -> Any:
     """POST /kvtier/prefill: compute the prompt's KV here and say where it is."""
-    from kvtier.serve.app import session_of
-    from kvtier.serve.sse import JSON, unless_gone
+    from kvtier.serve.sse import JSON, session_of, unless_gone
 
     d = svc.disagg
     if d is None or d.node is None:

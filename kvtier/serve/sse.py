@@ -20,6 +20,7 @@ from kvtier.serve.protocol import ApiError
 
 log = logging.getLogger("kvtier.serve")
 AFFINITY = "x-session-affinity"
+MAX_SESSION_ID = 256
 _AFFINITY_B = AFFINITY.encode()
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -220,3 +221,16 @@ class EchoAffinity:
             await send(message)
 
         await self.app(scope, receive, send_echo)
+
+
+def session_of(request: Request) -> str | None:
+    """The request's x-session-affinity id, None without one; a 400 unless it is printable and
+    1 to MAX_SESSION_ID characters (servers and the router keep one entry per id)."""
+    value = request.headers.get(AFFINITY)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_SESSION_ID or not value.isprintable():
+        raise ApiError(400, f"{AFFINITY} must be a printable id of 1 to {MAX_SESSION_ID} characters",
+                       param=AFFINITY, code="invalid_value")
+    return value
