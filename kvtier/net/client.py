@@ -1,11 +1,12 @@
 """The calling side of the node protocol: one blocking connection per peer, with deadlines.
 
 Every call has a deadline: `timeout` seconds plus the time its bytes take at a floor rate
-(MIN_RATE), so a peer that dies, stalls, drips bytes or sends garbage costs a PeerError
-within a bounded time, which the remote tier turns into a miss. Received blocks land
-straight in the caller's buffers and are verified against the MAC'd checksums; a peer that
-fails part way through a GET still yields the blocks that arrived verified before. The bytes
-move over a transport (transport.py): TCP by default, UCX with transport="ucx".
+(frames.MIN_RATE; frames.request_seconds, which the node's bound on its answer shares), so a
+peer that dies, stalls, drips bytes or sends garbage costs a PeerError within a bounded time,
+which the remote tier turns into a miss. Received blocks land straight in the caller's
+buffers and are verified against the MAC'd checksums; a peer that fails part way through a
+GET still yields the blocks that arrived verified before. The bytes move over a transport
+(transport.py): TCP by default, UCX with transport="ucx".
 """
 from __future__ import annotations
 
@@ -22,14 +23,13 @@ import numpy as np
 from kvtier.checksum import block_checksum, block_checksums
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.address import parse_address
-from kvtier.net.frames import Frame, FrameError, check_secret, decode, read_prefix
+from kvtier.net.frames import Frame, FrameError, check_secret, decode, read_prefix, request_seconds
 from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import Channel, TcpChannel, check_transport
 
 if TYPE_CHECKING:
     from kvtier.store import Store
 
-MIN_RATE = 100e6   # bytes/s a peer must sustain; slower counts as a stall
 _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
 INLINE_VERIFY_BYTES = 256 << 10     # blocks smaller than this are verified on the receiving thread
 # Speed: a helper thread verifies large blocks while the next arrives only where the process
@@ -152,8 +152,7 @@ class PeerClient:
         return self._call(req, rows, send_rows=True)
 
     def _call(self, req: Frame, rows, send_rows: bool = False) -> int:
-        moved = len(req.keys) * self.block_bytes if req.op in ("GET", "PUT") else 0
-        deadline = time.monotonic() + self.timeout + moved / MIN_RATE
+        deadline = time.monotonic() + request_seconds(self.timeout, req.op, len(req.keys), self.block_bytes)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if not self.wait_busy else -1):
             raise PeerError(self.address, "busy: this client's earlier request to the peer was still running "
                             "at the deadline", busy=True)
@@ -172,6 +171,11 @@ class PeerClient:
                     self._drop()
                     chan, (prefix, body, mac) = self._send(req, rows if send_rows else None, deadline)
                 reply = self._reply(prefix, body, mac, req.nonce)
+                # A prefix of the keys asked, never more (nor negative): callers build a list
+                # of n holders from it, so a huge n was a MemoryError on the engine's thread,
+                # and one past the keys reported more blocks than the prompt has.
+                if not 0 <= reply.n <= len(req.keys):
+                    raise FrameError(f"{req.op} reply of {reply.n} blocks for {len(req.keys)} keys asked")
                 if req.op != "GET":
                     return reply.n
                 return self._receive_blocks(chan, reply, rows, deadline, landed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
@@ -31,6 +32,7 @@ CHUNK = 1000          # block keys per script call: bounds how long one call hol
 LEAVE_CHUNKS = 16     # script calls per round trip when a stopping node removes itself
 SWEEP_COUNT = 1000    # entries a sweep step reads (Redis's HSCAN COUNT hint)
 TOKEN_KEEP_MS = 86_400_000   # how long Redis remembers which process an address last had
+GARBLED_LOG_S = 60.0  # at most one log line per this many seconds about holder entries not UTF-8
 
 
 class DirectoryError(KvtierError):
@@ -322,6 +324,8 @@ class RedisDirectory(Directory):
         # another token, so what its last run published is dead, pruned, never chosen: a
         # fetch of it from the new process was a miss for blocks another holder had.
         self.token = os.urandom(4).hex()
+        self.garbled = 0                  # holder entries read that were not UTF-8 (each a miss)
+        self._garbled_logged = float("-inf")
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run one Redis call, unless Redis is down and not due for a retry."""
@@ -365,7 +369,25 @@ class RedisDirectory(Directory):
         if not keys:
             return []
         found = self._call(lambda: self._lookup(keys=[self.hash, self.lease], args=list(keys)))
-        return [h.decode().partition("@")[0] for h in found]
+        out = []
+        for h in found:
+            try:
+                out.append(h.decode().partition("@")[0])
+            except UnicodeDecodeError:    # not an entry kvtier wrote: a miss from this block on
+                self._garbled(h)
+                break
+        return out
+
+    def _garbled(self, h: bytes) -> None:
+        """Count a holder entry that is not UTF-8; logged at most once per GARBLED_LOG_S (a
+        lookup hits it each time it reads that block: no log line per engine step)."""
+        self.garbled += 1
+        now = time.monotonic()
+        if now >= self._garbled_logged + GARBLED_LOG_S:
+            self._garbled_logged = now
+            log.warning("%s: a block's holder entry is not UTF-8 (%r): taken as a miss (%d such entries read "
+                        "so far; logged at most once every %g s)", self.health.what, h[:40], self.garbled,
+                        GARBLED_LOG_S)
 
     def publish(self, node: str, added: Sequence[Key], removed: Sequence[Key]) -> None:
         """Add `node` to the holders of `added`, remove it from those of `removed`."""

@@ -40,6 +40,16 @@ MAX_KEYS = 1 << 16
 MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale
 _HEAD = struct.Struct("!IQ8s")  # header length, time in ns, 8 random bytes
 MIN_SECRET_BYTES = 16
+MIN_RATE = 100e6                # bytes/s a transfer must sustain; slower counts as a stall
+
+
+def request_seconds(timeout: float, op: str, keys: int, block_bytes: int) -> float:
+    """How long one request may take, the same bound on both ends: `timeout` plus the bytes
+    of its blocks (a GET's or PUT's) at MIN_RATE. The client's deadline and the node's
+    bound on answering are both this, so a transfer the client waits for is never cut off
+    by the node at a fixed timeout (a GB-sized GET or PUT outlasted the node's 10 s)."""
+    moved = keys * block_bytes if op in ("GET", "PUT") else 0
+    return timeout + moved / MIN_RATE
 
 
 class FrameError(KvtierError):

@@ -34,7 +34,7 @@ from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import format_address, is_unspecified, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import MAX_KEYS, Frame, FrameError, check_secret, decode, read_prefix
+from kvtier.net.frames import MAX_KEYS, Frame, FrameError, check_secret, decode, read_prefix, request_seconds
 from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
@@ -281,7 +281,16 @@ class Node:
                 if req.ns != self.seed:
                     raise FrameError("request for another namespace (another model, revision, shard, layout "
                                      "or tenant salt): this node serves only its own")
-                await within(self._answer(conn, req), self.request_timeout)
+                try:
+                    # Bounded as the client's deadline is (frames.request_seconds): the request
+                    # timeout plus the blocks' bytes at the floor rate, never a fixed timeout
+                    # that a large GET or PUT could not meet.
+                    await within(self._answer(conn, req),
+                                 request_seconds(self.request_timeout, req.op, len(req.keys), self.block_bytes))
+                except FrameError:
+                    raise
+                except KvtierError as e:    # the store refused (closed; a PUT it cannot fit): an ERR too
+                    raise FrameError(f"{req.op} refused: {e}") from None
                 self.served += 1
         except FrameError as e:
             self.refused += 1
@@ -315,11 +324,8 @@ class Node:
             # the round trips run off the event loop.
             if req.payload:
                 raise FrameError("FIND carries no payload")
-            try:
-                async with self._finds:    # each FIND asks every peer: bounded, whoever sends them
-                    hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
-            except KvtierError as e:       # a closed store
-                raise FrameError(f"FIND refused: {e}") from None
+            async with self._finds:    # each FIND asks every peer: bounded, whoever sends them
+                hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
             await conn.send(Frame("OK", self.seed, n=hit.blocks, re=re).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
@@ -348,10 +354,7 @@ class Node:
                 raise _Answered(why)
             buf = np.empty((n, bb), dtype=np.uint8)
             await conn.recv_rows(buf)
-            try:
-                stored = await asyncio.get_running_loop().run_in_executor(None, _verified_put, store, req, buf)
-            except KvtierError as e:       # more blocks than the top tier holds, a closed store
-                raise FrameError(f"PUT refused: {e}") from None
+            stored = await asyncio.get_running_loop().run_in_executor(None, _verified_put, store, req, buf)
             await conn.send(Frame("OK", self.seed, n=stored, re=re).encode(self.secret))
         else:
             raise FrameError(f"a node does not answer {req.op}")

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.net.address import parse_address
 from kvtier.net.client import PeerClient, PeerError
 from kvtier.net.directory import Directory, DirectoryError, PeerList
 from kvtier.net.frames import check_secret
@@ -30,6 +32,11 @@ from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import check_transport
 
 log = logging.getLogger("kvtier.remote")
+# Peers whose state is kept (a health each, a client for fetches and one for lookups, each
+# client a kept connection), the least recently used forgotten past it: the addresses come
+# from a directory, which may name any number over time. Half a node's default
+# NodeLimits.max_connections in addresses, so at most that many kept connections.
+MAX_PEERS = 512
 
 
 class Remote:
@@ -56,8 +63,9 @@ class Remote:
         self.promote = promote
         self.name = name
         self.errors = 0            # peer or directory calls that failed (each a miss, never an exception)
-        self._clients: dict[tuple[str, bool], PeerClient] = {}   # (address, for lookups) -> client
-        self._health: dict[str, Health] = {}
+        # (address, for lookups) -> client, and address -> health: least recently used first
+        self._clients: OrderedDict[tuple[str, bool], PeerClient] = OrderedDict()
+        self._health: OrderedDict[str, Health] = OrderedDict()
         self._lock = threading.Lock()
         self._ns = b""
         self._block_bytes = 0
@@ -73,14 +81,26 @@ class Remote:
         """The client for `address`: one for fetches, one for lookups (`lookup`), so a HAS
         never queues behind a long GET on the one connection (a client sends one request at
         a time: an engine's lookup, asked while its loader fetched from that peer, timed out
-        and marked the peer down)."""
+        and marked the peer down). PeerError for an address no node can have (a directory
+        entry or a hand-over hint gone wrong): a miss, like a peer that does not answer."""
+        evicted: list[PeerClient] = []
         with self._lock:
             c = self._clients.get((address, lookup))
             if c is None:
+                try:
+                    parse_address(address, any_port=False)
+                except ConfigError as e:
+                    raise PeerError(address, str(e)) from None
                 c = self._clients[(address, lookup)] = PeerClient(address, self.secret, self._ns, self._block_bytes,
                                                                      self.timeout, transport=self.transport,
                                                                      tls=self.tls, wait_busy=not lookup)
-            return c
+                while len(self._clients) > 2 * MAX_PEERS:
+                    evicted.append(self._clients.popitem(last=False)[1])
+            else:
+                self._clients.move_to_end((address, lookup))
+        for old in evicted:     # outside the lock: closing waits for a request in flight on that client
+            old.close()
+        return c
 
     def health(self, address: str) -> Health:
         """Whether `address` answers, and when to try it next."""
@@ -88,6 +108,10 @@ class Remote:
             h = self._health.get(address)
             if h is None:
                 h = self._health[address] = Health(f"peer {address}", log)
+                while len(self._health) > MAX_PEERS:
+                    self._health.popitem(last=False)
+            else:
+                self._health.move_to_end(address)
             return h
 
     def _call(self, address: str, call, lookup: bool = False) -> Any:
@@ -161,12 +185,16 @@ class Remote:
         return got
 
     def info(self) -> dict[str, Any]:
+        with self._lock:      # every client() call reorders _clients: read it under the lock
+            contacted = sorted({address for address, _ in self._clients})
         return {"directory": type(self.directory).__name__, "transport": self.transport, "tls": self.tls is not None,
                 "timeout_s": self.timeout,
                 "errors": self.errors,
-                "peers_contacted": sorted({address for address, _ in self._clients})}
+                "peers_contacted": contacted}
 
     def close(self) -> None:
-        for c in self._clients.values():
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
             c.close()
         self.directory.close()

@@ -6,10 +6,18 @@ also capped: when it is full, the oldest entry goes and the table's horizon move
 its time, and frames from before the horizon are refused as stale too, so a nonce is
 never forgotten while a frame carrying it could still be accepted. Only frames whose
 prefix tag verified (peers holding the secret) reach the table, so strangers cannot fill it.
+
+"Oldest" is by the frame's time, not its arrival: a peer whose clock runs ahead (within
+the window) dates its frames in the future. Kept in arrival order, such an entry stopped
+the older ones behind it from expiring, and when the full table forgot it the horizon
+jumped into the future: every peer's frames were refused for up to the skew. Forgetting
+the earliest-dated entry instead keeps the horizon at or before now unless the whole
+table is dated in the future. (Not clamped to now: a forgotten future-dated nonce could
+then be replayed.)
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 from kvtier.net.frames import MAX_AGE_S, FrameError
 
@@ -21,7 +29,7 @@ class ReplayGuard:
         self.window, self.capacity = window, capacity
         self.horizon = 0.0                          # frames at or before this time are refused
         self._seen: set[bytes] = set()
-        self._order: deque[tuple[float, bytes]] = deque()   # (frame time, nonce), arrival order
+        self._order: list[tuple[float, bytes]] = []   # (frame time, nonce): a heap, earliest first
         self.refused = 0
 
     def __len__(self) -> int:
@@ -38,7 +46,7 @@ class ReplayGuard:
             self.refused += 1
             raise FrameError("replayed frame: this frame's nonce was already accepted")
         self._seen.add(nonce)
-        self._order.append((ts, nonce))
+        heapq.heappush(self._order, (ts, nonce))
         if len(self._order) > self.capacity:
             self._forget()
 
@@ -48,7 +56,7 @@ class ReplayGuard:
             self._forget()
 
     def _forget(self) -> None:
-        ts, nonce = self._order.popleft()
+        ts, nonce = heapq.heappop(self._order)
         self._seen.discard(nonce)
         if ts > self.horizon:
             self.horizon = ts

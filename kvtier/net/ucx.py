@@ -81,10 +81,13 @@ async def _io(aw: Awaitable[T]) -> T:
 
 
 def _split_head(msg: Any, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
-    """(prefix, header, MAC) from one active message holding prefix | header | MAC."""
+    """(prefix, header, MAC) from one active message holding prefix | header | MAC.
+    ucxx has allocated the message (its size the sender's choice) before it is handed over,
+    and its API takes no bound on that: the size is checked here before anything is copied."""
+    size = memoryview(msg).nbytes
+    if size < PREFIX_BYTES or size > PREFIX_BYTES + MAX_HEADER + MAC_BYTES:
+        raise FrameError(f"frame head of {size} bytes is out of bounds")
     data = bytes(msg)
-    if len(data) < PREFIX_BYTES or len(data) > PREFIX_BYTES + MAX_HEADER + MAC_BYTES:
-        raise FrameError(f"frame head of {len(data)} bytes is out of bounds")
     n = check(data[:PREFIX_BYTES])
     if len(data) != PREFIX_BYTES + n + MAC_BYTES:
         raise FrameError(f"frame head of {len(data)} bytes does not match its prefix's length {n}")
@@ -118,8 +121,9 @@ class UcxServerConn:
         await asyncio.gather(*(_io(self.ep.send(r)) for r in rows))
 
     async def recv_rows(self, buf: np.ndarray) -> None:
-        await asyncio.wait_for(asyncio.gather(*(_io(self.ep.recv(buf[i])) for i in range(len(buf)))),
-                               self.timeout)
+        # Bounded by the node's deadline per request (frames.request_seconds: it grows with the
+        # bytes), as over TCP; a fixed request timeout here cut off PUTs of over ~1 GB.
+        await asyncio.gather(*(_io(self.ep.recv(buf[i])) for i in range(len(buf))))
 
     def close(self) -> None:
         _abort(self.ep)
