@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 import kvtier
 from kvtier.net import RedisDirectory
-from tests.test_redis_directory import RedisServer
+from tests.test_redis_directory import server  # noqa: F401  (the fixture: a loopback redis-server)
 
 SECRET = b"cluster-secret-0123456789abcdef"
 LAYOUT = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=8, dtype=torch.float16)
 NS = kvtier.Namespace("redis-entries", "r1")
-
-
-@pytest.fixture
-def server():
-    srv = RedisServer()
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def _listed(d: RedisDirectory, keys, holder: bytes) -> None:

@@ -6,9 +6,9 @@ runs in-process (its Router object) or as `kvtier router`."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
+import contextlib
 import time
+from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -55,6 +55,26 @@ class Scripted(FakeServer):
         super().__init__(Handler)
 
 
+@contextlib.asynccontextmanager
+async def running(*workers: Worker, interval: float = 0.05) -> AsyncIterator[Router]:
+    """A started Router over these decode workers, stopped at the end."""
+    router = Router(Pools([], list(workers)), RouterConfig(poll_interval=interval))
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.stop()
+
+
+def run(main: Callable[[], Awaitable[None]], *servers: FakeServer) -> None:
+    """asyncio.run(main()), then stop the scripted workers whatever happened."""
+    try:
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
+
+
 async def _polled(router: Router, server: Scripted, path: str, times: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     start = server.gets.get(path, 0)
@@ -77,10 +97,7 @@ def test_a_worker_answering_nonsense_to_its_polls_never_stops_the_router_polling
     good = Scripted({"/kvtier/load": ready("both", BT)})
 
     async def main() -> None:
-        router = Router(Pools([], [Worker(bad.url, "decode"), Worker(good.url, "decode")]),
-                        RouterConfig(poll_interval=0.05))
-        await router.start()
-        try:
+        async with running(Worker(bad.url, "decode"), Worker(good.url, "decode")) as router:
             await _polled(router, bad, "/kvtier/load", 3)
             good.answers["/kvtier/load"] = ready("both", BT, pulled_bytes=7)
             await _polled(router, good, "/kvtier/load", 2)
@@ -90,14 +107,8 @@ def test_a_worker_answering_nonsense_to_its_polls_never_stops_the_router_polling
             assert b.role is None or isinstance(b.role, str)
             if not isinstance(load, dict) or not isinstance(load.get("status"), str):
                 assert not b.ready
-        finally:
-            await router.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        bad.stop()
-        good.stop()
+    run(main, bad, good)
 
 
 @pytest.mark.parametrize("events", [
@@ -109,21 +120,14 @@ def test_a_malformed_kv_events_batch_changes_nothing_and_polling_goes_on(events)
     w = Scripted({"/kvtier/load": ready("both", BT, kv_events=True), "/kvtier/events": events})
 
     async def main() -> None:
-        router = Router(Pools([], [Worker(w.url, "decode")]), RouterConfig(poll_interval=0.05))
-        await router.start()
-        try:
+        async with running(Worker(w.url, "decode")) as router:
             await _polled(router, w, "/kvtier/events", 3)
             assert router.blocks.match(w.url, [bytes(16)]) == 0
             w.answers["/kvtier/events"] = {"events": [["+", "00" * 16]], "next": 1, "epoch": "e"}
             await _polled(router, w, "/kvtier/events", 2)
             assert router.blocks.match(w.url, [bytes(16)]) == 1      # a good batch after bad ones applies
-        finally:
-            await router.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        w.stop()
+    run(main, w)
 
 
 def _endless(handler: JsonHandler) -> None:
@@ -168,10 +172,7 @@ def test_a_small_call_reads_a_bounded_answer_in_a_bounded_time(answer, error):
                 await asyncio.wait_for(read_small(client, "GET", w.url + "/kvtier/load", limit=1 << 20,
                                                   within=1.0), 60)
 
-    try:
-        asyncio.run(main())
-    finally:
-        w.stop()
+    run(main, w)
 
 
 def test_a_worker_trickling_its_poll_answer_counts_as_unanswered():
@@ -239,27 +240,19 @@ def test_the_router_refuses_a_session_id_no_worker_would_take_and_keeps_model_id
     w = FakeServer(Worker_)
 
     async def main() -> None:
-        router = Router(Pools([], [Worker(w.url, "decode")]), RouterConfig(poll_interval=0.05))
-        await router.start()
-        transport = httpx.ASGITransport(app=router_app.build_app(router))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-                deadline = time.monotonic() + 30
-                while not router.pools.decode[0].ready:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"},
-                                      headers={"x-session-affinity": "s" * 5000})
-                assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-affinity"
-                assert not router._sessions
-                r = await client.get("/v1/models/..%2f..%2fkvtier%2fevents")
-                assert r.status_code == 200
-                assert not any(p.startswith("/kvtier/events") for p in seen), seen
-                assert r.json()["id"].startswith("/v1/models/")
-        finally:
-            await router.stop()
+        async with running(Worker(w.url, "decode")) as router, httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=router_app.build_app(router)), base_url="http://router") as client:
+            deadline = time.monotonic() + 30
+            while not router.pools.decode[0].ready:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"},
+                                  headers={"x-session-affinity": "s" * 5000})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-affinity"
+            assert not router._sessions
+            r = await client.get("/v1/models/..%2f..%2fkvtier%2fevents")
+            assert r.status_code == 200
+            assert not any(p.startswith("/kvtier/events") for p in seen), seen
+            assert r.json()["id"].startswith("/v1/models/")
 
-    try:
-        asyncio.run(main())
-    finally:
-        w.stop()
+    run(main, w)
