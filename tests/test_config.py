@@ -94,6 +94,14 @@ def test_a_disk_tier_keeps_its_size_unless_one_is_given(tmp_path, monkeypatch):
         assert store.tiers[0].capacity_blocks == n and store.lookup(keys).blocks == 3
     with small.replace(disk_capacity="128KiB").build(LAYOUT, NS) as store:    # given: it shrinks
         assert store.tiers[0].capacity_blocks == n // 2
+    # Its slab deleted or cut short behind its back, the tier keeps the size its index
+    # recorded (the slab's size alone brought it back at the 16 GiB default).
+    for damage in ("delete", "truncate"):
+        slab = tmp_path / "kv" / "slab.bin"
+        slab.unlink() if damage == "delete" else os.truncate(slab, 4096)
+        with small.replace(disk_capacity=None).build(LAYOUT, NS) as store:
+            assert store.tiers[0].capacity_blocks == n // 2, damage
+        assert slab.stat().st_size == n // 2 * store.tiers[0].slot_bytes
     assert kvtier.config.DEFAULT_DISK_CAPACITY == "16GiB"
     monkeypatch.setattr(kvtier.config, "DEFAULT_DISK_CAPACITY", "64KiB")    # not 16 GiB of this disk
     fresh = StoreConfig(host_capacity=None, disk_path=str(tmp_path / "new"))

@@ -1,5 +1,6 @@
 """The disk tier: persistent, crash-safe, and never returns bytes that fail verification."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,6 +247,30 @@ def test_bad_paths_and_sizes(tmp_path):
         kvtier.DiskTier(tmp_path / "d", blocks=8, direct="yes")
     with pytest.raises(ConfigError, match="io_threads must be a whole number from 1 to 64"):
         kvtier.DiskTier(tmp_path / "d", blocks=8, io_threads=100_000)   # was ENOMEM at build, lock kept
+
+
+def test_a_folder_holding_other_files_is_refused_and_left_alone(tmp_path):
+    """`--disk /etc` created a 16 GiB slab and an index among /etc's files, and a folder's
+    own slab.bin was resized and reused: a directory holding anything but a tier is refused."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (other / "slab.bin").write_bytes(b"another program's file")
+    before = sorted((p.name, p.stat().st_size) for p in other.iterdir())
+    with pytest.raises(ConfigError, match=r"already holds files that are not a kvtier disk tier \(notes.txt\)"):
+        open_store(other)
+    assert sorted((p.name, p.stat().st_size) for p in other.iterdir()) == before
+    (tmp_path / "empty").mkdir()
+    open_store(tmp_path / "empty").close()                 # an existing empty folder, a new one: fine
+    open_store(tmp_path / "new" / "deeper").close()
+    leftover = tmp_path / "leftover"                      # a tier's own files, its index gone
+    open_store(leftover).close()
+    shutil.rmtree(leftover / "index.lmdb")
+    open_store(leftover).close()
+    tier = tmp_path / "tier"                              # a tier beside a damaged index set aside
+    open_store(tier).close()
+    (tier / "index.lmdb.damaged-1").mkdir()
+    open_store(tier).close()
 
 
 def test_a_folder_this_user_cannot_write_is_one_config_error(tmp_path, monkeypatch):

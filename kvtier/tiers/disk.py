@@ -141,6 +141,8 @@ class DiskTier(Tier):
             raise ConfigError(f"cannot create disk tier directory {self.path}: {e.strerror}") from None
         if not self.path.is_dir():
             raise ConfigError(f"disk tier path {self.path} exists and is not a directory")
+        if not self.read_only:
+            _refuse_occupied(self.path)
         try:
             self._take_lock()
             self._open_index()
@@ -749,12 +751,43 @@ class DiskTier(Tier):
 
 def present_blocks(path: str | os.PathLike, block_bytes: int) -> int:
     """How many blocks of `block_bytes` the disk tier in `path` has room for now (0: no tier
-    there yet), so a store opened without a capacity keeps the tier's size."""
+    there yet), so a store opened without a capacity keeps the tier's size: the capacity its
+    index recorded, else its slab's size. (The slab's size alone made a tier whose slab was
+    deleted or cut short come back at the default 16 GiB.)"""
+    recorded = _recorded_capacity(Path(path) / "index.lmdb")
+    if recorded is not None:
+        return recorded
     try:
         size = (Path(path) / "slab.bin").stat().st_size
     except OSError:
         return 0
     return size // disk_slot_bytes(block_bytes)
+
+
+def _recorded_capacity(where: Path) -> int | None:
+    """The capacity in blocks an index recorded at its store's last open; None where there
+    is no readable one (the open that follows deals with a damaged or foreign index).
+    Read-only and without a lock, as _refuse_foreign reads."""
+    if not (where / "data.mdb").is_file() or shortfall(where) is not None:
+        return None
+    try:
+        env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=4, subdir=True)
+    except lmdb.Error:
+        return None
+    try:
+        with env.begin() as txn:
+            if txn.get(_META) is None:           # the main database lists the named ones
+                return None
+        meta_db = env.open_db(_META, create=False)
+        with env.begin(db=meta_db) as txn:
+            raw = txn.get(b"meta")
+        meta = msgpack.unpackb(raw) if raw is not None else None
+    except (lmdb.Error, ValueError, msgpack.UnpackException):
+        return None
+    finally:
+        env.close()
+    n = meta.get("capacity_blocks") if isinstance(meta, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
@@ -842,6 +875,23 @@ def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
 def _full(e: lmdb.Error) -> bool:
     """Whether LMDB failed because the filesystem is full (it reports errno as text)."""
     return os.strerror(errno.ENOSPC) in str(e) or os.strerror(errno.EDQUOT) in str(e)
+
+
+# What a disk tier's directory holds (kvtier writes nothing else there).
+_OURS = ("lock", "slab.bin", "index.lmdb")
+
+
+def _refuse_occupied(path: Path) -> None:
+    """Refuse a directory holding files that are not a disk tier's, with no tier index in it:
+    a store created its slab (16 GiB by default) and index beside them (`--disk /etc` took
+    /etc; a folder's own slab.bin was resized and reused)."""
+    if (path / "index.lmdb").exists():
+        return        # a tier (or what is left of one): the open checks it (foreign LMDB, damage)
+    others = sorted(p.name for p in path.iterdir() if not p.name.startswith(_OURS))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(f"disk tier directory {path} already holds files that are not a kvtier disk tier "
+                          f"({shown}): give a new or empty directory of its own (kvtier creates it)")
 
 
 def _refuse_foreign(where: Path) -> None:
