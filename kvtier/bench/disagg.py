@@ -7,7 +7,7 @@ throughput, the hit ratio, and the KV bytes handed over with the time that took 
 with `--handoff pull` the decode worker's HAS + GET from the prefill worker's node, with
 `--handoff push` the prefill worker's HAS + PUTs to the decode worker's node (`pull,push`
 runs the P/D setup once each). Bounded in requests and in time; every process it starts is
-stopped (SIGTERM, then killed).
+stopped (SIGTERM, then killed), whatever ends the run (Ctrl-C and SIGTERM too).
 
 `--predict` runs no servers: it times the engine's prefill and decode steps here
 (kvtier/sim/calibrate.py) and prints the disaggregation model's predictions (kvtier/sim/disagg.py)
@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvtier.bench.children import Children
     from kvtier.bench.serve import KvtierProcess
 
 HELP = "prefill/decode disaggregation vs colocated workers behind `kvtier router`, on loopback"
@@ -46,25 +47,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model's predictions with those costs and with GPU-scale ones (no servers)")
 
 
-def _cluster(setup: str, handoff: str, args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
-    """The setup's workers and the router over them, started and ready."""
-    from kvtier.bench.serve import KvtierProcess, stop_all
+def _cluster(children: Children, setup: str, handoff: str,
+             args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
+    """The setup's workers and the router over them, started and ready (`children` owns them)."""
+    from kvtier.bench.serve import KvtierProcess
 
     serve = ["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache", str(args.kv_cache),
              "--host-cache", str(args.host_cache)]
     roles = ("prefill", "decode") if setup == "pd" else ("both", "both")
-    procs: list[KvtierProcess] = []
-    try:
-        for role in roles:
-            procs.append(KvtierProcess(serve + ["--role", role]))
-        urls = [x.url for x in procs]
-        pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
-        procs.append(KvtierProcess(["router", "--port", "0", "--poll-interval", "0.2", "--handoff", handoff,
-                                    "--direct-below", str(args.direct_below), *pools], "kvtier router: ready"))
-        _wait_ready(procs[-1].url)
-    except BaseException:
-        stop_all(procs)
-        raise
+    procs = [KvtierProcess(children, serve + ["--role", role]) for role in roles]
+    urls = [x.url for x in procs]
+    pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
+    procs.append(KvtierProcess(children, ["router", "--port", "0", "--poll-interval", "0.2", "--handoff", handoff,
+                                          "--direct-below", str(args.direct_below), *pools], "kvtier router: ready"))
+    _wait_ready(procs[-1].url)
     return procs, procs[-1].url, urls
 
 
@@ -100,26 +96,26 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvtier.bench.common import Column, emit, fmt_float
-    from kvtier.bench.serve import _replay, _served, sessions_of, stop_all, summarize
+    from kvtier.bench.children import Children
+    from kvtier.bench.serve import _replay, _served, sessions_of, summarize
     from kvtier.progress import progress
 
     sessions = sessions_of(args)
     rows = []
     runs = [(setup, h) for setup in args.setups for h in (args.handoff if setup == "pd" else ["pull"])]
-    for setup, handoff in runs:
-        name = f"pd-{handoff}" if setup == "pd" else setup
-        with progress(f"{name}: starting workers and the router, replaying", enabled=not args.json):
-            procs, router, urls = _cluster(setup, handoff, args)
-            try:
+    with Children() as children:            # Ctrl-C, SIGTERM or an error: no process outlives the bench
+        for setup, handoff in runs:
+            name = f"pd-{handoff}" if setup == "pd" else setup
+            with progress(f"{name}: starting workers and the router, replaying", enabled=not args.json):
+                procs, router, urls = _cluster(children, setup, handoff, args)
                 results, wall, started = asyncio.run(_replay([router], _served(args.model), sessions, args, False))
                 moved = _moved(urls)
                 stats = httpx.get(router + "/health", timeout=10).json()["stats"]
-            finally:
-                code = stop_all(procs)
-        row = summarize(setup, results, wall, started, code)
-        row.update(bench="disagg", setup=row.pop("mode"), handoff=handoff if setup == "pd" else None, **moved,
-                   disaggregated=stats["disaggregated"], direct=stats["direct"])
-        rows.append(row)
+                code = children.stop([x.proc for x in procs], grace=120)      # each drains
+            row = summarize(setup, results, wall, started, code)
+            row.update(bench="disagg", setup=row.pop("mode"), handoff=handoff if setup == "pd" else None, **moved,
+                       disaggregated=stats["disaggregated"], direct=stats["direct"])
+            rows.append(row)
     f1, f3 = fmt_float(1), fmt_float(3)
     emit(rows, args.json, f"router + workers on loopback, {args.clients} streaming clients, {args.max_tokens} tokens each",
          [Column("setup", "setup"), Column("handoff", "hand-over"), Column("completed", "done"), Column("lost", "lost"), Column("duplicates", "dup"),

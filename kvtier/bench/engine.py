@@ -244,8 +244,10 @@ def compare_vllm(args: argparse.Namespace) -> int:
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
-    res = mod.compare(args.rounds, args.vllm_python, progress=None if args.json else
-                      lambda m: print(m, file=__import__("sys").stderr))
+    from kvtier.bench.children import Children
+    with Children():        # SIGTERM as Ctrl-C: subprocess.run then kills the engine process it waits for
+        res = mod.compare(args.rounds, args.vllm_python, progress=None if args.json else
+                          lambda m: print(m, file=__import__("sys").stderr))
     print(json.dumps(res) if args.json else mod.table(res))
     return 0
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvtier.bench.children import Children
 
 HELP = "load test of `kvtier serve`: concurrent streaming agent sessions, with and without x-session-affinity"
 MODES = ("none", "affinity")
@@ -116,13 +117,14 @@ def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
 
 
 class KvtierProcess:
-    """A `kvtier` command (serve, router) in a subprocess on loopback; `url` is taken from its
-    first line that starts with `ready` (e.g. "kvtier serve: ready: 'm' on http://...")."""
+    """A `kvtier` command (serve, router) in a subprocess on loopback, owned by `children`;
+    `url` is taken from its first line that starts with `ready` (e.g. "kvtier serve: ready:
+    'm' on http://...")."""
 
-    def __init__(self, cmd: list[str], ready: str = "kvtier serve: ready:") -> None:
+    def __init__(self, children: Children, cmd: list[str], ready: str = "kvtier serve: ready:") -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = children.start([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.url = ""
         got = threading.Event()
@@ -142,32 +144,16 @@ class KvtierProcess:
             try:
                 code = self.proc.wait(5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                code = None
+                code = None             # still running: `children` stops it
             said = [ln[len(ERROR):] for ln in self.lines if ln.startswith(ERROR)]
             if said:       # the server's own one-line error, as a usage error when it was one
                 raise (ConfigError if code == 2 else KvtierError)(f"kvtier {cmd[0]}: {said[-1]}")
             raise KvtierError(f"kvtier {cmd[0]} did not start: " + " | ".join(self.lines[-5:]))
 
 
-def stop_all(procs: list[KvtierProcess]) -> int:
-    """SIGTERM to every process (each drains), then wait for all; the highest exit status."""
-    for x in procs:
-        if x.proc.poll() is None:
-            x.proc.send_signal(signal.SIGTERM)
-    codes = []
-    for x in procs:
-        try:
-            codes.append(x.proc.wait(120))
-        except subprocess.TimeoutExpired:
-            x.proc.kill()
-            codes.append(x.proc.wait())
-    return max(codes, default=0)
-
-
-def serve_process(args: argparse.Namespace, extra: list[str] | None = None) -> KvtierProcess:
+def serve_process(children: Children, args: argparse.Namespace, extra: list[str] | None = None) -> KvtierProcess:
     """`kvtier serve` on a free loopback port with the benchmark's model, caches and pin TTL."""
-    return KvtierProcess(["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache",
+    return KvtierProcess(children, ["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache",
                           str(args.kv_cache), "--host-cache", str(args.host_cache), "--pin-ttl", str(args.pin_ttl),
                           *(extra or [])])
 
@@ -291,15 +277,14 @@ def run(args: argparse.Namespace) -> int:
     if not sessions:
         raise ConfigError("the generated trace has no request that fits --max-prompt: raise it or lower --stride")
     rows = []
-    for mode in args.modes:
-        with progress(f"{mode}: starting kvtier serve, replaying {args.sessions} sessions", enabled=not args.json):
-            servers = _start_servers(args)
-            try:
+    with Children() as children:            # Ctrl-C, SIGTERM or an error: no server outlives the bench
+        for mode in args.modes:
+            with progress(f"{mode}: starting kvtier serve, replaying {args.sessions} sessions", enabled=not args.json):
+                servers = _start_servers(children, args)
                 results, wall, started = asyncio.run(_replay([x.url for x in servers], _served(args.model), sessions,
                                                              args, mode == "affinity"))
-            finally:
-                code = stop_all(servers)
-        rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers})
+                code = children.stop([x.proc for x in servers], grace=120)     # each drains
+            rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers})
     f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
     emit(rows, args.json, f"kvtier serve x{args.servers}, {args.active} agents (think {args.think:g} s), {args.clients} streams "
                           f"at most, {args.max_tokens} tokens each "
@@ -313,10 +298,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _start_servers(args: argparse.Namespace) -> list[KvtierProcess]:
+def _start_servers(children: Children, args: argparse.Namespace) -> list[KvtierProcess]:
     """One server, or two whose stores fetch each other's blocks over kvtier node links."""
     if args.servers == 1:
-        return [serve_process(args)]
+        return [serve_process(children, args)]
     import socket
     import tempfile
 
@@ -328,17 +313,12 @@ def _start_servers(args: argparse.Namespace) -> list[KvtierProcess]:
     secret = tempfile.NamedTemporaryFile(prefix="kvtier-bench-secret-", delete=False)
     secret.write(os.urandom(32))
     secret.close()
-    servers: list[KvtierProcess] = []
     try:
-        for me, peer in ((0, 1), (1, 0)):
-            servers.append(serve_process(args, ["--node-listen", f"127.0.0.1:{ports[me]}",
-                                                "--peers", f"127.0.0.1:{ports[peer]}", "--secret-file", secret.name]))
-    except BaseException:
-        stop_all(servers)
-        raise
+        return [serve_process(children, args, ["--node-listen", f"127.0.0.1:{ports[me]}", "--peers",
+                                               f"127.0.0.1:{ports[peer]}", "--secret-file", secret.name])
+                for me, peer in ((0, 1), (1, 0))]
     finally:
         os.unlink(secret.name)              # read at start-up
-    return servers
 
 
 def _served(model: str) -> str:
