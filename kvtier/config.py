@@ -288,6 +288,26 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: The largest config file read: far above any real one (a few hundred bytes), so a wrong
+#: path (a log, /dev/zero) is an error at once, not the process's memory filling up.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
+    """The bytes of the file at `path` (a `what`, e.g. "config file", for messages): a
+    ConfigError naming the file if it cannot be read or holds more than `limit` bytes."""
+    from kvtier.units import format_bytes
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read the {what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ConfigError(f"the {what} {path} is larger than {format_bytes(limit).replace('.00 ', ' ')}, the "
+                          f"most kvtier reads of a {what}: give the right file")
+    return data
+
+
 def read_settings(path: str | Path) -> dict[str, Any]:
     """One object of settings from a JSON file, or a TOML file (.toml); a setting given twice
     is an error in either (JSON would silently keep the last)."""
@@ -299,9 +319,7 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: YAML config files are not read; give the same settings as JSON or TOML "
                           "(docs/config.md)")
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read the config file {p}: {e.strerror or e}") from None
+        text = read_bounded(p, MAX_CONFIG_BYTES, "config file").decode()
     except UnicodeDecodeError:
         raise ConfigError(f"the config file {p} is not text: give a JSON or TOML file") from None
     try:
@@ -314,7 +332,9 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         else:
             data = json.loads(text, object_pairs_hook=_no_repeats)
     except ValueError as e:
-        raise ConfigError(f"{p} is not valid {kind}: {e}") from None
+        hint = "" if p.suffix.lower() in (".json", ".toml") else \
+            f" (only *.toml files are read as TOML, others as JSON: if it is TOML, name it {p.stem}.toml)"
+        raise ConfigError(f"{p} is not valid {kind}: {e}{hint}") from None
     except RecursionError:
         raise ConfigError(f"{p}: objects or arrays nested too deeply; a config file is one flat "
                           "object of settings") from None

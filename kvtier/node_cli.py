@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 HELP = "serve a store's blocks to peers over TCP (and fetch from peers with --peers or --directory)"
 PROBE_EVERY_S = 0.5     # how often a node looks for peers that were down and are due for a retry
+MAX_KEY_FILE_BYTES = 64 << 10   # the most read of a --secret-file or --salt-file (a wrong path: /dev/zero)
 
 
 def _checked(check: Callable[[str], object], name: str) -> Callable[[str], object]:
@@ -145,12 +146,10 @@ def read_secret(path: str | None) -> bytes:
     """The cluster secret from a file or the KVTIER_SECRET variable."""
     import os
 
+    from kvtier.config import read_bounded
+
     if path:
-        try:
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise ConfigError(f"cannot read the secret file {path}: {e.strerror}") from None
+        secret = read_bounded(path, MAX_KEY_FILE_BYTES, "secret file").strip()
     else:
         secret = os.environ.get("KVTIER_SECRET", "").encode().strip()    # as the file's: a stray space or newline
     if len(secret) < 16:
@@ -163,17 +162,30 @@ def read_secret(path: str | None) -> bytes:
 
 def read_salt(path: str | None) -> bytes:
     """The tenant salt from a file (b"" without one)."""
+    from kvtier.config import read_bounded
+
     if not path:
         return b""
-    try:
-        with open(path, "rb") as f:
-            salt = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read the salt file {path}: {e.strerror}") from None
+    salt = read_bounded(path, MAX_KEY_FILE_BYTES, "salt file").strip()
     if not salt:
         raise ConfigError(f"the salt file {path} is empty: put the tenant's salt in it, or leave --salt-file out "
                           "for the default tenant")
     return salt
+
+
+def check_listen_host(listen: str) -> None:
+    """--listen's host resolves to an address to listen on (checked before any memory is taken)."""
+    import socket
+
+    from kvtier.net.address import parse_address
+
+    host, port = parse_address(listen)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--listen {listen!r}: {host!r} is not an address this machine can listen on "
+                          f"({e.strerror}): give one of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all "
+                          "of them") from None
 
 
 def tls_options(args: argparse.Namespace) -> tuple[object, object]:
@@ -242,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lease is not None and not args.directory:
         raise ConfigError("--lease is for --directory (how long this node's entry there lives without renewal)")
     check_advertised(parse_address(args.listen)[0], bool(args.directory), args.advertise)
+    check_listen_host(args.listen)
     args.lease = 10.0 if args.lease is None else args.lease
 
     directory = remote = None

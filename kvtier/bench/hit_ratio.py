@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def expand_policies(text: str) -> list[str]:
     """Policy names from the --policy list, 'all' and 'recommended' expanded, in order."""
     from kvtier.errors import ConfigError
-    from kvtier.policies import DEFAULT_POLICY, make_policy, policy_names
+    from kvtier.policies import DEFAULT_POLICY, known_policy, make_policy, policy_names, unknown_policy
 
     out: list[str] = []
     for name in (p.strip() for p in text.split(",") if p.strip()):
@@ -89,8 +89,10 @@ def expand_policies(text: str) -> list[str]:
                 raise ConfigError(f"policy {n!r}: belady is the offline bound and takes no admission "
                                   "filter; write 'belady'")
             if n != "belady":
+                if not known_policy(n):       # named with what this command takes, belady and all too
+                    raise unknown_policy(n, ("recommended", "belady", "all"))
                 check_filters_once(n)
-                make_policy(n, 1)   # validates the name with a helpful error
+                make_policy(n, 1)
             if n not in out:
                 out.append(n)
     if not out:
@@ -151,8 +153,6 @@ def check_plot_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"--plot {path!r}: folder {folder} does not exist: create it or give another path")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ConfigError(f"--plot {path!r} cannot be written (permission denied): give a path you can write")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     kinds = plot_formats()
     if ext not in kinds:
@@ -160,6 +160,24 @@ def check_plot_path(path: str) -> None:
         why = f" (it needs LaTeX, and {_tex_program()} is not installed)" if ext in _LATEX_FORMATS else ""
         raise ConfigError(f"--plot {path!r}: cannot write {what}{why}; end the name in .png (or "
                           f"{', '.join('.' + k for k in kinds if k != 'png')})")
+    why = _unwritable(path)     # last: it creates (and removes) the file
+    if why:
+        raise ConfigError(f"--plot {path!r} cannot be written ({why}): give a path you can write")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot be written, or None: tried, not asked of os.access, which tells root
+    yes where writing still fails (/proc). An existing file is opened to append (left as it
+    is); a new one is created and removed again."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab" if existed else "xb"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.unlink(path)
+    return None
 
 
 _LATEX_FORMATS = ("pgf",)    # matplotlib writes these only with a TeX program installed

@@ -62,10 +62,24 @@ def _safe_open():
     return safe_open
 
 
+def _open_shard(stack: ExitStack, safe_open, f: Path):
+    """One shard, opened (memory-mapped) for the rest of `stack`; a damaged file is named."""
+    from safetensors import SafetensorError
+    try:
+        return stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+    except SafetensorError as e:
+        raise ConfigError(f"{f} is damaged or not a safetensors file ({e}): download it again") from None
+
+
 def _shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            if not isinstance(weight_map, dict):
+                raise ValueError("its weight_map is not an object")
+        except (ValueError, AttributeError) as e:   # not JSON, not UTF-8, not an object
+            raise ConfigError(f"{index} is damaged or not a safetensors index ({e}): download it again") from None
         files = sorted({path / f for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -110,7 +124,7 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None, *, dtyp
     with ExitStack() as stack:
         where: dict[str, object] = {}
         for f in _shard_files(path):
-            sf = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            sf = _open_shard(stack, safe_open, f)
             for name in sf.keys():
                 where[name] = sf
         skipped = 0

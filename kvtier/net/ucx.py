@@ -15,6 +15,7 @@ here; blocking callers wait on it with a deadline, never longer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -24,10 +25,11 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.net.address import format_address
+from kvtier.net.address import format_address, is_unspecified
 from kvtier.net.frames import MAC_BYTES, MAX_HEADER, PREFIX_BYTES, FrameError
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier.ucx")
 
 
 def require_ucxx() -> Any:
@@ -129,14 +131,27 @@ class UcxServerConn:
         _abort(self.ep)
 
 
+def every_interface_warning(host: str, port: int) -> str | None:
+    """What to tell a user who asked a UCX node to listen on `host` only: ucxx's listener takes
+    a port, not an address, so it listens on every interface (None where `host` asked for that)."""
+    if is_unspecified(host):
+        return None
+    return (f"UCX listens on every interface at port {port}, not only on {host}: ucxx cannot bind one "
+            "address, so restrict the port with a firewall where other hosts must not reach it")
+
+
 class UcxServer:
     """A UCX listener that hands each connecting peer to `node.serve` (on the UCX loop).
-    UCX listens on every interface at `port`; `host` is only the advertised address."""
+    UCX listens on every interface at `port` (logged as a warning); `host` is only the
+    advertised address."""
 
     def __init__(self, node: Any, host: str, port: int) -> None:
         self.node = node
         self.listener = run(self._listen(port), time.monotonic() + 30)
         self.address = format_address(host, self.listener.port)
+        warning = every_interface_warning(host, self.listener.port)
+        if warning:
+            log.warning("%s", warning)
 
     async def _listen(self, port: int) -> Any:
         ucxx = require_ucxx()

@@ -44,6 +44,20 @@ def register_policy(name: str, factory: PolicyFactory) -> None:
     POLICIES[name] = factory
 
 
+def known_policy(name: str) -> bool:
+    """Whether `name` is a registered policy with known admission filters ("POLICY+RULE...")."""
+    base, *rules = name.split("+")
+    return base in POLICIES and all(r in FILTERS for r in rules)
+
+
+def unknown_policy(name: str, also: tuple[str, ...] = ("recommended",)) -> ConfigError:
+    """The error for a policy name that is not known, listing what the caller accepts: the
+    registry's names and `also` (a command that takes more names passes them)."""
+    names = [*policy_names(), *(repr(a) for a in also)]
+    return ConfigError(f"unknown policy {name!r}; choose one of {', '.join(names[:-1])} or {names[-1]} "
+                       f"(filters: {', '.join(FILTERS)}, composed as 'arc+nopartial')")
+
+
 def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
     """A fresh policy instance for one tier of `capacity_blocks` blocks.
 
@@ -57,9 +71,8 @@ def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
     if base == "belady":
         raise ConfigError("policy 'belady' needs the future of a trace: it exists only in "
                           "`kvtier bench hit-ratio` (kvtier.sim.replay), never in a live store")
-    if base not in POLICIES or not all(r in FILTERS for r in rules):
-        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())} or "
-                          f"'recommended' (filters: {', '.join(FILTERS)}, composed as 'arc+nopartial')")
+    if not known_policy(name):
+        raise unknown_policy(name)
     pol = POLICIES[base](capacity_blocks)
     for r in rules:
         pol = FILTERS[r](pol)
@@ -67,5 +80,5 @@ def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
 
 
 __all__ = ["AdmissionFilter", "ARCPolicy", "BlockInfo", "DEFAULT_POLICY", "EvictionPolicy", "FILTERS",
-           "LFUPolicy", "LRUPolicy", "NoPartial", "POLICIES", "ReusePolicy", "S3FIFOPolicy", "make_policy",
-           "policy_names", "register_policy"]
+           "LFUPolicy", "LRUPolicy", "NoPartial", "POLICIES", "ReusePolicy", "S3FIFOPolicy", "known_policy",
+           "make_policy", "policy_names", "register_policy", "unknown_policy"]

@@ -29,11 +29,21 @@ def url_arg(text: str) -> str:
 
     u = urlsplit(text.strip())
     try:
-        port = u.port
+        port, bad_port = u.port, False
     except ValueError:
-        port = None
-    if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path not in ("", "/") or u.query:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL like http://127.0.0.1:8001")
+        port, bad_port = None, True
+    why = ""
+    if u.scheme not in ("http", "https") or not u.hostname:
+        why = "it needs http:// or https:// and a host"
+    elif bad_port:
+        why = "its port is not a number from 1 to 65535"
+    elif u.path not in ("", "/") or u.query or u.fragment:
+        root = f"{u.scheme}://{u.netloc}"
+        why = f"it has a path: give the server's root URL, {root}, without /v1 or any other path"
+    elif port is None:
+        why = "it has no port: add the worker's, e.g. :8001"
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL like http://127.0.0.1:8001: {why}")
     return text.strip().rstrip("/")
 
 

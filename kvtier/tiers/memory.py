@@ -97,9 +97,32 @@ def too_large(what: str, nbytes: int) -> TierSizeError | None:
     return out_of_memory(what, nbytes)
 
 
+def address_space() -> tuple[int, int] | None:
+    """(limit, used) bytes of this process's address space where a limit (RLIMIT_AS, `ulimit -v`)
+    is set; None without one, or where unknown."""
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * PAGE
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return limit, used
+
+
 def out_of_memory(what: str, nbytes: int, gpu: tuple[str, int, int] | None = None) -> TierSizeError:
     """A usage error: the capacity asked for does not fit in this machine's memory, or in the
-    GPU's where `gpu` is (device name, free bytes, total bytes)."""
+    GPU's where `gpu` is (device name, free bytes, total bytes), or in the process's address-space
+    limit (`ulimit -v`) where that is what refused it."""
+    space = address_space() if gpu is None else None
+    if space is not None and nbytes + space[1] > space[0]:
+        limit, used = space
+        return TierSizeError(f"{what}: {format_bytes(nbytes)} asked for, but this process's address-space limit "
+                             f"(RLIMIT_AS, `ulimit -v`) is {format_bytes(limit)} and it already maps "
+                             f"{format_bytes(used)}. Raise the limit (`ulimit -v unlimited`) or give the tier a "
+                             "smaller capacity")
     avail, total = memory_available() if gpu is None else gpu[1:]
     where = "this machine" if gpu is None else gpu[0]
     have = (f"{where} has {format_bytes(avail)} of memory available"
