@@ -45,6 +45,10 @@ def int_between(low: int, high: int, unit: str) -> Callable[[str], int]:
     return check
 
 
+#: A seed: torch and numpy take 64 bits (a larger one failed deep in a run, the flag unnamed).
+seed_arg = int_between(0, 2**64 - 1, "a seed")
+
+
 def size(text: str) -> int:
     """A byte count such as 8GiB, 512MB or 4096 (> 0)."""
     try:

@@ -14,6 +14,7 @@ import difflib
 import inspect
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -89,6 +90,10 @@ class StoreConfig:
                 raise ConfigError(f"{name}: {e}") from None
         if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
             raise ConfigError(f"disk_path must be a directory path (a string), got {self.disk_path!r}")
+        if self.disk_path is not None and self.disk_path.startswith("~"):
+            # "~/kv" in a config file or a connector's settings made a folder named "~" in the
+            # working directory: no shell expands it there
+            object.__setattr__(self, "disk_path", os.path.expanduser(self.disk_path))
         if self.disk_direct is not None and not isinstance(self.disk_direct, bool):   # 1 == True: not a boolean
             raise ConfigError(f"disk_direct must be true, false or null (O_DIRECT where allowed), got {self.disk_direct!r}")
         for name in ("write_through", "promote"):

@@ -93,6 +93,8 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--top-p", "1.5"], ["--top-p"]),
     (["generate", "--prompt", "hi", "--seed", "-1"], ["--seed"]),
     (["generate", "--prompt", "hi", "--weights-seed", "-1"], ["--weights-seed"]),
+    (["generate", "--prompt", "hi", "--weights-seed", str(2**64)], ["--weights-seed", "a seed"]),
+    (["generate", "--prompt", "hi", "--seed", str(2**64)], ["--seed", "a seed"]),
     (["generate", "--prompt", "hi", "--dtype", "int7"], ["--dtype", "float32"]),
     (["generate", "--prompt", "hi", "--preset", "gpt"], ["--preset", "kimi-tiny"]),
     (["generate", "--prompt", "hi", "--model", "/nonexistent/kvtier-test"], ["--model", "does not exist"]),

@@ -81,6 +81,13 @@ def test_build_makes_the_tiers_asked_for(tmp_path):
         StoreConfig(host_capacity=None).build(LAYOUT, NS)
 
 
+def test_a_disk_path_from_home_is_expanded(monkeypatch, tmp_path):
+    """"~/kv" in a config file (no shell expands it) made a folder named "~" in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert StoreConfig(disk_path="~/kv").disk_path == str(tmp_path / "kv")
+    assert StoreConfig(disk_path="/srv/~kv").disk_path == "/srv/~kv"
+
+
 def test_a_disk_tier_keeps_its_size_unless_one_is_given(tmp_path, monkeypatch):
     """Reopened without disk_capacity, a tier keeps its present size (a 64 GiB folder opened
     with the defaults was shrunk to 16 GiB, dropping blocks); a new folder gets the default."""

@@ -47,7 +47,7 @@ def size_or_none(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.config import StoreConfig
-    from kvtier.argtypes import non_negative_float, non_negative_int, positive_int, size
+    from kvtier.argtypes import non_negative_float, positive_int, seed_arg, size
     from kvtier.engine.config import PRESET_RANDOM_WEIGHTS, preset_names
 
     real = [n for n in preset_names() if n not in PRESET_RANDOM_WEIGHTS]
@@ -67,9 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling temperature, >= 0; 0 (the default) is greedy")
     p.add_argument("--top-p", type=top_p_arg, default=1.0, metavar="P",
                    help="nucleus sampling: keep the most likely tokens up to this probability, in (0, 1]")
-    p.add_argument("--seed", type=non_negative_int, default=None, metavar="N",
+    p.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                    help="sampling seed (default: a fresh one each run)")
-    p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--weights-seed", type=seed_arg, default=0, metavar="N",
                    help="seed of a preset's random weights (default 0)")
     p.add_argument("--session", default=None, metavar="ID",
                    help="pin this session's prefix in the store for pin_ttl seconds (600 unless --config says otherwise) (default: no pinning)")

@@ -32,7 +32,7 @@ def port_arg(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.argtypes import non_negative_int, positive_float, positive_int, size
+    from kvtier.argtypes import positive_float, positive_int, seed_arg, size
     from kvtier.engine.generate_cli import dtype_arg, size_or_none
     from kvtier.node_cli import _address, _checked, _peers, _redis_url
     from kvtier.serve.http import READ_TIMEOUT_S
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=positive_float, default=READ_TIMEOUT_S, metavar="SECONDS",
                    help="a client silent this long while sending its request (headers or body) is disconnected, "
                         "so idle connections cannot fill --max-connections; answers are never cut by it")
-    p.add_argument("--weights-seed", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--weights-seed", type=seed_arg, default=0, metavar="N",
                    help="seed of a preset's random weights")
     p.add_argument("--device", default=None, help="cuda:0 or cpu (default: cuda when present)")
     p.add_argument("--dtype", type=dtype_arg, default=None, help="compute dtype (default: the model's)")
