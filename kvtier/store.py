@@ -13,6 +13,7 @@ blocks it loaded, and the bad copies are dropped.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import logging
 import threading
@@ -134,6 +135,23 @@ def pipeline_cuts(n: int, head: int) -> Iterator[tuple[int, int]]:
         yield lo, hi
         hi, size = lo, 2 * size
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cycle collector off inside the block (back on after, if it was on).
+
+    Speed: a store opened over a disk tier makes several objects per block it finds (its
+    record, index entry, policy info), none of them in a cycle, and the collector ran over
+    all of them again and again as they piled up: 1,000,000 blocks opened in 8.6-8.9 s, 4.9
+    s with it paused (4 KiB blocks, records only)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class Store:
     """A KV-cache store over an ordered list of tiers (fastest first)."""
 
@@ -197,15 +215,16 @@ class Store:
                                   "(use `kvtier inspect PATH` to look inside a disk tier)")
         bound: list[Tier] = []
         try:
-            for t in self.tiers:
-                t.bind(layout.block_bytes, identity)
-                bound.append(t)
-            self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
-                                    layout.block_tokens, pin_budget, clock)
-            self.recovered = 0   # blocks found in persistent tiers when the store opened
-            for i, t in enumerate(self.tiers):
-                if t.persistent:
-                    self.recovered += self.index.adopt(i, t.recover())
+            with _gc_paused():
+                for t in self.tiers:
+                    t.bind(layout.block_bytes, identity)
+                    bound.append(t)
+                self.index = BlockIndex([(t.name, t.capacity_blocks) for t in self.tiers], policy,
+                                        layout.block_tokens, pin_budget, clock)
+                self.recovered = 0   # blocks found in persistent tiers when the store opened
+                for i, t in enumerate(self.tiers):
+                    if t.persistent:
+                        self.recovered += self.index.adopt(i, t.recover())
         except BaseException:
             for t in bound:       # nothing stays locked or mapped by a store that never opened
                 t.close()
