@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -49,12 +50,13 @@ BLOCK = {"llama": 128, "deepseek_v3": 16}   # vLLM's CPU block sizes (MHA, MLA)
 
 def run_engine(tmp: Path, model: Path, prompts: list[list[int]], connector: dict | None = None, *,
                multiprocess: bool = False, kv_params: list | None = None, max_tokens: int = 8,
-               lag: bool = False) -> dict:
-    """One vLLM engine in a child process; returns its JSON result (outputs, kvtier counters)."""
+               lag: bool = False, prefix_caching: bool = True, stats: bool = False) -> dict:
+    """One vLLM engine in a child process; returns its JSON result (outputs, kvtier counters;
+    with `stats`, vLLM's cache-hit counters by source: tests/vllm_run.py)."""
     job = tmp / f"job-{os.urandom(4).hex()}.json"
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "connector": connector,
                                "multiprocess": multiprocess, "kv_params": kv_params, "max_tokens": max_tokens,
-                               "lag": lag}))
+                               "lag": lag, "prefix_caching": prefix_caching, "stats": stats}))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     p = subprocess.run([sys.executable, str(TESTS / "vllm_run.py"), str(job)], capture_output=True, text=True,
                        env=env, timeout=400)
@@ -110,6 +112,22 @@ def test_default_multiprocess_mode(models, baseline, tmp_path):
     out_b, out_a = second["outputs"]
     assert out_b["cached"] == 512 and out_a["cached"] == 640
     assert [out_b["tokens"], out_a["tokens"]] == [baseline["llama"][1], baseline["llama"][0]]
+
+
+def test_vllm_reports_kvtier_hits_by_tier(models, baseline, tmp_path):
+    """vLLM's per-source hit metric (vllm:prompt_tokens_cached_by_source, what `/metrics`
+    serves) splits kvtier's hits into host and disk (get_external_cache_hit_sources), not
+    external_unspecified. A first engine fills the disk tier; a second (vLLM's own prefix
+    cache off) loads B's shared prefix from disk (4 blocks), which promotes those blocks to
+    host memory; then A: those 4 from host and A's fifth block from disk; A again: all 5
+    from host (the fifth promoted by the load before)."""
+    conn = disk_config(tmp_path / "disk")
+    run_engine(tmp_path, models["llama"], [A], conn)
+    second = run_engine(tmp_path, models["llama"], [B, A, A], conn, prefix_caching=False, stats=True)
+    assert [o["cached"] for o in second["outputs"]] == [512, 640, 640]
+    assert [o["tokens"] for o in second["outputs"]] == [baseline["llama"][1]] + [baseline["llama"][0]] * 2
+    assert second["external_hits"] == 512 + 640 + 640
+    assert second["hit_sources"] == {"disk": 512 + 128, "host": 512 + 640}
 
 
 def test_the_next_turn_loads_the_blocks_the_last_answer_filled(models, tmp_path):
@@ -253,6 +271,26 @@ def test_config_file_and_inline_override(tmp_path):
     c = parse_config({"config_file": str(f), "disk_path": str(tmp_path / "d")})
     assert c.store.write_through and c.store.disk_path == str(tmp_path / "d")
     assert c.tiers_spec[0].args["capacity"] == "2GiB"
+
+
+@pytest.mark.parametrize("value", ["", "  ", 5, ["/etc/kvtier.json"]])
+def test_config_file_must_be_a_path(value):
+    """"" was ignored silently (no file read); 5 said "cannot read the config file 5"."""
+    with pytest.raises(ConfigError, match=r"'config_file'\] must be the path of a JSON or TOML file .*leave the key out"):
+        parse_config({"config_file": value})
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    f = tmp_path / "kvtier.json"
+    f.write_text(json.dumps({"host_capacty": "2GiB"}))
+    with pytest.raises(ConfigError, match=r"unknown kvtier connector setting\(s\) \['host_capacty'\] in config file "
+                                          + re.escape(str(f))):
+        parse_config({"config_file": str(f)})
+    with pytest.raises(ConfigError, match=r"\['hostcapacity'\] in kv_connector_extra_config"):
+        parse_config({"config_file": str(f), "hostcapacity": 1})
+    f.write_text(json.dumps({"policy": "nope"}))
+    with pytest.raises(ConfigError, match=r"unknown policy 'nope'.*settings from config file " + re.escape(str(f))):
+        parse_config({"config_file": str(f)})
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -566,6 +604,119 @@ def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(pair):
                          num_computed_tokens=[]), num_scheduled_tokens={"r2": 5}, preempted_req_ids={"r2"})
     plan = s.build(so, lambda rid: [10, 11, 12, 13])
     assert [(x.start, x.end, x.pages) for x in plan.loads] == [(0, 2, [10, 11])]
+
+
+def _blocks(w: WorkerSide, n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 255, (n, w.store.layout.block_bytes), dtype=np.uint8)
+
+
+def test_hit_sources_name_the_tier_of_each_loaded_block(tmp_path):
+    """get_external_cache_hit_sources' split (the scheduler in the worker's process: the
+    store's lookup says each block's tier): blocks a new instance recovered on disk are
+    "disk"; loading them promotes them to host memory, and the next lookup says "host"."""
+    settings = {"host_capacity": "1MiB", "disk_path": str(tmp_path / "disk"), "disk_capacity": "4MiB"}
+    toks = list(range(100, 118))                    # 4 full blocks
+    w = WorkerSide(parse_config(settings), "tiny", "r1", 0, 1)
+    w.register(_caches(), KVSpec(T, P, False, 2, 8, "LBHNC"), list(_caches()))
+    w.store.put(w.store.keys(toks), _blocks(w, 4))
+    w.close()                                       # flushed to disk
+    w = WorkerSide(parse_config(settings), "tiny", "r1", 0, 1)
+    caches = _caches()
+    w.register(caches, KVSpec(T, P, False, 2, 8, "LBHNC"), list(caches))
+    s = SchedulerSide(parse_config(settings), T)
+    s.set_workers([w.handshake()])
+    try:
+        assert s.hit_sources(_request("r0", toks), 0) == {}
+        req = _request("r1", toks[:10] + [7, 7])    # blocks 0, 1 cached; 3 tokens to compute
+        assert _admit(s, req, [0, 1, 2]) == 2 * T
+        assert s.hit_sources(req, 2 * T) == {"disk": 2 * T}
+        _step(s, w, req, [0, 1, 2], 2 * T, 4)       # the load promotes blocks 0, 1 to host memory
+        s.finished("r1")
+        w.finished({"r1"})
+        req = _request("r2", toks + [9])
+        assert _admit(s, req, [4, 5, 6, 7, 8]) == 4 * T
+        assert s.hit_sources(req, 4 * T) == {"host": 2 * T, "disk": 2 * T}
+        # vLLM's own prefix cache held block 0: kvtier loads blocks 1..3.
+        req = _request("r3", toks + [9])
+        assert s.match(req, T) == 3 * T
+        s.after_alloc(req, [4, 5, 6, 7, 8], 3 * T)
+        assert s.hit_sources(req, 3 * T) == {"host": T, "disk": 2 * T}
+        # vLLM counted fewer or more tokens than planned: the counts still add up.
+        assert s.hit_sources(req, 2 * T) == {"host": T, "disk": T}
+        assert s.hit_sources(req, 4 * T) == {"host": T, "disk": 2 * T, "external_unspecified": T}
+        assert s.hit_sources(_request("unknown", toks), T) == {"external_unspecified": T}
+    finally:
+        s.close()
+        w.close()
+
+
+def test_hit_sources_over_the_workers_node(tmp_path, monkeypatch):
+    """vLLM's multiprocess mode: the scheduler's FIND at the worker's node says only how many
+    blocks. A worker whose one local tier is host memory: its part is "host", a HAS at its
+    node tells its blocks from those its peers supply ("p2p"); with host and disk tiers the
+    local part is not split ("external_unspecified")."""
+    import socket
+
+    from kvtier.integrations.vllm.worker import LOCAL
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    secret = "kvtier-test-secret-0123456789"
+    toks = list(range(100, 118))
+    peer = WorkerSide(parse_config({"host_capacity": "1MiB", "listen": f"127.0.0.1:{port}", "secret": secret}),
+                      "tiny", "r1", 0, 1)
+    peer.register(_caches(), KVSpec(T, P, False, 2, 8, "LBHNC"), list(_caches()))
+    cfg = parse_config({"host_capacity": "1MiB", "peers": [f"127.0.0.1:{port}"], "secret": secret})
+    w = WorkerSide(cfg, "tiny", "r1", 0, 1)
+    w.register(_caches(), KVSpec(T, P, False, 2, 8, "LBHNC"), list(_caches()))
+    s = SchedulerSide(cfg, T)
+    s.set_workers([w.handshake()])
+    try:
+        keys = w.store.keys(toks)
+        peer.store.put(keys, _blocks(peer, 4))
+        w.store.put(keys[:1], _blocks(w, 1))
+        monkeypatch.delitem(LOCAL, w.address)      # as if the worker ran in another process
+        req = _request("r1", toks + [9])
+        assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
+        assert s._reqs["r1"].sources == [None]     # FIND: a length only
+        assert s.hit_sources(req, 4 * T) == {"host": T, "p2p": 3 * T}
+        monkeypatch.setitem(LOCAL, w.address, w)   # in this process: the store's lookup says it
+        req = _request("r2", toks + [9])
+        assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
+        assert s.hit_sources(req, 4 * T) == {"host": T, "p2p": 3 * T}
+    finally:
+        s.close()
+        w.close()
+        peer.close()
+
+
+def test_hit_sources_with_host_and_disk_over_the_node(pair, monkeypatch):
+    from kvtier.integrations.vllm.worker import LOCAL
+
+    s, w, caches = pair
+    toks = list(range(100, 118))
+    w.store.put(w.store.keys(toks), _blocks(w, 4))
+    monkeypatch.delitem(LOCAL, w.address)
+    req = _request("r1", toks + [9])
+    assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
+    assert s.hit_sources(req, 4 * T) == {"external_unspecified": 4 * T}
+
+
+def test_hit_sources_of_several_ranks_name_the_farthest_tier():
+    from kvtier.integrations.vllm.scheduler import outermost
+
+    assert outermost(["host", "disk"]) == "disk" and outermost(["host", "p2p"]) == "p2p"
+    assert outermost(["disk", "external_unspecified"]) == "external_unspecified"
+    s = SchedulerSide(parse_config({}), T)
+    s.workers = [SimpleNamespace(), SimpleNamespace()]
+    req = _request("r1", list(range(100, 118)))
+    from kvtier.integrations.vllm.plan import BlockRange
+    from kvtier.integrations.vllm.scheduler import _Req
+    s._reqs["r1"] = _Req(req.prompt_token_ids[:16], 4, b"", None, 600, keys=[[b"k"] * 4] * 2, hit=3,
+                         sources=[["host", "host", "disk"], ["host", "p2p", "host"]],
+                         pending=BlockRange("r1", 0, 3, [0, 1, 2]))
+    assert s.hit_sources(req, 3 * T) == {"host": T, "p2p": T, "disk": T}
 
 
 def test_tensor_parallel_ranks_are_asked_at_once(monkeypatch):

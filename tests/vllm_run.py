@@ -9,11 +9,14 @@ process at a time), so two runs in sequence are two vLLM instances sharing the t
 JOB: {"model": path, "prompts": [[ids...], ...], "max_tokens": 8, "connector": {extra config} | null,
       "multiprocess": false, "max_model_len": 2048, "kv_params": [{...} | null per prompt],
       "ttft": false, "warmup": [ids...] | null, "prefix_caching": true, "kv_cache_bytes": 64 << 20,
-      "hold": path | null, "lag": false}
+      "hold": path | null, "lag": false, "stats": false}
 With "hold" the engine stays up after its result line (its kvtier node serving peers) until
 that file exists (at most 10 minutes). With "lag" the connector's scheduler sees each
 request's tokens one step late, as under vLLM's asynchronous scheduling (a GPU's default;
-vLLM turns it off on a CPU): single-process mode only.
+vLLM turns it off on a CPU): single-process mode only. With "stats" vLLM's statistics are on
+and the result has "hit_sources": its Prometheus counter vllm:prompt_tokens_cached_by_source
+(tokens by the tier that supplied them: device = vLLM's own prefix cache, host, disk, p2p,
+external_unspecified) and "external_hits" (vllm:external_prefix_cache_hits).
 Each output: {"tokens": [...], "cached": vLLM's num_cached_tokens, "ttft": seconds (with "ttft")}.
 """
 from __future__ import annotations
@@ -46,7 +49,7 @@ def main(path: str) -> None:
     llm = LLM(model=job["model"], tokenizer=job["model"], dtype="float32", enforce_eager=True,
               max_model_len=job.get("max_model_len", 2048), max_num_batched_tokens=job.get("max_model_len", 2048),
               kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20), kv_transfer_config=kv, seed=0,
-              enable_prefix_caching=job.get("prefix_caching", True), disable_log_stats=True)
+              enable_prefix_caching=job.get("prefix_caching", True), disable_log_stats=not job.get("stats"))
     startup = time.perf_counter() - t0
     if job.get("warmup"):       # one short request first: timings then exclude first-call costs
         llm.generate([{"prompt_token_ids": job["warmup"]}], SamplingParams(max_tokens=2, temperature=0.0),
@@ -68,7 +71,10 @@ def main(path: str) -> None:
                          "seconds": time.perf_counter() - t})
         if job.get("drain", True) and kv is not None:     # saves done before the next prompt looks
             _drain()
-    print(json.dumps({"outputs": outs, "startup_s": startup, "pid": os.getpid(), "kvtier": _stats()}), flush=True)
+    result = {"outputs": outs, "startup_s": startup, "pid": os.getpid(), "kvtier": _stats()}
+    if job.get("stats"):
+        result.update(_hit_metrics(llm))
+    print(json.dumps(result), flush=True)
     if job.get("hold"):
         until = time.monotonic() + 600
         while not os.path.exists(job["hold"]) and time.monotonic() < until:
@@ -87,6 +93,18 @@ def _stats() -> dict | None:
                 "corrupt_blocks": st.counters.corrupt_blocks, "namespace": w.store.namespace.revision,
                 "layout": w.store.layout.describe()}
     return None
+
+
+def _hit_metrics(llm) -> dict:
+    """vLLM's cache-hit counters (its Prometheus metrics, as `/metrics` serves them)."""
+    by_source: dict[str, int] = {}
+    external = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source" and m.value:
+            by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + int(m.value)
+        elif m.name == "vllm:external_prefix_cache_hits":
+            external += int(m.value)
+    return {"hit_sources": by_source, "external_hits": external}
 
 
 def _drain() -> None:

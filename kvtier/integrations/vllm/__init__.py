@@ -28,6 +28,7 @@ def __getattr__(name: str) -> Any:
                 raise
             from kvtier.errors import ConfigError
             raise ConfigError(f"kvtier's vLLM connector needs vLLM ({e}): install it with "
-                              "pip install torch==2.13.0 && pip install 'kvtier[vllm]' (see docs/vllm.md)") from e
+                              "pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu && "
+                              "pip install 'kvtier[vllm]' (see docs/vllm.md)") from e
         return KvtierConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,11 +112,22 @@ def model_revision(model: str, revision: str | None) -> str:
     return checkpoint_revision(model) if Path(model).is_dir() else ""
 
 
-def _load_file(path: str) -> dict[str, Any]:
+def _load_file(path: Any) -> dict[str, Any]:
+    """The settings of `config_file` (a path string; null: none), its unknown keys named with the file."""
+    if path is None:
+        return {}
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ConfigError(f"kv_connector_extra_config['config_file'] must be the path of a JSON or TOML file "
+                          f"(a non-empty string), got {path!r}; leave the key out for no config file")
+    path = os.fspath(path)
     data = read_settings(path)
     data = data.get("vllm", data) if isinstance(data.get("vllm"), dict) else data
     if "config_file" in data:
         raise ConfigError(f"{path}: a config file cannot name another config_file")
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ConfigError(f"unknown kvtier connector setting(s) {unknown} in config file {path}; "
+                          f"known: {', '.join(sorted(_KEYS))}")
     return data
 
 
@@ -226,13 +237,23 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
 def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     """Check `kv_connector_extra_config` (and the config_file it names) into a ConnectorConfig."""
     extra = dict(extra or {})
-    cfg: dict[str, Any] = {}
-    if extra.get("config_file"):
-        cfg.update(_load_file(str(extra["config_file"])))
-    cfg.update({k: v for k, v in extra.items() if k != "config_file"})
-    unknown = sorted(set(cfg) - _KEYS)
+    unknown = sorted(set(extra) - _KEYS)
     if unknown:
-        raise ConfigError(f"unknown kvtier connector setting(s) {unknown}; known: {', '.join(sorted(_KEYS))}")
+        raise ConfigError(f"unknown kvtier connector setting(s) {unknown} in kv_connector_extra_config; "
+                          f"known: {', '.join(sorted(_KEYS))}")
+    cfg: dict[str, Any] = _load_file(extra["config_file"]) if "config_file" in extra else {}
+    if not cfg:
+        return _parse(extra)
+    cfg.update({k: v for k, v in extra.items() if k != "config_file"})
+    try:
+        return _parse(cfg)
+    except ConfigError as e:      # the bad setting may be the file's (messages name kv_connector_extra_config)
+        raise ConfigError(f"{e} (settings from config file {extra['config_file']}, "
+                          "with kv_connector_extra_config's keys over them)") from None
+
+
+def _parse(cfg: dict[str, Any]) -> ConnectorConfig:
+    cfg = {k: v for k, v in cfg.items() if k != "config_file"}
     specs = _tier_list(cfg)
     secret = _secret(cfg)
     if any(t.kind == "remote" for t in specs) and secret is None:

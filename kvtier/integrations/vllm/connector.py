@@ -19,6 +19,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata, KVConnectorRole)
 
+try:      # vLLM's per-source cache-hit metric (newer vLLM); without it the base class's behaviour stands
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    CacheHitSource = None
+
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import model_revision, parse_config
 from kvtier.integrations.vllm.pages import KVSpec
@@ -196,6 +201,22 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._sched is not None
         ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self._sched.after_alloc(request, ids, num_external_tokens)
+
+    if CacheHitSource is not None:
+        def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+            """The tokens this request loads, by the kvtier tier each block comes from: host
+            memory (HOST), disk (DISK), other kvtier nodes (P2P); EXTERNAL_UNSPECIFIED for what
+            the lookup did not tell (host vs disk when the worker is in another process).
+            vLLM calls it after update_state_after_alloc, when it records its prefix-cache stats."""
+            if num_external_tokens <= 0 or self._sched is None:
+                return {}
+            try:
+                split = self._sched.hit_sources(request, num_external_tokens)
+            except Exception as e:     # statistics: never an error in vLLM's scheduler
+                log.warning("kvtier: cannot tell the tiers of request %s's cached tokens: %s",
+                            getattr(request, "request_id", "?"), e)
+                return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+            return {CacheHitSource(k): v for k, v in split.items() if v}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None

@@ -12,6 +12,8 @@
     finish(request, pages)      vLLM finished it: a block its last step completed whose save
                                 was not planned yet (asynchronous scheduling) is saved in the
                                 next step, and vLLM keeps the pages until the workers say so
+    hit_sources(request, n)     which tier supplies the n tokens after_alloc planned to load
+                                (host, disk, p2p: vLLM's per-source cache-hit metric)
 
 The workers' stores live in the worker processes; lookups go to the worker's kvtier node
 (loopback TCP, one authenticated FIND round trip: the worker's tiers, then what its remote
@@ -35,6 +37,16 @@ from kvtier.net.client import PeerClient, PeerError
 
 log = logging.getLogger("kvtier.vllm")
 
+# Where loaded blocks come from, as vLLM's CacheHitSource values (vllm/v1/metrics/cache_hit_source.py),
+# nearest the accelerator first: kvtier's tier kinds, its remote tier (other nodes) as "p2p".
+SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+UNKNOWN = "external_unspecified"
+
+
+def outermost(sources: Sequence[str]) -> str:
+    """The source farthest from the accelerator (as vLLM reports overlapping sources)."""
+    return max(sources, key=lambda s: SOURCES.index(s) if s in SOURCES else len(SOURCES) - 1)
+
 
 class WorkerStore:
     """One worker's store as the scheduler sees it: `has(keys)` -> cached prefix length."""
@@ -49,15 +61,25 @@ class WorkerStore:
         self._client: PeerClient | None = None
         self._timeout = timeout
         self._warned = 0.0
+        # The worker's local tier kinds (fastest first) and whether it has a remote tier.
+        self.tier_kinds: list[str] = list(info.get("tiers") or ())
+        self.remote = info.get("remote_timeout") is not None
+        # Per block, the source of the last has() answer when the lookup told it (the store in
+        # this process); None: it said only a length (a FIND at the worker's node).
+        self.last_sources: list[str] | None = None
 
     def has(self, keys: list[bytes]) -> int:
         from kvtier.integrations.vllm.worker import LOCAL
 
+        self.last_sources = None
         if not keys:
             return 0
         local = LOCAL.get(self.info["address"])
         if local is not None and local.store is not None:
-            return local.store.lookup(keys).blocks
+            hit = local.store.lookup(keys)
+            kinds = [t.kind for t in local.store.tiers]
+            self.last_sources = [_source(kinds[t]) if t < len(kinds) else "p2p" for t in hit.tiers]
+            return hit.blocks
         if self._client is None:
             self._client = PeerClient(self.info["address"], self.info["secret"], self.seed, 1, self._timeout)
         try:
@@ -68,9 +90,33 @@ class WorkerStore:
                 log.warning("kvtier: prefix lookup at worker %s failed (a miss): %s", self.info["address"], e)
             return 0
 
+    def sources(self, keys: list[bytes], n: int) -> list[str]:
+        """The source of each of the first `n` blocks of `keys` (a prefix has() found), when
+        the lookup said only its length: a FIND at the worker's node answers how many blocks,
+        not from which tier. A worker with one local tier kind (host) holds its part there;
+        with a remote tier, a HAS (the node's own tiers only; one more loopback round trip)
+        tells its blocks from the peers'. Host and disk are not told apart this way: their
+        blocks are "external_unspecified"."""
+        kinds = set(self.tier_kinds)
+        local = _source(kinds.pop()) if len(kinds) == 1 else UNKNOWN
+        if not self.remote or n <= 0:
+            return [local] * n
+        if self._client is None:
+            return [UNKNOWN] * n
+        try:
+            m = min(self._client.has(keys[:n]), n)
+        except PeerError:
+            return [UNKNOWN] * n
+        return [local] * m + ["p2p"] * (n - m)
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+def _source(kind: str) -> str:
+    """A kvtier tier kind as a vLLM cache-hit source."""
+    return kind if kind in ("device", "host", "disk") else UNKNOWN
 
 
 @dataclass
@@ -83,6 +129,7 @@ class _Req:
     skip: bool = False           # not keyed (multimodal or embedding inputs): never loaded or saved
     keys: list[BlockKeys] | None = None       # per worker
     hit: int = 0                 # blocks the stores hold (all workers), at the last match
+    sources: list[list[str] | None] | None = None   # per worker: each hit block's source (None: not known yet)
     plan: tuple[int, int] | None = None       # blocks [start, end) match() offered
     pending: BlockRange | None = None         # a load waiting for its step
     loading: BlockRange | None = None         # the last load sent (its pages are this request's)
@@ -154,7 +201,9 @@ class SchedulerSide:
             return 0
         if st.keys is None:
             st.keys = [request_keys(st.tokens, self.block_tokens, w.seed, w.hash, st.tag) for w in self.workers]
-        st.hit = min(self._ask(st.keys))
+        answers = self._ask(st.keys)
+        st.hit = min(n for n, _ in answers)
+        st.sources = [src for _, src in answers]
         self.counters["lookups"] += 1
         self.counters["hit_blocks"] += st.hit
         B = self.block_tokens
@@ -166,11 +215,41 @@ class SchedulerSide:
         st.plan = (local, usable)
         return (usable - local) * B
 
-    def _ask(self, keys: list[BlockKeys]) -> list[int]:
-        """Each worker's cached prefix of its keys (its rank's chain)."""
+    def _ask(self, keys: list[BlockKeys]) -> list[tuple[int, list[str] | None]]:
+        """Each worker's cached prefix of its keys (its rank's chain), and its blocks' sources if known."""
+        def ask(w: WorkerStore, k: BlockKeys) -> tuple[int, list[str] | None]:
+            w.last_sources = None
+            n = w.has(k)
+            return n, w.last_sources
         if self._pool is None:
-            return [w.has(k) for w, k in zip(self.workers, keys)]
-        return list(self._pool.map(lambda wk: wk[0].has(wk[1]), zip(self.workers, keys)))
+            return [ask(w, k) for w, k in zip(self.workers, keys)]
+        return list(self._pool.map(lambda wk: ask(*wk), zip(self.workers, keys)))
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The `num_external_tokens` that after_alloc planned to load, by the tier each block
+        comes from ("host", "disk", "p2p"; vLLM's CacheHitSource values): with several ranks,
+        the farthest of theirs per block; what is not known, "external_unspecified". The
+        counts sum to num_external_tokens."""
+        out: dict[str, int] = {}
+        left = num_external_tokens
+        st = self._reqs.get(request.request_id)
+        r = st.pending if st is not None else None
+        if st is not None and r is not None and st.keys is not None and st.sources is not None:
+            per_worker = []
+            for i, (w, src) in enumerate(zip(self.workers, st.sources)):
+                if src is None or len(src) < r.end:
+                    src = st.sources[i] = w.sources(list(st.keys[i][:r.end]), r.end)
+                per_worker.append(src)
+            for b in range(r.start, r.end):
+                if left <= 0:
+                    break
+                s = outermost([src[b] if b < len(src) else UNKNOWN for src in per_worker])
+                n = min(self.block_tokens, left)
+                out[s] = out.get(s, 0) + n
+                left -= n
+        if left > 0:
+            out[UNKNOWN] = out.get(UNKNOWN, 0) + left
+        return out
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's pages (block_ids: all of them, in order)."""

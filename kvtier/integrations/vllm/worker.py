@@ -134,7 +134,8 @@ class WorkerSide:
             return None
         return {"address": self.address, "secret": self.secret, "seed": self.store.keyer.seed,
                 "hash": self.cfg.store.hash, "block_tokens": self.store.layout.block_tokens, "rank": self.rank,
-                "pid": os.getpid(), "remote_timeout": self.store.remote.timeout if self.store.remote else None}
+                "pid": os.getpid(), "remote_timeout": self.store.remote.timeout if self.store.remote else None,
+                "tiers": [t.kind for t in self.store.tiers]}     # (vLLM's per-source hit metric)
 
     # -- per step ------------------------------------------------------------------------
     def ingest(self, plan: StepPlan) -> None:
