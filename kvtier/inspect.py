@@ -42,6 +42,8 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
         raise ConfigError(f"{path} is a file, not a disk tier directory: give the directory that holds "
                           "index.lmdb and slab.bin")
     index = os.path.join(path, "index.lmdb")
+    if not os.path.exists(index):
+        _refer_to_subfolders(path)
     try:
         return read_directory(path)
     except ConfigError:
@@ -64,6 +66,21 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
         raise KvtierError(f"the disk tier index {index} holds a damaged record ({type(e).__name__}: {e}); "
                           f"if a store refuses to open {path} too, move the index aside "
                           f"(mv {index} {index}.damaged) and the tier starts empty") from None
+
+
+def _refer_to_subfolders(path: str) -> None:
+    """A ConfigError naming the disk tiers in `path`'s subfolders, if any: `kvtier serve --disk`
+    and the vLLM connector make one per namespace (model, revision, layout, rank) under the
+    folder the user gave, and inspecting that folder said only "no index.lmdb there"."""
+    try:
+        tiers = sorted(e.name for e in os.scandir(path)
+                       if e.is_dir() and os.path.isdir(os.path.join(e.path, "index.lmdb")))
+    except OSError:
+        return
+    if tiers:
+        more = f" (and {', '.join(tiers[1:4])}{' ...' if len(tiers) > 4 else ''})" if len(tiers) > 1 else ""
+        raise ConfigError(f"{path} holds no disk tier itself, but {len(tiers)} in its subfolders, one per "
+                          f"model and layout: kvtier inspect {os.path.join(path, tiers[0])}{more}")
 
 
 def _store_recovers(index: str) -> bool:

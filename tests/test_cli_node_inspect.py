@@ -277,6 +277,14 @@ def test_inspect_paths_that_are_no_disk_tier(tmp_path):
     assert_one_line_error(run_kvtier("inspect", str(tmp_path)), 2, "no kvtier disk tier")
 
 
+def test_inspect_of_the_folder_above_tiers_names_them(tier, tmp_path):
+    """kvtier serve --disk and the vLLM connector make a tier per namespace under the folder
+    the user gave: inspecting that folder names the tiers in it."""
+    assert tier.parent == tmp_path
+    assert_one_line_error(run_kvtier("inspect", str(tmp_path)), 2, "holds no disk tier itself, but 1 in its subfolders",
+                          f"kvtier inspect {tier}")
+
+
 def test_inspect_and_a_store_name_what_is_wrong_with_the_directory(tier, tmp_path):
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "index.lmdb").write_text("x")
