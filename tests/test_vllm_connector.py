@@ -651,10 +651,8 @@ def test_hit_sources_name_the_tier_of_each_loaded_block(tmp_path):
 
 
 def test_hit_sources_over_the_workers_node(tmp_path, monkeypatch):
-    """vLLM's multiprocess mode: the scheduler's FIND at the worker's node says only how many
-    blocks. A worker whose one local tier is host memory: its part is "host", a HAS at its
-    node tells its blocks from those its peers supply ("p2p"); with host and disk tiers the
-    local part is not split ("external_unspecified")."""
+    """vLLM's multiprocess mode: the scheduler's FIND at the worker's node answers each
+    block's tier there: its own blocks "host", those its peers supply "p2p"."""
     import socket
 
     from kvtier.integrations.vllm.worker import LOCAL
@@ -679,7 +677,7 @@ def test_hit_sources_over_the_workers_node(tmp_path, monkeypatch):
         monkeypatch.delitem(LOCAL, w.address)      # as if the worker ran in another process
         req = _request("r1", toks + [9])
         assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
-        assert s._reqs["r1"].sources == [None]     # FIND: a length only
+        assert s._reqs["r1"].sources == [["host", "p2p", "p2p", "p2p"]]   # from the FIND's answer
         assert s.hit_sources(req, 4 * T) == {"host": T, "p2p": 3 * T}
         monkeypatch.setitem(LOCAL, w.address, w)   # in this process: the store's lookup says it
         req = _request("r2", toks + [9])
@@ -691,16 +689,31 @@ def test_hit_sources_over_the_workers_node(tmp_path, monkeypatch):
         peer.close()
 
 
-def test_hit_sources_with_host_and_disk_over_the_node(pair, monkeypatch):
+def test_hit_sources_with_host_and_disk_over_the_node(tmp_path, monkeypatch):
+    """The worker in another process (vLLM's multiprocess mode): its node's FIND answers each
+    block's tier, so host and disk hits are told apart there too."""
     from kvtier.integrations.vllm.worker import LOCAL
 
-    s, w, caches = pair
-    toks = list(range(100, 118))
-    w.store.put(w.store.keys(toks), _blocks(w, 4))
-    monkeypatch.delitem(LOCAL, w.address)
-    req = _request("r1", toks + [9])
-    assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
-    assert s.hit_sources(req, 4 * T) == {"external_unspecified": 4 * T}
+    settings = {"host_capacity": "1MiB", "disk_path": str(tmp_path / "disk"), "disk_capacity": "4MiB"}
+    toks = list(range(100, 118))                    # 4 full blocks
+    w = WorkerSide(parse_config(settings), "tiny", "r1", 0, 1)
+    w.register(_caches(), KVSpec(T, P, False, 2, 8, "LBHNC"), list(_caches()))
+    keys = w.store.keys(toks)
+    w.store.put(keys[:2], _blocks(w, 2))
+    w.close()                                       # flushed: blocks 0, 1 on disk only
+    w = WorkerSide(parse_config(settings), "tiny", "r1", 0, 1)
+    w.register(_caches(), KVSpec(T, P, False, 2, 8, "LBHNC"), list(_caches()))
+    w.store.put(keys[2:], _blocks(w, 2))            # blocks 2, 3 in host memory
+    s = SchedulerSide(parse_config(settings), T)
+    s.set_workers([w.handshake()])
+    try:
+        monkeypatch.delitem(LOCAL, w.address)       # as if the worker ran in another process
+        req = _request("r1", toks + [9])
+        assert _admit(s, req, [0, 1, 2, 3, 4]) == 4 * T
+        assert s.hit_sources(req, 4 * T) == {"disk": 2 * T, "host": 2 * T}
+    finally:
+        s.close()
+        w.close()
 
 
 def test_hit_sources_of_several_ranks_name_the_farthest_tier():

@@ -117,10 +117,12 @@ class PeerClient:
         """How long a prefix of `keys` the peer holds."""
         return self._call(Frame("HAS", self.ns, list(keys)), None)
 
-    def find(self, keys: Sequence[bytes]) -> int:
+    def find(self, keys: Sequence[bytes], tiers: list[int] | None = None) -> int:
         """How long a prefix of `keys` the peer's store can load: what it holds, then what its
-        remote tier finds on its own peers (allow the peer's remote timeout in `timeout`)."""
-        return self._call(Frame("FIND", self.ns, list(keys)), None)
+        remote tier finds on its own peers (allow the peer's remote timeout in `timeout`).
+        `tiers`, if given, receives each found block's tier at the peer (0 = its fastest; its
+        number of local tiers = its remote), where the peer tells them (older nodes do not)."""
+        return self._call(Frame("FIND", self.ns, list(keys)), None, tiers_out=tiers)
 
     def get(self, keys: Sequence[bytes], rows: Sequence[np.ndarray]) -> int:
         """Fetch the peer's prefix of `keys` into `rows` (one writable uint8 row per key, or a
@@ -151,7 +153,7 @@ class PeerClient:
         req = Frame("PUT", self.ns, list(keys), payload=len(keys) * self.block_bytes, sums=sums)
         return self._call(req, rows, send_rows=True)
 
-    def _call(self, req: Frame, rows, send_rows: bool = False) -> int:
+    def _call(self, req: Frame, rows, send_rows: bool = False, tiers_out: list[int] | None = None) -> int:
         deadline = time.monotonic() + request_seconds(self.timeout, req.op, len(req.keys), self.block_bytes)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if not self.wait_busy else -1):
             raise PeerError(self.address, "busy: this client's earlier request to the peer was still running "
@@ -177,6 +179,8 @@ class PeerClient:
                 if not 0 <= reply.n <= len(req.keys):
                     raise FrameError(f"{req.op} reply of {reply.n} blocks for {len(req.keys)} keys asked")
                 if req.op != "GET":
+                    if tiers_out is not None and len(reply.sums) == reply.n:
+                        tiers_out.extend(reply.sums)
                     return reply.n
                 return self._receive_blocks(chan, reply, rows, deadline, landed)
             except (OSError, EOFError, FrameError) as e:

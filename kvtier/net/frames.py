@@ -88,7 +88,7 @@ class Frame:
     ns: bytes = b""
     keys: list[bytes] = field(default_factory=list)
     payload: int = 0                  # bytes that follow
-    sums: list[int] = field(default_factory=list)   # xxh3-64 per block of the payload
+    sums: list[int] = field(default_factory=list)   # xxh3-64 per block of the payload; a FIND reply: each block's tier
     n: int = 0                        # HAS/FIND/GET reply: prefix length found
     error: str = ""
     re: bytes = b""                   # a reply: the nonce of the request it answers

@@ -326,7 +326,10 @@ class Node:
                 raise FrameError("FIND carries no payload")
             async with self._finds:    # each FIND asks every peer: bounded, whoever sends them
                 hit = await asyncio.get_running_loop().run_in_executor(None, store.lookup, req.keys)
-            await conn.send(Frame("OK", self.seed, n=hit.blocks, re=re).encode(self.secret))
+            # `sums` carries each found block's tier here (0 = the fastest; past the local tiers:
+            # the remote), so a scheduler can tell host hits from disk hits (vLLM's metrics)
+            await conn.send(Frame("OK", self.seed, n=hit.blocks, sums=list(hit.tiers[:hit.blocks]),
+                                  re=re).encode(self.secret))
         elif req.op == "GET":
             if req.payload:
                 raise FrameError("GET carries no payload")

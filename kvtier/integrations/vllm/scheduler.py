@@ -61,11 +61,10 @@ class WorkerStore:
         self._client: PeerClient | None = None
         self._timeout = timeout
         self._warned = 0.0
-        # The worker's local tier kinds (fastest first) and whether it has a remote tier.
+        # The worker's local tier kinds, fastest first (a tier index past them: its remote).
         self.tier_kinds: list[str] = list(info.get("tiers") or ())
-        self.remote = info.get("remote_timeout") is not None
         # Per block, the source of the last has() answer when the lookup told it (the store in
-        # this process); None: it said only a length (a FIND at the worker's node).
+        # this process, or the worker's node); None: it did not (it failed, or an older node).
         self.last_sources: list[str] | None = None
 
     def has(self, keys: list[bytes]) -> int:
@@ -83,31 +82,17 @@ class WorkerStore:
         if self._client is None:
             self._client = PeerClient(self.info["address"], self.info["secret"], self.seed, 1, self._timeout)
         try:
-            return self._client.find(keys)
+            tiers: list[int] = []
+            n = self._client.find(keys, tiers)
+            if len(tiers) == n:        # the node told each block's tier
+                kinds = self.tier_kinds
+                self.last_sources = [_source(kinds[t]) if t < len(kinds) else "p2p" for t in tiers]
+            return n
         except PeerError as e:          # a worker that cannot answer in time is a miss, not an error
             if time.monotonic() - self._warned > 10:
                 self._warned = time.monotonic()
                 log.warning("kvtier: prefix lookup at worker %s failed (a miss): %s", self.info["address"], e)
             return 0
-
-    def sources(self, keys: list[bytes], n: int) -> list[str]:
-        """The source of each of the first `n` blocks of `keys` (a prefix has() found), when
-        the lookup said only its length: a FIND at the worker's node answers how many blocks,
-        not from which tier. A worker with one local tier kind (host) holds its part there;
-        with a remote tier, a HAS (the node's own tiers only; one more loopback round trip)
-        tells its blocks from the peers'. Host and disk are not told apart this way: their
-        blocks are "external_unspecified"."""
-        kinds = set(self.tier_kinds)
-        local = _source(kinds.pop()) if len(kinds) == 1 else UNKNOWN
-        if not self.remote or n <= 0:
-            return [local] * n
-        if self._client is None:
-            return [UNKNOWN] * n
-        try:
-            m = min(self._client.has(keys[:n]), n)
-        except PeerError:
-            return [UNKNOWN] * n
-        return [local] * m + ["p2p"] * (n - m)
 
     def close(self) -> None:
         if self._client is not None:
@@ -235,11 +220,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         r = st.pending if st is not None else None
         if st is not None and r is not None and st.keys is not None and st.sources is not None:
-            per_worker = []
-            for i, (w, src) in enumerate(zip(self.workers, st.sources)):
-                if src is None or len(src) < r.end:
-                    src = st.sources[i] = w.sources(list(st.keys[i][:r.end]), r.end)
-                per_worker.append(src)
+            per_worker = [src or [] for src in st.sources]     # None: that lookup did not tell
             for b in range(r.start, r.end):
                 if left <= 0:
                     break
