@@ -22,6 +22,7 @@ from time import monotonic
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvtier.ids import BlockKey, TierId
+from kvtier.throttle import Throttle
 
 if TYPE_CHECKING:       # kvtier.config imports this module's setting checks; moves imports tiers
     from kvtier.moves import Mover
@@ -67,7 +68,7 @@ class Backup:
         self._thread: threading.Thread | None = None
         self.copied = 0          # blocks given a copy in `tier`
         self.failed = 0          # blocks whose copy failed (each is demoted when evicted instead)
-        self._warned_at: float | None = None   # when a failure was last logged
+        self._warn = Throttle(WARN_EVERY_S)
         self._unlogged = [0, 0]  # failed passes and blocks not logged since
 
     def submit(self, keys: Sequence[BlockKey]) -> None:
@@ -108,17 +109,16 @@ class Backup:
     def _log_failure(self, blocks: int, e: Exception) -> None:
         """One warning for the first failed pass, then at most one per WARN_EVERY_S with the
         count since: a cause that fails every pass (a full disk) wrote a line per pass."""
-        now = monotonic()
         self._unlogged[0] += 1
         self._unlogged[1] += blocks
-        if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
+        again = self._warn.last is not None
+        if not self._warn.due(monotonic()):
             return
         passes, n = self._unlogged
-        since = f" ({passes} passes, {n} blocks since the last warning)" if self._warned_at is not None else ""
+        since = f" ({passes} passes, {n} blocks since the last warning)" if again else ""
         log.warning("backup of %d blocks to tier %d failed: %s%s; blocks without a copy are demoted when "
                     "evicted instead (next such warning in %.0f s at the earliest)", blocks, self.tier, e, since,
                     WARN_EVERY_S)
-        self._warned_at = now
         self._unlogged = [0, 0]
 
     @property

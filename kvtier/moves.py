@@ -20,6 +20,7 @@ from kvtier.errors import TransferError
 from kvtier.ids import BlockKey, SlotId, TierId
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
+from kvtier.throttle import Throttle
 from kvtier.tiers.base import PendingWrite, Tier
 
 log = logging.getLogger("kvtier.store")
@@ -35,7 +36,7 @@ class Mover:
         self.index = index
         self._lock = lock
         self.counters = counters
-        self._warned_at: float | None = None
+        self._warn = Throttle(WARN_EVERY_S)
         self._unlogged = 0          # blocks dropped for a failed demotion since the last warning
 
     def apply(self, res: Reservation) -> None:
@@ -127,12 +128,12 @@ class Mover:
             if gone is not None:
                 self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
         self._unlogged += len({m.key for m in failed})
-        now = time.monotonic()
-        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+        again = self._warn.last is not None
+        if self._warn.due(time.monotonic()):
             log.warning("moving evicted blocks down failed (%s); dropped %d block(s)%s instead of failing the "
                         "request (next such warning in %.0f s at the earliest)", error, self._unlogged,
-                        " since the last warning" if self._warned_at is not None else "", WARN_EVERY_S)
-            self._warned_at, self._unlogged = now, 0
+                        " since the last warning" if again else "", WARN_EVERY_S)
+            self._unlogged = 0
 
     def discard(self, bad: list[tuple[bytes, int]]) -> None:
         """Drop copies whose bytes failed verification: they are misses from now on."""

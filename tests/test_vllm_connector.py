@@ -741,13 +741,13 @@ def test_tensor_parallel_ranks_are_asked_at_once(monkeypatch):
 
     gate = threading.Barrier(2)
 
-    def has(self, keys):
+    def lookup(self, keys):
         try:
             gate.wait(timeout=5)
         except threading.BrokenBarrierError:
-            return 0
-        return 3 - self.info["rank"]
-    monkeypatch.setattr(WorkerStore, "has", has)
+            return 0, None
+        return 3 - self.info["rank"], None
+    monkeypatch.setattr(WorkerStore, "lookup", lookup)
     s = SchedulerSide(parse_config({}), T)
     s.set_workers([{"rank": r, "seed": bytes(16), "hash": "xxh3", "block_tokens": T, "address": f"127.0.0.1:{9 + r}",
                     "secret": b"s" * 32} for r in (1, 0)])

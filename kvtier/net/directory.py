@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from kvtier.ids import BlockKey as Key
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.throttle import Throttle
 from kvtier.net.address import parse_address
 from kvtier.net.health import Health
 
@@ -325,7 +326,7 @@ class RedisDirectory(Directory):
         # fetch of it from the new process was a miss for blocks another holder had.
         self.token = os.urandom(4).hex()
         self.garbled = 0                  # holder entries read that were not UTF-8 (each a miss)
-        self._garbled_logged = float("-inf")
+        self._garbled_warn = Throttle(GARBLED_LOG_S)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run one Redis call, unless Redis is down and not due for a retry."""
@@ -382,9 +383,7 @@ class RedisDirectory(Directory):
         """Count a holder entry that is not UTF-8; logged at most once per GARBLED_LOG_S (a
         lookup hits it each time it reads that block: no log line per engine step)."""
         self.garbled += 1
-        now = time.monotonic()
-        if now >= self._garbled_logged + GARBLED_LOG_S:
-            self._garbled_logged = now
+        if self._garbled_warn.due(time.monotonic()):
             log.warning("%s: a block's holder entry is not UTF-8 (%r): taken as a miss (%d such entries read "
                         "so far; logged at most once every %g s)", self.health.what, h[:40], self.garbled,
                         GARBLED_LOG_S)

@@ -100,8 +100,8 @@ def _split_head(msg: Any, check: Callable[[bytes], int]) -> tuple[bytes, bytes, 
 class UcxServerConn:
     """A node's side of one UCX endpoint (runs on the UCX loop)."""
 
-    def __init__(self, ep: Any, timeout: float) -> None:
-        self.ep, self.timeout = ep, timeout
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
 
     async def recv_head(self, deadline: float | None, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         # A head is one message: its deadline (if any) bounds all of it.
@@ -157,7 +157,7 @@ class UcxServer:
         ucxx = require_ucxx()
 
         async def handler(ep: Any) -> None:
-            await self.node.serve(UcxServerConn(ep, self.node.request_timeout))
+            await self.node.serve(UcxServerConn(ep))
 
         return ucxx.create_listener(handler, port=port)
 

@@ -766,28 +766,34 @@ def present_blocks(path: str | os.PathLike, block_bytes: int) -> int:
 
 def _recorded_capacity(where: Path) -> int | None:
     """The capacity in blocks an index recorded at its store's last open; None where there
-    is no readable one (the open that follows deals with a damaged or foreign index).
-    Read-only and without a lock, as _refuse_foreign reads."""
+    is no readable one (the open that follows deals with a damaged or foreign index)."""
+    meta = _peek(where)[1]
+    n = meta.get("capacity_blocks") if isinstance(meta, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _peek(where: Path) -> tuple[list[bytes], Any]:
+    """(the names of an index's databases, its meta record decoded or None), read-only and
+    without a lock, before a store opens it; ([], None) where it cannot be read so (no data
+    file, one too short to map safely: lmdb_check, damage: the usual open deals with those)."""
     if not (where / "data.mdb").is_file() or shortfall(where) is not None:
-        return None
+        return [], None
     try:
         env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=4, subdir=True)
     except lmdb.Error:
-        return None
+        return [], None
     try:
-        with env.begin() as txn:
-            if txn.get(_META) is None:           # the main database lists the named ones
-                return None
-        meta_db = env.open_db(_META, create=False)
-        with env.begin(db=meta_db) as txn:
+        with env.begin() as txn:                 # the main database lists the named ones
+            names = [bytes(k) for k, _ in txn.cursor()]
+        if _META not in names:
+            return names, None
+        with env.begin(db=env.open_db(_META, create=False)) as txn:
             raw = txn.get(b"meta")
-        meta = msgpack.unpackb(raw) if raw is not None else None
+        return names, msgpack.unpackb(raw) if raw is not None else None
     except (lmdb.Error, ValueError, msgpack.UnpackException):
-        return None
+        return [], None
     finally:
         env.close()
-    n = meta.get("capacity_blocks") if isinstance(meta, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
@@ -896,19 +902,8 @@ def _refuse_occupied(path: Path) -> None:
 
 def _refuse_foreign(where: Path) -> None:
     """Refuse an index.lmdb another program wrote (no kvtier meta database, keys of its own):
-    a store wrote its databases beside the other program's keys. Read-only and without a
-    lock; an index too short to map safely (lmdb_check) is left to the usual open."""
-    if not (where / "data.mdb").is_file() or shortfall(where) is not None:
-        return
-    try:
-        env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=4, subdir=True)
-    except lmdb.Error:
-        return                                   # damaged: the usual open sets it aside
-    try:
-        with env.begin() as txn:                 # the main database lists the named ones
-            names = [bytes(k) for k, _ in txn.cursor()]
-    finally:
-        env.close()
+    a store wrote its databases beside the other program's keys."""
+    names = _peek(where)[0]
     foreign = [k for k in names if k not in (_META, b"blocks")]
     if foreign and _META not in names:
         raise ConfigError(f"{where} is an LMDB database kvtier did not write (it holds {foreign[0]!r} and "

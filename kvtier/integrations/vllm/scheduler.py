@@ -49,7 +49,7 @@ def outermost(sources: Sequence[str]) -> str:
 
 
 class WorkerStore:
-    """One worker's store as the scheduler sees it: `has(keys)` -> cached prefix length."""
+    """One worker's store as the scheduler sees it: `lookup(keys)` -> its cached prefix (and sources)."""
 
     def __init__(self, info: dict[str, Any], timeout: float = 0.5) -> None:
         self.info = info
@@ -63,45 +63,40 @@ class WorkerStore:
         self._warned = 0.0
         # The worker's local tier kinds, fastest first (a tier index past them: its remote).
         self.tier_kinds: list[str] = list(info.get("tiers") or ())
-        # Per block, the source of the last has() answer when the lookup told it (the store in
-        # this process, or the worker's node); None: it did not (it failed, or an older node).
-        self.last_sources: list[str] | None = None
 
-    def has(self, keys: list[bytes]) -> int:
+    def lookup(self, keys: list[bytes]) -> tuple[int, list[str] | None]:
+        """The worker's cached prefix of `keys`, in blocks, and each block's source (None where
+        the lookup did not tell: it failed, or an older node answered a length only)."""
         from kvtier.integrations.vllm.worker import LOCAL
 
-        self.last_sources = None
         if not keys:
-            return 0
+            return 0, None
         local = LOCAL.get(self.info["address"])
         if local is not None and local.store is not None:
             hit = local.store.lookup(keys)
-            kinds = [t.kind for t in local.store.tiers]
-            self.last_sources = [_source(kinds[t]) if t < len(kinds) else "p2p" for t in hit.tiers]
-            return hit.blocks
+            return hit.blocks, _sources(hit.tiers, [t.kind for t in local.store.tiers])
         if self._client is None:
             self._client = PeerClient(self.info["address"], self.info["secret"], self.seed, 1, self._timeout)
         try:
             tiers: list[int] = []
             n = self._client.find(keys, tiers)
-            if len(tiers) == n:        # the node told each block's tier
-                kinds = self.tier_kinds
-                self.last_sources = [_source(kinds[t]) if t < len(kinds) else "p2p" for t in tiers]
-            return n
+            return n, _sources(tiers, self.tier_kinds) if len(tiers) == n else None
         except PeerError as e:          # a worker that cannot answer in time is a miss, not an error
             if time.monotonic() - self._warned > 10:
                 self._warned = time.monotonic()
                 log.warning("kvtier: prefix lookup at worker %s failed (a miss): %s", self.info["address"], e)
-            return 0
+            return 0, None
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
 
 
-def _source(kind: str) -> str:
-    """A kvtier tier kind as a vLLM cache-hit source."""
-    return kind if kind in ("device", "host", "disk") else UNKNOWN
+def _sources(tiers: Sequence[int], kinds: Sequence[str]) -> list[str]:
+    """Blocks' tier indexes as vLLM cache-hit sources: a local tier's kind, "p2p" past them
+    (the remote tier: other nodes)."""
+    return [("p2p" if t >= len(kinds) else kinds[t] if kinds[t] in ("device", "host", "disk") else UNKNOWN)
+            for t in tiers]
 
 
 @dataclass
@@ -202,13 +197,9 @@ class SchedulerSide:
 
     def _ask(self, keys: list[BlockKeys]) -> list[tuple[int, list[str] | None]]:
         """Each worker's cached prefix of its keys (its rank's chain), and its blocks' sources if known."""
-        def ask(w: WorkerStore, k: BlockKeys) -> tuple[int, list[str] | None]:
-            w.last_sources = None
-            n = w.has(k)
-            return n, w.last_sources
         if self._pool is None:
-            return [ask(w, k) for w, k in zip(self.workers, keys)]
-        return list(self._pool.map(lambda wk: ask(*wk), zip(self.workers, keys)))
+            return [w.lookup(k) for w, k in zip(self.workers, keys)]
+        return list(self._pool.map(lambda wk: wk[0].lookup(wk[1]), zip(self.workers, keys)))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """The `num_external_tokens` that after_alloc planned to load, by the tier each block
@@ -219,7 +210,7 @@ class SchedulerSide:
         left = num_external_tokens
         st = self._reqs.get(request.request_id)
         r = st.pending if st is not None else None
-        if st is not None and r is not None and st.keys is not None and st.sources is not None:
+        if st is not None and r is not None and st.sources is not None:
             per_worker = [src or [] for src in st.sources]     # None: that lookup did not tell
             for b in range(r.start, r.end):
                 if left <= 0:
