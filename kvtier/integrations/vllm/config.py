@@ -124,11 +124,16 @@ def _load_file(path: Any) -> dict[str, Any]:
     data = data.get("vllm", data) if isinstance(data.get("vllm"), dict) else data
     if "config_file" in data:
         raise ConfigError(f"{path}: a config file cannot name another config_file")
-    unknown = sorted(set(data) - _KEYS)
-    if unknown:
-        raise ConfigError(f"unknown kvtier connector setting(s) {unknown} in config file {path}; "
-                          f"known: {', '.join(sorted(_KEYS))}")
+    _known(data, f"config file {path}")
     return data
+
+
+def _known(settings: dict[str, Any], where: str) -> None:
+    """A ConfigError naming `where` for settings the connector does not know."""
+    unknown = sorted(set(settings) - _KEYS)
+    if unknown:
+        raise ConfigError(f"unknown kvtier connector setting(s) {unknown} in {where}; "
+                          f"known: {', '.join(sorted(_KEYS))}")
 
 
 def _secret(cfg: dict[str, Any]) -> bytes | None:
@@ -237,10 +242,7 @@ def _tier_list(cfg: dict[str, Any]) -> list[TierSpec]:
 def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     """Check `kv_connector_extra_config` (and the config_file it names) into a ConnectorConfig."""
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - _KEYS)
-    if unknown:
-        raise ConfigError(f"unknown kvtier connector setting(s) {unknown} in kv_connector_extra_config; "
-                          f"known: {', '.join(sorted(_KEYS))}")
+    _known(extra, "kv_connector_extra_config")
     cfg: dict[str, Any] = _load_file(extra["config_file"]) if "config_file" in extra else {}
     if not cfg:
         return _parse(extra)
