@@ -135,14 +135,15 @@ def pipeline_cuts(n: int, head: int) -> Iterator[tuple[int, int]]:
         yield lo, hi
         hi, size = lo, 2 * size
 
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Python's cycle collector off inside the block (back on after, if it was on).
 
     Speed: a store opened over a disk tier makes several objects per block it finds (its
     record, index entry, policy info), none of them in a cycle, and the collector ran over
-    all of them again and again as they piled up: 1,000,000 blocks opened in 8.6-8.9 s, 4.9
-    s with it paused (4 KiB blocks, records only)."""
+    all of them again and again as they piled up: 1,000,000 blocks opened in 8.6-8.9 s,
+    5.2-5.5 s with it paused (4 KiB blocks, records only)."""
     was = gc.isenabled()
     gc.disable()
     try:
