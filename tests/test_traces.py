@@ -196,7 +196,7 @@ def test_lengths_past_any_context_are_named_not_printed(tmp_path, fmt, field):
     p = _write(tmp_path, [good, re.sub(f'"{field}": [0-9]+', f'"{field}": 1e300', good)])
     with pytest.raises(TraceError, match=f"'{field}' is 1e\\+300 tokens, more than") as e:
         read_trace(p)
-    assert e.value.line == 2 and len(str(e.value)) < 200
+    assert e.value.line == 2 and len(str(e.value)) - len(str(p)) < 150   # the path's length varies
     q = _write(tmp_path, [re.sub(f'"{field}": [0-9]+', f'"{field}": {2**31}', good)], "q.jsonl")
     if field == "output_length":     # the bound itself still reads
         assert read_trace(q).requests[0].output_length == 2**31
