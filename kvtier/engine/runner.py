@@ -67,15 +67,25 @@ def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int], bool]], 
     sequence: the target's step and a draft model's steps are built by this one function."""
     ids: list[int] = []
     pos: list[int] = []
-    seqs_out: list[SeqSlice] = []
     want: list[int] = []
+    pages_flat: list[int] = []
+    spans: list[tuple[int, int, int, int]] = []          # (start, num_new, context, pages) per sequence
     for toks, context, pages, samples in seqs:
         start = len(ids)
         ids += toks
         pos += range(context, context + len(toks))
-        seqs_out.append(SeqSlice(start, len(toks), context, torch.tensor(pages, dtype=torch.int64, device=device)))
+        spans.append((start, len(toks), context, len(pages)))
+        pages_flat += pages
         if samples:
             want.append(len(ids) - 1)
-    return StepBatch(torch.tensor(ids, dtype=torch.int64, device=device),
-                     torch.tensor(pos, dtype=torch.int64, device=device), seqs_out,
-                     torch.tensor(want, dtype=torch.int64, device=device), before_layer)
+    # Speed: the step's integers go to the device in one copy, cut into views there. On a GPU
+    # each torch.tensor(list, device=cuda) is a pageable copy the host waits for: a prefill of
+    # 16 sequences made 19 of them. (Not yet timed on a GPU.)
+    flat = torch.tensor(ids + pos + want + pages_flat, dtype=torch.int64).to(device)
+    t, w = len(ids), len(want)
+    seqs_out: list[SeqSlice] = []
+    at = 2 * t + w
+    for start, n, context, n_pages in spans:
+        seqs_out.append(SeqSlice(start, n, context, flat[at:at + n_pages]))
+        at += n_pages
+    return StepBatch(flat[:t], flat[t:2 * t], seqs_out, flat[2 * t:2 * t + w], before_layer)
