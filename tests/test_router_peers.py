@@ -256,3 +256,35 @@ def test_the_router_refuses_a_session_id_no_worker_would_take_and_keeps_model_id
             assert r.json()["id"].startswith("/v1/models/")
 
     run(main, w)
+
+
+def test_an_endless_answer_from_a_decode_worker_is_a_502_not_the_routers_memory(monkeypatch):
+    """A non-streamed completion and a forwarded /tokenize were read whole, however long."""
+    monkeypatch.setattr(router_app, "ANSWER_MAX_BYTES", 4 << 20)
+
+    class Worker_(JsonHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_json(ready("both", BT))
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            _endless(self)
+
+    w = FakeServer(Worker_)
+
+    async def main() -> None:
+        async with running(Worker(w.url, "decode")) as router, httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=router_app.build_app(router)), base_url="http://router") as client:
+            deadline = time.monotonic() + 30
+            while not router.pools.decode[0].ready:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            for path, body in (("/v1/completions", {"model": "m", "prompt": "hi"}), ("/tokenize", {"prompt": "hi"})):
+                r = await asyncio.wait_for(client.post(path, json=body), 60)
+                assert r.status_code == 502, (path, r.status_code, r.text[:200])
+                assert "more than 4,194,304 bytes" in r.json()["error"]["message"]
+            assert router.pools.decode[0].ready          # an answer too large says nothing of the worker's health
+
+    run(main, w)

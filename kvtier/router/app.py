@@ -40,7 +40,8 @@ from kvtier.router.blocks import MAX_ROUNDS, BlockMap
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prefixes import Prompt, PrefixIndex, prompt_of
 from kvtier.router.rules import Ask, Candidate, choose
-from kvtier.router.workers import POLL_TIMEOUT_S, LostGuard, Pools, Worker, read_small, unless_lost
+from kvtier.router.workers import (POLL_TIMEOUT_S, AnswerTooLarge, LostGuard, Pools, Worker, read_capped, read_small,
+                                   unless_lost)
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
 from kvtier.serve.sse import (JSON, EXCEPTION_HANDLERS, AFFINITY, ClientGone, EchoAffinity, EventStream, read_body,
@@ -57,6 +58,7 @@ EVENTS_MAX_BYTES = 4 << 20    # a /kvtier/events answer: at most 4,096 events of
 KEYS_MAX_BYTES = 16 << 20     # a prompt's keys (/kvtier/keys, a prefill's hand-over): ~35 bytes a block;
                               # 4 MiB of prompt text is at most ~64k blocks of 16 tokens
 SMALL_MAX_BYTES = 64 << 10    # /tokenize of the calibration text
+ANSWER_MAX_BYTES = 256 << 20  # a non-streamed answer or /tokenize: ~1M tokens' ids, or 64 long completions
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}   # completions (OpenAI's default), chat (a guess for load only)
 
 
@@ -434,7 +436,10 @@ class Router:
                 w.sent += 1
                 return EventStream(_relay(resp, chunks, head, load, stats=self.stats), on_close=load.release)
             try:
-                data = await unless_lost(w, resp.aread())
+                data = await unless_lost(w, read_capped(resp, ANSWER_MAX_BYTES))
+            except AnswerTooLarge as e:
+                self.stats.unserved += 1
+                raise ApiError(502, f"the decode worker's answer was too large: {e}", code="bad_gateway") from None
             except httpx.HTTPError as e:
                 w.failed(f"went away before answering: {type(e).__name__}: {e}")
                 if isinstance(e, httpx.TimeoutException):
@@ -475,12 +480,15 @@ class Router:
             path = "/v1/models/" + quote(request.path_params["model"], safe="")
         for w in [w for w in self.pools.decode if w.ready]:
             try:
-                r = await self.client.request(request.method, w.url + path, content=raw,
-                                              headers={"content-type": "application/json"})
+                async with self.client.stream(request.method, w.url + path, content=raw,
+                                              headers={"content-type": "application/json"}) as r:
+                    data = await read_capped(r, ANSWER_MAX_BYTES)
+            except AnswerTooLarge as e:
+                raise ApiError(502, f"the decode worker's answer was too large: {e}", code="bad_gateway") from None
             except httpx.HTTPError as e:
                 w.failed(f"{type(e).__name__}: {e}")
                 continue
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            return Response(data, r.status_code, media_type=r.headers.get("content-type"))
         raise ApiError(503, "no decode worker is ready; retry later", code="service_unavailable")
 
     def health(self) -> tuple[dict, int]:

@@ -136,14 +136,20 @@ async def read_small(client: httpx.AsyncClient, method: str, url: str, *, limit:
         async with asyncio.timeout(within):
             async with client.stream(method, url, timeout=httpx.USE_CLIENT_DEFAULT if within is None else within,
                                      **kwargs) as r:
-                body = bytearray()
-                async for chunk in r.aiter_bytes():
-                    body += chunk
-                    if len(body) > limit:
-                        raise AnswerTooLarge(f"{url} answered more than {limit} bytes")
-                return r.status_code, bytes(body)
+                return r.status_code, await read_capped(r, limit)
     except TimeoutError:
         raise httpx.ReadTimeout(f"{url} gave no whole answer in {within:g} s") from None
+
+
+async def read_capped(r: httpx.Response, limit: int) -> bytes:
+    """The body of a streamed answer, raising AnswerTooLarge past `limit` bytes (a worker
+    answering without end would fill the router's memory)."""
+    body = bytearray()
+    async for chunk in r.aiter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise AnswerTooLarge(f"{r.request.url} answered more than {limit:,} bytes")
+    return bytes(body)
 
 
 def _count(v: Any, default: int = 0) -> int:
