@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,11 @@ import httpx
 import orjson
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))       # this checkout's kvtier, for its child_env
+sys.path.insert(0, str(REPO))       # this checkout's kvtier (its workers run it too: KvtierProcess)
+from kvtier.bench.children import Children  # noqa: E402
+from kvtier.bench.serve import KvtierProcess  # noqa: E402
+from kvtier.errors import KvtierError  # noqa: E402
+
 SYSTEM = ("You are a coding agent. Read the repository, call the tools you need, and answer the user's "
           "question with a short plan, the files to change and the tests to run. ") * 8
 TOOL = ("def handler(request):\n    body = request.json()\n    if not body.get('id'):\n        raise ValueError('no id')\n"
@@ -48,20 +50,10 @@ def conversation(tokens: int, nonce: str) -> list[dict]:
     return msgs
 
 
-def serve(kv: str, host: str) -> tuple[subprocess.Popen, str]:
-    """A kimi-tiny worker on a free port (one torch thread); (process, its URL)."""
-    from kvtier.bench.common import child_env
-
-    env = child_env(OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--model", "kimi-tiny", "--port", "0",
-                             "--kv-cache", kv, "--host-cache", host], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("kvtier serve: ready:"):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()   # drain its log
-            return proc, line.split(" on ", 1)[1].split()[0]
-    raise SystemExit("the worker did not start")
+def serve(children: Children, kv: str, host: str) -> str:
+    """A kimi-tiny worker on a free port (one torch thread), owned by `children`: its URL."""
+    return KvtierProcess(children, ["serve", "--model", "kimi-tiny", "--port", "0", "--kv-cache", kv,
+                                    "--host-cache", host]).url
 
 
 def keys_call(client: httpx.Client, body: dict) -> tuple[float, int]:
@@ -102,8 +94,8 @@ def main() -> None:
     ap.add_argument("--uncached", type=int, default=3, help="rounds with a new system prompt (all computed)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    proc, url = serve("48MiB", "96MiB")
-    try:
+    with Children() as children:      # Ctrl-C, SIGTERM or an error: no worker outlives the bench
+        url = serve(children, "48MiB", "96MiB")
         client = httpx.Client(base_url=url, timeout=600)
         for size in args.tokens:
             history = conversation(size, "session A. ")
@@ -140,10 +132,13 @@ def main() -> None:
                   f"follow-up TTFT ({cached} cached) p50 {row['followup_ttft_ms_p50']} ms p90 "
                   f"{row['followup_ttft_ms_p90']} ms; keys share of it p50 {row['share_of_followup_ttft_p50']:.1%}; "
                   f"uncached TTFT p50 {row['uncached_ttft_ms_p50']} ms", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KvtierError as e:            # the worker's own one-line error, e.g. a missing extra
+        sys.exit(f"keys_call: error: {e}")
+    except KeyboardInterrupt:           # Ctrl-C, or SIGTERM/SIGHUP (Children): the workers are stopped
+        print("keys_call: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from kvtier.backup import AUTO_MIN_RATIO, valid_backup
 from kvtier.errors import ConfigError
@@ -62,11 +62,17 @@ class StoreConfig:
                                              # "auto": where that tier holds 2x the pages' blocks (kvtier.backup)
     io_threads: int = 1                      # store threads for non-blocking get/put
 
+    #: The settings the caller gave (not a field: neither compared nor shown). build() takes
+    #: the layout's block size over the default block_tokens, but refuses one that was given.
+    _given: ClassVar[frozenset[str]] = frozenset()
+
     def __new__(cls, *args: Any, **settings: Any) -> StoreConfig:
         # Before the dataclass's __init__, whose TypeError for a misspelled keyword names no
         # close match: StoreConfig(host_capcity="1GiB") says "did you mean 'host_capacity'?".
         check_names(settings, cls.fields(), "StoreConfig")
-        return super().__new__(cls)
+        config = super().__new__(cls)
+        object.__setattr__(config, "_given", frozenset(cls.fields()[:len(args)]) | frozenset(settings))
+        return config
 
     def __post_init__(self) -> None:
         if no_host_tier(self.host_capacity):     # 0, "0GiB" or "none": no host tier, however it is given
@@ -176,9 +182,21 @@ class StoreConfig:
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (e.g. command-line flags over a file's settings)."""
         check_names(changes, self.fields(), "store config")
-        return dataclasses.replace(self, **changes)
+        changed = dataclasses.replace(self, **changes)
+        # (dataclasses.replace passes every field: the settings given are these and ours)
+        object.__setattr__(changed, "_given", self._given | frozenset(changes))
+        return changed
 
     # -- a store -------------------------------------------------------------------------
+    def check_block_tokens(self, page_tokens: int) -> None:
+        """A store's blocks are its layout's (an engine's pages): a block_tokens the user gave
+        that differs is a ConfigError saying which value to give. The default gives way
+        silently (vLLM's block size, an engine's own pages)."""
+        if "block_tokens" in self._given and self.block_tokens != page_tokens:
+            raise ConfigError(f"block_tokens is {self.block_tokens}, but the layout's blocks (the engine's pages) "
+                              f"hold {page_tokens} tokens: set block_tokens to {page_tokens}, or leave it out to "
+                              "take the layout's")
+
     def build(self, layout: KVLayout, namespace: Namespace, *, device: str | torch.device | None = None,
               remote: Remote | None = None, subdir: str = "") -> Store:
         """The store this config describes. With `device` (where an engine's KV pages live,
@@ -188,6 +206,7 @@ class StoreConfig:
         from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
         from kvtier.tiers.disk import present_blocks
 
+        self.check_block_tokens(layout.block_tokens)
         tiers: list[Tier] = []
         if device is not None:
             tiers.append(DeviceTier(self.device_capacity, device=device, name="device"))

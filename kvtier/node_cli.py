@@ -173,21 +173,6 @@ def read_salt(path: str | None) -> bytes:
     return salt
 
 
-def check_listen_host(listen: str) -> None:
-    """--listen's host resolves to an address to listen on (checked before any memory is taken)."""
-    import socket
-
-    from kvtier.net.address import parse_address
-
-    host, port = parse_address(listen)
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--listen {listen!r}: {host!r} is not an address this machine can listen on "
-                          f"({e.strerror}): give one of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all "
-                          "of them") from None
-
-
 def tls_options(args: argparse.Namespace) -> tuple[object, object]:
     """(serving Tls or None, fetching Tls or None) from --tls-cert/--tls-key/--tls-ca, each
     file checked now."""
@@ -227,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.layout import preset_layout
     from kvtier.net import Node, NodeLimits
     from kvtier.net.address import parse_address
-    from kvtier.net.node import check_advertised
+    from kvtier.net.node import check_advertised, check_listen_host
     from kvtier.config import StoreConfig
     from kvtier.engine.generate_cli import check_capacities
     from kvtier.net.remote import Remote
@@ -254,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lease is not None and not args.directory:
         raise ConfigError("--lease is for --directory (how long this node's entry there lives without renewal)")
     check_advertised(parse_address(args.listen)[0], bool(args.directory), args.advertise)
-    check_listen_host(args.listen)
+    check_listen_host(args.listen, "--listen")     # before any memory is taken
     args.lease = 10.0 if args.lease is None else args.lease
 
     directory = remote = None

@@ -103,9 +103,13 @@ def test_an_address_space_limit_is_named_as_the_cause():
     assert "this machine has" not in r.stderr
 
 
-def test_a_host_that_cannot_be_listened_on_is_a_usage_error():
-    r = run_kvtier(*NODE, "--listen", "999.1.1.1:7700", env=SECRET_ENV)
-    assert_one_line_error(r, 2, "--listen", "999.1.1.1", "0.0.0.0")
+@pytest.mark.parametrize("host", ["999.1.1.1", "no-such-host.invalid", "a..b"])
+def test_a_host_that_cannot_be_listened_on_is_a_usage_error(host):
+    # a..b was an "unexpected UnicodeError" (exit 1): the lookup refuses an empty label so
+    r = run_kvtier(*NODE, "--listen", f"{host}:7700", env=SECRET_ENV)
+    assert_one_line_error(r, 2, f"--listen '{host}:7700'", f"{host!r} is not an address", "0.0.0.0")
+    r = run_kvtier("serve", "--host", host, "--port", "0")
+    assert_one_line_error(r, 2, f"--host {host!r}", "not an address this machine can listen on")
 
 
 def test_an_unwritable_plot_path_fails_before_the_replay():

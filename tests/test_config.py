@@ -81,6 +81,27 @@ def test_build_makes_the_tiers_asked_for(tmp_path):
         StoreConfig(host_capacity=None).build(LAYOUT, NS)
 
 
+def test_a_block_tokens_given_must_match_the_layout_the_default_gives_way(tmp_path):
+    """build() took the layout's block size and dropped a block_tokens the user gave, silently."""
+    with pytest.raises(kvtier.ConfigError, match=r"block_tokens is 32, but .* hold 16 tokens: set block_tokens to 16"):
+        StoreConfig(block_tokens=32, host_capacity="1MiB").build(LAYOUT, NS)
+    f = tmp_path / "kv.toml"
+    f.write_text("block_tokens = 8\n")
+    with pytest.raises(kvtier.ConfigError, match="set block_tokens to 16"):
+        StoreConfig.from_file(f).replace(host_capacity="1MiB").build(LAYOUT, NS)
+    with pytest.raises(kvtier.ConfigError, match="set block_tokens to 16"):    # a command's flag too
+        StoreConfig.from_command(None, {"block_tokens": ("--block-tokens", 64)})[0].build(LAYOUT, NS)
+    small = kvtier.KVLayout.mla(num_layers=2, kv_lora_rank=16, rope_dim=16, block_tokens=4, dtype=torch.float32)
+    # left out, the layout's is taken (vLLM's block size), also after replace(), which passes
+    # every field on; one given that agrees is fine
+    for config in (StoreConfig(host_capacity="1MiB"), StoreConfig(host_capacity="1MiB").replace(policy="arc"),
+                   StoreConfig.from_command(None, {"block_tokens": ("--block-tokens", None)})[0]
+                   .replace(host_capacity="1MiB"),
+                   StoreConfig(block_tokens=4, host_capacity="1MiB")):
+        with config.build(small, NS) as store:
+            assert store.layout.block_tokens == 4
+
+
 def test_a_disk_path_from_home_is_expanded(monkeypatch, tmp_path):
     """"~/kv" in a config file (no shell expands it) made a folder named "~" in the working directory."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -492,6 +492,27 @@ def test_addresses_ipv6_in_brackets_and_no_port_0_for_a_peer():
         Node(probe, "127.0.0.1:0", SECRET, advertise="10.0.0.1:0")
 
 
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "a..b"])
+def test_a_host_a_node_cannot_listen_on_says_what_to_give(host):
+    """An unresolvable host was a bare 'Name or service not known (while attempting to bind ...)'
+    (create_server hides the lookup's error type), or an unexpected UnicodeError for `a..b`."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    node = Node(store, f"{host}:7700", SECRET)
+    with pytest.raises(kvtier.ConfigError, match=rf"listen '{host}:7700': '{host}' is not an address .*0\.0\.0\.0"):
+        node.start()
+    node.stop()
+    store.close()
+
+
+def test_a_port_a_node_cannot_bind_is_named_with_what_to_do():
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(kvtier.ConfigError, match=rf"cannot listen on 127\.0\.0\.1:{port}: the port is in use"):
+            Node(store, f"127.0.0.1:{port}", SECRET).start()
+    store.close()
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.create_server(("::1", 0), family=socket.AF_INET6):

@@ -119,12 +119,12 @@ def sessions_of(args: argparse.Namespace) -> list[list[Turn]]:
 class KvtierProcess:
     """A `kvtier` command (serve, router) in a subprocess on loopback, owned by `children`;
     `url` is taken from its first line that starts with `ready` (e.g. "kvtier serve: ready:
-    'm' on http://...")."""
+    'm' on http://..."). It runs this kvtier (common.child_env), on one torch thread."""
 
     def __init__(self, children: Children, cmd: list[str], ready: str = "kvtier serve: ready:") -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        from kvtier.bench.common import child_env
         self.proc = children.start([sys.executable, "-m", "kvtier.cli", *cmd], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, env=env)
+                                   stderr=subprocess.STDOUT, text=True, env=child_env(OMP_NUM_THREADS="1"))
         self.lines: list[str] = []
         self.url = ""
         got = threading.Event()

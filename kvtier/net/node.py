@@ -91,6 +91,7 @@ class Node:
 
     # -- lifetime --------------------------------------------------------------------
     def start(self) -> Node:
+        check_listen_host(format_address(self._host, self._port))   # for UCX too: its listener takes only a port
         raise_open_files_limit()         # every peer is a file descriptor
         if self.transport == "ucx":
             from kvtier.net.ucx import UcxServer
@@ -104,7 +105,7 @@ class Node:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise ConfigError(f"cannot listen on {self._host}:{self._port}: {_why(self._error)}")
+            raise ConfigError(f"cannot listen on {format_address(self._host, self._port)}: {_why(self._error)}")
         return self._start_publisher()
 
     def _start_publisher(self) -> Node:
@@ -424,6 +425,20 @@ def check_advertised(host: str, publishes: bool, advertise: str | None) -> None:
                           "in Python), the address peers should use")
 
 
+def check_listen_host(listen: str, what: str = "listen") -> None:
+    """`listen`'s host must resolve to an address to listen on, else a ConfigError that names
+    it and what to give; `what` is where it came from (Node's `listen`, a CLI's flag).
+    Node.start calls it, the CLIs too, before any memory is taken. (socket.create_server turns
+    a failed lookup into a bare OSError; a name that is none, e.g. `a..b`, is a UnicodeError.)"""
+    host, port = parse_address(listen)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        raise ConfigError(f"{what} {listen!r}: {host!r} is not an address this machine can listen on ({why}): "
+                          "give one of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all of them") from None
+
+
 def _short(e: BaseException) -> str:
     if isinstance(e, asyncio.TimeoutError):
         return "timed out"
@@ -433,12 +448,13 @@ def _short(e: BaseException) -> str:
 def _why(e: BaseException) -> str:
     """Why a listening socket could not be opened, and what to do."""
     import errno
-    if isinstance(e, socket.gaierror):
-        return f"cannot resolve the host name ({e.strerror}): give an address of this machine, e.g. 0.0.0.0"
+    import os
     if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
         return "the port is in use (another node or program listens there): give another port, or 0 for any free one"
     if isinstance(e, OSError) and e.errno == errno.EADDRNOTAVAIL:
         return "that address is not one of this machine's: give one of its addresses, or 0.0.0.0 for all"
     if isinstance(e, OSError) and e.errno == errno.EACCES:
         return "permission denied (ports below 1024 need privileges): give a port of 1024 or more"
-    return str(e.strerror if isinstance(e, OSError) and e.strerror else e)
+    # (os.strerror: create_server's own strerror repeats the address as a tuple)
+    why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno and e.errno > 0 else str(e)
+    return f"{why}: give one of this machine's addresses (0.0.0.0 for all) and a free port (0 for any)"

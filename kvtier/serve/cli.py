@@ -130,8 +130,9 @@ def _listen(host: str, port: int) -> Any:
     import socket
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host!r} is not an address this machine can listen on: {e.strerror}") from None
+    except (socket.gaierror, UnicodeError) as e:    # UnicodeError: a name that is none, e.g. "a..b"
+        why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        raise ConfigError(f"--host {host!r} is not an address this machine can listen on: {why}") from None
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
