@@ -3,7 +3,8 @@
 `kvtier bench engine` reports a host hit's TTFT and `vs_resident` (issue 19's goal: within
 10 %). This splits both into the engine loop's four steps (schedule, prepare, run,
 postprocess: `LLM.phase_seconds`), the host work inside them (evicting for the pages,
-starting the load, publishing the loaded pages), and the time the forward pass waited for
+starting the load, publishing the loaded pages) and beside them (on a GPU, the loader's
+thread issuing the copies, whose Python competes with the steps' for the GIL), and the time the forward pass waited for
 the layer-wise load (`PageLoad.wait_for_layer`, all layers and layer 0), the median of 8
 rounds, in ms; then the runs of the load's copies (consecutive host slots into consecutive
 pages: one 2D DMA each per layer group on a GPU; 239 for 254 blocks in session 16, 1-14 in
@@ -28,6 +29,7 @@ from kvtier import StoreConfig
 from kvtier import adapter as adapter_module
 from kvtier import index as index_module
 from kvtier import pool as pool_module
+from kvtier.transfer import streams as streams_module
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.generate_cli import kv_block_bytes, model_config
 from kvtier.transfer.runs import runs
@@ -69,7 +71,10 @@ def main() -> None:
     books: dict[str, float] = {}
     for label, owner, name in (("evict", index_module.BlockIndex, "allocate"),
                                ("start load", adapter_module.KVAdapter, "_copy_lower"),
-                               ("publish", pool_module.PagePool, "cache")):
+                               ("publish", pool_module.PagePool, "cache"),
+                               # on the loader's thread, beside the steps, a GPU's only: issuing the
+                               # layer groups' copies (its Python holds the GIL the steps need)
+                               ("loader issue", streams_module.LayerLoader, "_layerwise")):
         setattr(owner, name, _timed(getattr(owner, name), books, label))
 
     bt, n = 16, args.prompt_tokens
