@@ -66,6 +66,18 @@ async def running(*workers: Worker, interval: float = 0.05) -> AsyncIterator[Rou
         await router.stop()
 
 
+@contextlib.asynccontextmanager
+async def serving(server: FakeServer) -> AsyncIterator[tuple[Router, httpx.AsyncClient]]:
+    """A started Router over one decode worker, once it is ready, and an HTTP client to it."""
+    async with running(Worker(server.url, "decode")) as router, httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=router_app.build_app(router)), base_url="http://router") as client:
+        deadline = time.monotonic() + 30
+        while not router.pools.decode[0].ready:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        yield router, client
+
+
 def run(main: Callable[[], Awaitable[None]], *servers: FakeServer) -> None:
     """asyncio.run(main()), then stop the scripted workers whatever happened."""
     try:
@@ -240,12 +252,7 @@ def test_the_router_refuses_a_session_id_no_worker_would_take_and_keeps_model_id
     w = FakeServer(Worker_)
 
     async def main() -> None:
-        async with running(Worker(w.url, "decode")) as router, httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=router_app.build_app(router)), base_url="http://router") as client:
-            deadline = time.monotonic() + 30
-            while not router.pools.decode[0].ready:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+        async with serving(w) as (router, client):
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"},
                                   headers={"x-session-affinity": "s" * 5000})
             assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-affinity"
@@ -275,12 +282,7 @@ def test_an_endless_answer_from_a_decode_worker_is_a_502_not_the_routers_memory(
     w = FakeServer(Worker_)
 
     async def main() -> None:
-        async with running(Worker(w.url, "decode")) as router, httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=router_app.build_app(router)), base_url="http://router") as client:
-            deadline = time.monotonic() + 30
-            while not router.pools.decode[0].ready:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+        async with serving(w) as (router, client):
             for path, body in (("/v1/completions", {"model": "m", "prompt": "hi"}), ("/tokenize", {"prompt": "hi"})):
                 r = await asyncio.wait_for(client.post(path, json=body), 60)
                 assert r.status_code == 502, (path, r.status_code, r.text[:200])
