@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "generate": "kvtier.engine.generate_cli",
     "serve": "kvtier.serve.cli",
     "router": "kvtier.router.cli",
+    "vllm-check": "kvtier.integrations.vllm.check",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_FAILURE = 1

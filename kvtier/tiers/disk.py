@@ -418,20 +418,8 @@ class DiskTier(Tier):
         """Refuse a slab of `size` bytes the filesystem has no room for, before allocating any
         of it (a posix_fallocate that runs out of space part way has filled the disk
         meanwhile) and before creating the tier's directory or files (a refused tier leaves
-        nothing behind). A slab already there counts with the blocks it holds."""
-        where = self.path
-        while not where.exists() and where != where.parent:   # where the directory would be made
-            where = where.parent
-        slab = self.path / "slab.bin"
-        need = size - (slab.stat().st_blocks * 512 if slab.is_file() else 0)   # bytes not allocated yet
-        st = os.statvfs(where)
-        free = st.f_bavail * st.f_frsize
-        if st.f_blocks == 0:              # /proc, /sys: a filesystem with no room for files at all
-            raise ConfigError(f"cannot create a disk tier in {self.path}: {where} is not on a disk (a "
-                              "virtual filesystem such as /proc); give a directory on a disk")
-        if need > free:
-            raise TierSizeError(f"not enough free space in {self.path} for a {format_bytes(size)} disk tier: "
-                                f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
+        nothing behind)."""
+        check_room(self.path, size)
 
     def _load_records(self, slots: int) -> None:
         """Read every record; drop those the slab can no longer hold (shrunk or truncated)."""
@@ -881,6 +869,27 @@ def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
 def _full(e: lmdb.Error) -> bool:
     """Whether LMDB failed because the filesystem is full (it reports errno as text)."""
     return os.strerror(errno.ENOSPC) in str(e) or os.strerror(errno.EDQUOT) in str(e)
+
+
+def check_room(path: Path, size: int) -> int:
+    """Refuse a `size`-byte disk tier at `path` (which may not exist yet) that its filesystem
+    has no room for; returns the bytes free there. A slab already there counts with the
+    blocks it holds. The tier checks it before it allocates; `kvtier vllm-check` before vLLM
+    starts."""
+    where = path
+    while not where.exists() and where != where.parent:   # where the directory would be made
+        where = where.parent
+    slab = path / "slab.bin"
+    need = size - (slab.stat().st_blocks * 512 if slab.is_file() else 0)   # bytes not allocated yet
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if st.f_blocks == 0:              # /proc, /sys: a filesystem with no room for files at all
+        raise ConfigError(f"cannot create a disk tier in {path}: {where} is not on a disk (a "
+                          "virtual filesystem such as /proc); give a directory on a disk")
+    if need > free:
+        raise TierSizeError(f"not enough free space in {path} for a {format_bytes(size)} disk tier: "
+                            f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
+    return free
 
 
 # What a disk tier's directory holds (kvtier writes nothing else there).
