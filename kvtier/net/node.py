@@ -105,7 +105,8 @@ class Node:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise ConfigError(f"cannot listen on {format_address(self._host, self._port)}: {_why(self._error)}")
+            where = format_address(self._host, self._port)
+            raise ConfigError(f"cannot listen on {where}: {listen_failure(self._error)}")
         return self._start_publisher()
 
     def _start_publisher(self) -> Node:
@@ -445,7 +446,7 @@ def _short(e: BaseException) -> str:
     return str(getattr(e, "reason", None) or getattr(e, "strerror", None) or e) or type(e).__name__
 
 
-def _why(e: BaseException) -> str:
+def listen_failure(e: BaseException) -> str:
     """Why a listening socket could not be opened, and what to do."""
     import errno
     import os

@@ -166,7 +166,7 @@ def _check_remote(cfg: ConnectorConfig, tp: int) -> list[str]:
     its Redis directory's URL; nothing is contacted."""
     import importlib.util
 
-    from kvtier.integrations.vllm.config import _rank_port
+    from kvtier.integrations.vllm.config import rank_address
     from kvtier.net.directory import PeerList, check_redis_url
 
     spec = cfg.remote
@@ -181,7 +181,7 @@ def _check_remote(cfg: ConnectorConfig, tp: int) -> list[str]:
     peers = spec.args.get("peers") or []
     try:
         for rank in range(tp):
-            PeerList([_rank_port(p, rank) for p in peers]).close()
+            PeerList([rank_address(p, rank) for p in peers]).close()
     except ConfigError as e:
         raise ConfigError(f"peers: {e}") from None
     return [f"  remote  peers {', '.join(peers)} ({timeout})"]
@@ -193,7 +193,7 @@ def _check_listen(cfg: ConnectorConfig, tp: int) -> list[str]:
     import socket
 
     from kvtier.net.address import parse_address
-    from kvtier.net.node import _why, check_advertised, check_listen_host
+    from kvtier.net.node import check_advertised, check_listen_host, listen_failure
 
     host, port = parse_address(cfg.listen)
     check_listen_host(cfg.listen, "listen")
@@ -208,7 +208,7 @@ def _check_listen(cfg: ConnectorConfig, tp: int) -> list[str]:
             socket.create_server((host, port + rank), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
         except OSError as e:
             raise ConfigError(f"listen {cfg.listen}: cannot listen on {addr}"
-                              f"{f' (rank {rank})' if tp > 1 else ''}: {_why(e)}") from None
+                              f"{f' (rank {rank})' if tp > 1 else ''}: {listen_failure(e)}") from None
     where = (f"{cfg.listen}, rank r on port {port} + r" if tp > 1 else cfg.listen) if port else \
         f"{cfg.listen} (any free port)"
     secret = ("set (peers may fetch from this instance)" if cfg.secret is not None else

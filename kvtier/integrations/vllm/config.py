@@ -87,7 +87,7 @@ class ConnectorConfig:
         assert self.secret is not None
         a = dict(spec.args)
         directory = a.pop("directory", None)
-        peers = [_rank_port(p, rank) for p in a.pop("peers", None) or ()]
+        peers = [rank_address(p, rank) for p in a.pop("peers", None) or ()]
         lease = a.pop("lease_s", 10.0)
         # The directory's calls get the remote's deadline too: the scheduler allows a lookup
         # that much (its FIND at the worker's node) before it counts a miss.
@@ -95,7 +95,7 @@ class ConnectorConfig:
         return Remote(directory=d, secret=self.secret, transport=self.transport, **a)
 
 
-def _rank_port(address: str, rank: int) -> str:
+def rank_address(address: str, rank: int) -> str:
     """A peer's rank-0 address -> its rank-`rank` node's address."""
     if not rank:
         return address
