@@ -266,6 +266,15 @@ class BlockIndex:
         for k in keys:
             entries[k].refs -= 1
 
+    def unacquire(self, keys: Sequence[Key]) -> None:
+        """Undo acquire() of blocks that were not read after all (a load planned again, or
+        shorter): released, and no longer counted as hits of the tier each is in."""
+        entries = self.entries
+        for k in keys:
+            e = entries[k]
+            e.refs -= 1
+            self.tiers[e.tier].counters.hits -= 1
+
     def touch(self, keys: Sequence[Key]) -> None:
         """Refresh readable blocks among `keys` (prefix order) tail-first; others are ignored."""
         self._touch([k for k in reversed(keys) if k in self.ready])

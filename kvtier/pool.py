@@ -171,10 +171,10 @@ class PagePool:
                 try:
                     owned = self._allocate(len(lower))
                 except BaseException:
-                    st.index.release(prefix)
+                    st.index.unacquire(prefix)
                     raise
                 if owned is None and retry and st.backup is not None and st.backup.copying:
-                    st.index.release(prefix)
+                    st.index.unacquire(prefix)           # acquired again, and counted, by the retry
                     return None
                 if owned is None:                     # not a page for each: a shorter prefix
                     n, prefix, locs, lower, owned = self._shorter(prefix, locs, lower)
@@ -200,9 +200,7 @@ class PagePool:
         Returns (n, prefix, locs, lower, owned pages) as _plan keeps them."""
         st = self._store
         index, first = st.index, lower[0]
-        index.release(prefix[first:])
-        for k in prefix[first:]:                      # counted again as each is held back
-            index.tiers[index.entries[k].tier].counters.hits -= 1
+        index.unacquire(prefix[first:])               # counted again as each is held back
         locs, lower, owned = locs[:first], [], []
         n = first
         for k in prefix[first:]:
@@ -213,8 +211,7 @@ class PagePool:
             if t > 0:
                 page = self._allocate(1)
                 if page is None:
-                    index.release([k])
-                    index.tiers[t].counters.hits -= 1
+                    index.unacquire([k])
                     break
                 owned += page
                 lower.append(n)
