@@ -71,7 +71,10 @@ class StoreConfig:
         # close match: StoreConfig(host_capcity="1GiB") says "did you mean 'host_capacity'?".
         check_names(settings, cls.fields(), "StoreConfig")
         config = super().__new__(cls)
-        object.__setattr__(config, "_given", frozenset(cls.fields()[:len(args)]) | frozenset(settings))
+        given = frozenset(cls.fields()[:len(args)]) | frozenset(settings)
+        # Every field named: dataclasses.replace (or copy.replace), which passes them all and so
+        # cannot tell what was given; StoreConfig.replace records its own changes after it.
+        object.__setattr__(config, "_given", frozenset() if given == frozenset(cls.fields()) else given)
         return config
 
     def __post_init__(self) -> None:
@@ -312,6 +315,18 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def parse_json(text: str, where: str, hint: str = "") -> Any:
+    """JSON settings from `text` (`where` names it in errors, `hint` follows a syntax error): a
+    name given twice in an object (JSON would keep the last) or nesting too deep for the parser
+    is a ConfigError too."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except ValueError as e:
+        raise ConfigError(f"{where} is not valid JSON: {e}{hint}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: objects or arrays nested too deeply; settings are one flat object") from None
+
+
 #: The largest config file read: far above any real one (a few hundred bytes), so a wrong
 #: path (a log, /dev/zero) is an error at once, not the process's memory filling up.
 MAX_CONFIG_BYTES = 1 << 20
@@ -346,22 +361,19 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         text = read_bounded(p, MAX_CONFIG_BYTES, "config file").decode()
     except UnicodeDecodeError:
         raise ConfigError(f"the config file {p} is not text: give a JSON or TOML file") from None
-    try:
-        if kind == "TOML":
-            try:
-                import tomllib
-            except ImportError:      # Python 3.10
-                raise ConfigError(f"{p}: TOML config files need Python 3.11+; use JSON") from None
+    hint = "" if p.suffix.lower() in (".json", ".toml") else \
+        f" (only *.toml files are read as TOML, others as JSON: if it is TOML, name it {p.stem}.toml)"
+    if kind == "TOML":
+        try:
+            import tomllib
+        except ImportError:      # Python 3.10
+            raise ConfigError(f"{p}: TOML config files need Python 3.11+; use JSON") from None
+        try:
             data = tomllib.loads(text)
-        else:
-            data = json.loads(text, object_pairs_hook=_no_repeats)
-    except ValueError as e:
-        hint = "" if p.suffix.lower() in (".json", ".toml") else \
-            f" (only *.toml files are read as TOML, others as JSON: if it is TOML, name it {p.stem}.toml)"
-        raise ConfigError(f"{p} is not valid {kind}: {e}{hint}") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: objects or arrays nested too deeply; a config file is one flat "
-                          "object of settings") from None
+        except ValueError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}{hint}") from None
+    else:
+        data = parse_json(text, str(p), hint)
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold one object of settings, e.g. {{\"host_capacity\": \"8GiB\"}}")
     return data

@@ -202,21 +202,29 @@ class PagePool:
         index, first = st.index, lower[0]
         index.unacquire(prefix[first:])               # counted again as each is held back
         locs, lower, owned = locs[:first], [], []
-        n = first
-        for k in prefix[first:]:
-            e = index.entries.get(k)
-            if e is None or not e.ready:              # dropped to make room for a page
-                break
-            (t, s), = index.acquire([k])
-            if t > 0:
-                page = self._allocate(1)
-                if page is None:
-                    index.unacquire([k])
+        n = held = first                              # held: prefix[:held] is acquired
+        try:
+            for k in prefix[first:]:
+                e = index.entries.get(k)
+                if e is None or not e.ready:          # dropped to make room for a page
                     break
-                owned += page
-                lower.append(n)
-            locs.append((t, s))
-            n += 1
+                (t, s), = index.acquire([k])
+                held += 1
+                if t > 0:
+                    page = self._allocate(1)
+                    if page is None:
+                        index.unacquire([k])
+                        held -= 1
+                        break
+                    owned += page
+                    lower.append(n)
+                locs.append((t, s))
+                n += 1
+        except BaseException:                         # (a demotion failed): nothing stays held or owned
+            index.unacquire(prefix[:held])
+            self._owned.difference_update(owned)
+            index.free(TOP_TIER, owned)
+            raise
         owned.sort()                                  # ascending, as allocate() gives them: one copy run
         return n, prefix[:n], locs, lower, owned
 

@@ -566,9 +566,10 @@ class Store:
                 self._mover.discard(bad)
 
     def _release(self, keys: Sequence[BlockKey]) -> None:
-        """End holds taken for reading (index.acquire) that no read will end."""
+        """End holds taken for reading (index.acquire) that no read will end: released, and
+        not counted as hits (nothing was served)."""
         with self._lock:
-            self.index.release(keys)
+            self.index.unacquire(keys)
 
     def _read_buffer(self, rows: int) -> torch.Tensor:
         """A page-aligned [>= rows, block_bytes] buffer for disk reads, reused between calls

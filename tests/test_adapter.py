@@ -11,6 +11,8 @@ from hypothesis import given, settings, strategies as hst
 
 import kvtier
 from kvtier.adapter import KVAdapter
+from kvtier.errors import TransferError
+from kvtier.pool import PagePool
 from kvtier.transfer.pages import ChunkPlan, PagedKV
 from kvtier.transfer.streams import LayerLoader
 
@@ -88,6 +90,44 @@ def test_a_host_hit_is_copied_into_pages_then_cached():
     a.free(load.pages)
 
 
+def _head_in_host_tail_in_pages(a: KVAdapter) -> tuple[list[int], list[torch.Tensor]]:
+    """8 blocks of tokens: the first 4 in host memory, the last 4 in every page (of 4); the
+    tokens and the head's bytes."""
+    tokens = list(range(32))
+    head, head_pages, head_data = compute(a, tokens[:16], 1)
+    a.free(head_pages)
+    keys = a.keys(tokens)
+    tail_pages = a.allocate(4)                     # the head goes down to host memory
+    fill(a, tail_pages, 2)
+    assert a.cache(keys[4:], tail_pages) == 4
+    a.free(tail_pages)
+    assert a.lookup(tokens).tiers == ["host"] * 4 + ["device"] * 4
+    return tokens, head_data
+
+
+def test_a_load_whose_shorter_plan_fails_holds_nothing(monkeypatch):
+    """A failure while the prefix is rebuilt shorter (a page's eviction failed) held the blocks
+    acquired so far for good, and counted them as hits."""
+    a = make(device_blocks=4)
+    tokens, _ = _head_in_host_tail_in_pages(a)
+    real, calls = PagePool._allocate, []
+
+    def failing(self, n):
+        calls.append(n)
+        if len(calls) == 3:                            # the plan's first try, one page, then this one
+            raise TransferError("demotion failed")
+        return real(self, n)
+    monkeypatch.setattr(PagePool, "_allocate", failing)
+    with pytest.raises(TransferError):
+        a.load(a.lookup(tokens))
+    monkeypatch.undo()
+    stats = a.store.stats()
+    assert stats.tier("host").hits == 0 and stats.tier("device").hits == 0
+    assert a.store.pages.owned() == set()
+    assert a.allocate(4) is not None                   # nothing stays held or owned
+    a.close()
+
+
 @pytest.mark.parametrize("backup_busy", [False, True])
 def test_a_prefix_whose_tail_fills_the_pages_loads_its_head(monkeypatch, backup_busy):
     """The head of a prefix in host memory, its tail in every page: the load lets the tail go
@@ -96,16 +136,8 @@ def test_a_prefix_whose_tail_fills_the_pages_loads_its_head(monkeypatch, backup_
     copying as the load was planned, so it was planned again once the pass ended; the first
     plan's blocks were counted as hits twice (a flaky failure under load)."""
     a = make(device_blocks=4)
-    tokens = list(range(32))                       # 8 blocks
-    head, head_pages, head_data = compute(a, tokens[:16], 1)
-    a.free(head_pages)
-    keys = a.keys(tokens)
-    tail_pages = a.allocate(4)                     # the head goes down to host memory
-    tail_data = fill(a, tail_pages, 2)
-    assert a.cache(keys[4:], tail_pages) == 4
-    a.free(tail_pages)
+    tokens, head_data = _head_in_host_tail_in_pages(a)
     match = a.lookup(tokens)
-    assert match.tiers == ["host"] * 4 + ["device"] * 4
     if backup_busy:
         assert a.store.backup is not None
         busy = iter([True])

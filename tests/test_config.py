@@ -2,6 +2,7 @@
 reference engine and the vLLM connector."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -95,6 +96,7 @@ def test_a_block_tokens_given_must_match_the_layout_the_default_gives_way(tmp_pa
     # left out, the layout's is taken (vLLM's block size), also after replace(), which passes
     # every field on; one given that agrees is fine
     for config in (StoreConfig(host_capacity="1MiB"), StoreConfig(host_capacity="1MiB").replace(policy="arc"),
+                   dataclasses.replace(StoreConfig(host_capacity="1MiB"), policy="arc"),   # names every field
                    StoreConfig.from_command(None, {"block_tokens": ("--block-tokens", None)})[0]
                    .replace(host_capacity="1MiB"),
                    StoreConfig(block_tokens=4, host_capacity="1MiB")):

@@ -286,7 +286,9 @@ def test_an_endless_answer_from_a_decode_worker_is_a_502_not_the_routers_memory(
             for path, body in (("/v1/completions", {"model": "m", "prompt": "hi"}), ("/tokenize", {"prompt": "hi"})):
                 r = await asyncio.wait_for(client.post(path, json=body), 60)
                 assert r.status_code == 502, (path, r.status_code, r.text[:200])
-                assert "more than 4,194,304 bytes" in r.json()["error"]["message"]
+                message = r.json()["error"]["message"]
+                assert "larger than 4,194,304 bytes" in message and w.url not in message   # no inner address
+            assert router.stats.unserved == 1 and router.pools.decode[0].decode_seqs == 0    # load released
             assert router.pools.decode[0].ready          # an answer too large says nothing of the worker's health
 
     run(main, w)

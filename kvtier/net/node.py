@@ -146,7 +146,7 @@ class Node:
             family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
             srv = socket.create_server((self._host, self._port), family=family, reuse_port=False,
                                        backlog=min(4096, socket.SOMAXCONN))
-        except OSError as e:
+        except Exception as e:           # (any: start() waits for _ready and raises this)
             self._error = e
             self._ready.set()
             return
@@ -456,6 +456,7 @@ def listen_failure(e: BaseException) -> str:
         return "that address is not one of this machine's: give one of its addresses, or 0.0.0.0 for all"
     if isinstance(e, OSError) and e.errno == errno.EACCES:
         return "permission denied (ports below 1024 need privileges): give a port of 1024 or more"
+    if isinstance(e, OSError) and e.errno == errno.EMFILE:
+        return "too many open files: raise the limit (ulimit -n) or close other connections"
     # (os.strerror: create_server's own strerror repeats the address as a tuple)
-    why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno and e.errno > 0 else str(e)
-    return f"{why}: give one of this machine's addresses (0.0.0.0 for all) and a free port (0 for any)"
+    return os.strerror(e.errno) if isinstance(e, OSError) and e.errno and e.errno > 0 else str(e) or type(e).__name__

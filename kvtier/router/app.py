@@ -439,7 +439,7 @@ class Router:
                 data = await unless_lost(w, read_capped(resp, ANSWER_MAX_BYTES))
             except AnswerTooLarge as e:
                 self.stats.unserved += 1
-                raise ApiError(502, f"the decode worker's answer was too large: {e}", code="bad_gateway") from None
+                raise _too_large(e) from None
             except httpx.HTTPError as e:
                 w.failed(f"went away before answering: {type(e).__name__}: {e}")
                 if isinstance(e, httpx.TimeoutException):
@@ -484,7 +484,7 @@ class Router:
                                               headers={"content-type": "application/json"}) as r:
                     data = await read_capped(r, ANSWER_MAX_BYTES)
             except AnswerTooLarge as e:
-                raise ApiError(502, f"the decode worker's answer was too large: {e}", code="bad_gateway") from None
+                raise _too_large(e) from None
             except httpx.HTTPError as e:
                 w.failed(f"{type(e).__name__}: {e}")
                 continue
@@ -558,6 +558,13 @@ def _busy(head: bytes) -> bool:
             except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                 return False
     return False
+
+
+def _too_large(e: AnswerTooLarge) -> ApiError:
+    """The client's 502 for a worker's answer past ANSWER_MAX_BYTES; the worker's address goes
+    to the log, not to the client."""
+    log.warning("%s: answered the client with a 502", e)
+    return ApiError(502, f"the decode worker's answer was larger than {ANSWER_MAX_BYTES:,} bytes", code="bad_gateway")
 
 
 def _refused(content: bytes, param: str) -> bool:

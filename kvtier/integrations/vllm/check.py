@@ -14,7 +14,6 @@ the connector will build; 2 with one `kvtier: error:` line for a setting that ca
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,21 +45,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_json(config: str) -> dict[str, Any]:
     """The object given as `config`: JSON text (starting with '{'), '-' (stdin) or a file's path."""
-    from kvtier.config import MAX_CONFIG_BYTES, read_bounded
+    from kvtier.config import MAX_CONFIG_BYTES, parse_json, read_bounded
 
     if config.lstrip().startswith("{"):
         text, where = config, "the argument"
     elif config == "-":
-        text, where = sys.stdin.read(), "the JSON on stdin"
+        text, where = sys.stdin.read(MAX_CONFIG_BYTES + 1), "the JSON on stdin"
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"the JSON on stdin is larger than {MAX_CONFIG_BYTES:,} characters: give the "
+                              "--kv-transfer-config object")
     elif Path(config).exists():
-        text, where = read_bounded(config, MAX_CONFIG_BYTES, "file").decode(errors="replace"), config
+        try:
+            text, where = read_bounded(config, MAX_CONFIG_BYTES, "file").decode(), config
+        except UnicodeDecodeError:
+            raise ConfigError(f"{config} is not text: give a file holding the --kv-transfer-config JSON") from None
     else:
-        raise ConfigError(f"{config!r} is neither JSON (it does not start with '{{') nor a file: give the JSON "
-                          "you pass to --kv-transfer-config (in single quotes), a file holding it, or - for stdin")
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"{where} is not valid JSON: {e}") from None
+        raise ConfigError(f"{config!r} is neither a JSON object (it does not start with '{{') nor a file: give the "
+                          "JSON you pass to --kv-transfer-config (in single quotes), a file holding it, or - for stdin")
+    data = parse_json(text, where)
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object, e.g. {{\"kv_connector\": \"{CONNECTOR}\", ...}}")
     return data
@@ -242,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.integrations.vllm.config import parse_config
 
     given = read_json(args.config)
-    is_whole = any(k in VLLM_FIELDS for k in given)
+    is_whole = any(k in VLLM_FIELDS or k.startswith("kv_") for k in given)   # kv_*: a mistyped field of vLLM's
     extra = check_vllm_fields(given) if is_whole else given
     cfg = parse_config(extra)
     for line in summary(given if is_whole else None, cfg, check_start(cfg, args.tensor_parallel_size)):
