@@ -871,14 +871,19 @@ def _full(e: lmdb.Error) -> bool:
     return os.strerror(errno.ENOSPC) in str(e) or os.strerror(errno.EDQUOT) in str(e)
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where a mkdir -p of it would start."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_room(path: Path, size: int) -> int:
     """Refuse a `size`-byte disk tier at `path` (which may not exist yet) that its filesystem
     has no room for; returns the bytes free there. A slab already there counts with the
     blocks it holds. The tier checks it before it allocates; `kvtier vllm-check` before vLLM
     starts."""
-    where = path
-    while not where.exists() and where != where.parent:   # where the directory would be made
-        where = where.parent
+    where = nearest_existing(path)
     slab = path / "slab.bin"
     need = size - (slab.stat().st_blocks * 512 if slab.is_file() else 0)   # bytes not allocated yet
     st = os.statvfs(where)

@@ -127,7 +127,7 @@ def _check_disk(cfg: ConnectorConfig, tp: int) -> list[str]:
 
     from kvtier.config import DEFAULT_DISK_CAPACITY
     from kvtier.errors import TierSizeError
-    from kvtier.tiers.disk import check_room
+    from kvtier.tiers.disk import check_room, nearest_existing
     from kvtier.units import format_bytes, parse_bytes
 
     path = Path(cfg.store.disk_path)
@@ -149,9 +149,7 @@ def _check_disk(cfg: ConnectorConfig, tp: int) -> list[str]:
             per = f" x {tp} ranks" if tp > 1 else ""
             raise TierSizeError(f"disk_capacity {format_bytes(size)}{per}: {e}") from None
         free = None          # the model's folders may be among those there, their slabs allocated already
-    where = path
-    while not where.exists() and where != where.parent:     # where the worker's mkdir starts
-        where = where.parent
+    where = nearest_existing(path)                            # where the worker's mkdir starts
     try:        # tried, not asked of os.access (which says yes to root where writing still fails)
         os.rmdir(tempfile.mkdtemp(prefix=".kvtier-vllm-check-", dir=where))
     except OSError as e:
