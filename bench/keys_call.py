@@ -96,42 +96,47 @@ def main() -> None:
     args = ap.parse_args()
     with Children() as children:      # Ctrl-C, SIGTERM or an error: no worker outlives the bench
         url = serve(children, "48MiB", "96MiB")
-        client = httpx.Client(base_url=url, timeout=600)
-        for size in args.tokens:
-            history = conversation(size, "session A. ")
-            base = {"model": "kimi-tiny", "max_tokens": 1, "temperature": 0}
-            ttft(client, {**base, "messages": history})                       # the history is cached now
-            keys_s, follow, http_s, blocks, tokens, cached = [], [], [], 0, 0, 0
-            for i in range(args.rounds):
-                body = {**base, "messages": history + [{"role": "user", "content": f"Now run test {i}, please."}]}
-                t0 = time.perf_counter()
-                client.get("/kvtier/load").json()                                # an HTTP round trip, for scale
-                http_s.append(time.perf_counter() - t0)
-                s, blocks = keys_call(client, body)
-                t, usage = ttft(client, body)
-                keys_s.append(s)
-                follow.append(t)
-                tokens, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
-            cold = []
-            for i in range(args.uncached):
-                body = {**base, "messages": conversation(size, f"session {size}-{i}. ")}
-                keys_call(client, body)
-                cold.append(ttft(client, body)[0])
-            share = [k / (k + f) for k, f in zip(keys_s, follow)]
-            row = {"prompt_tokens": tokens, "keys": blocks, "rounds": args.rounds,
-                   "keys_ms_p50": round(1e3 * statistics.median(keys_s), 2), "keys_ms_p90": round(1e3 * pct(keys_s, 0.9), 2),
-                   "load_get_ms_p50": round(1e3 * statistics.median(http_s), 2),
-                   "followup_cached_tokens": cached,
-                   "followup_ttft_ms_p50": round(1e3 * statistics.median(follow), 1),
-                   "followup_ttft_ms_p90": round(1e3 * pct(follow, 0.9), 1),
-                   "share_of_followup_ttft_p50": round(statistics.median(share), 3),
-                   "uncached_ttft_ms_p50": round(1e3 * statistics.median(cold), 1)}
-            print(json.dumps(row) if args.json else
-                  f"{tokens:6d} tokens ({blocks} keys): keys call p50 {row['keys_ms_p50']} ms p90 {row['keys_ms_p90']} ms "
-                  f"(GET /kvtier/load p50 {row['load_get_ms_p50']} ms); "
-                  f"follow-up TTFT ({cached} cached) p50 {row['followup_ttft_ms_p50']} ms p90 "
-                  f"{row['followup_ttft_ms_p90']} ms; keys share of it p50 {row['share_of_followup_ttft_p50']:.1%}; "
-                  f"uncached TTFT p50 {row['uncached_ttft_ms_p50']} ms", flush=True)
+        with httpx.Client(base_url=url, timeout=600) as client:
+            run(client, args)
+
+
+def run(client: httpx.Client, args: argparse.Namespace) -> None:
+    """Every --tokens size: the keys call's time against a follow-up's and an uncached request's TTFT."""
+    for size in args.tokens:
+        history = conversation(size, "session A. ")
+        base = {"model": "kimi-tiny", "max_tokens": 1, "temperature": 0}
+        ttft(client, {**base, "messages": history})                       # the history is cached now
+        keys_s, follow, http_s, blocks, tokens, cached = [], [], [], 0, 0, 0
+        for i in range(args.rounds):
+            body = {**base, "messages": history + [{"role": "user", "content": f"Now run test {i}, please."}]}
+            t0 = time.perf_counter()
+            client.get("/kvtier/load").json()                                # an HTTP round trip, for scale
+            http_s.append(time.perf_counter() - t0)
+            s, blocks = keys_call(client, body)
+            t, usage = ttft(client, body)
+            keys_s.append(s)
+            follow.append(t)
+            tokens, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+        cold = []
+        for i in range(args.uncached):
+            body = {**base, "messages": conversation(size, f"session {size}-{i}. ")}
+            keys_call(client, body)
+            cold.append(ttft(client, body)[0])
+        share = [k / (k + f) for k, f in zip(keys_s, follow)]
+        row = {"prompt_tokens": tokens, "keys": blocks, "rounds": args.rounds,
+               "keys_ms_p50": round(1e3 * statistics.median(keys_s), 2), "keys_ms_p90": round(1e3 * pct(keys_s, 0.9), 2),
+               "load_get_ms_p50": round(1e3 * statistics.median(http_s), 2),
+               "followup_cached_tokens": cached,
+               "followup_ttft_ms_p50": round(1e3 * statistics.median(follow), 1),
+               "followup_ttft_ms_p90": round(1e3 * pct(follow, 0.9), 1),
+               "share_of_followup_ttft_p50": round(statistics.median(share), 3),
+               "uncached_ttft_ms_p50": round(1e3 * statistics.median(cold), 1)}
+        print(json.dumps(row) if args.json else
+              f"{tokens:6d} tokens ({blocks} keys): keys call p50 {row['keys_ms_p50']} ms p90 {row['keys_ms_p90']} ms "
+              f"(GET /kvtier/load p50 {row['load_get_ms_p50']} ms); "
+              f"follow-up TTFT ({cached} cached) p50 {row['followup_ttft_ms_p50']} ms p90 "
+              f"{row['followup_ttft_ms_p90']} ms; keys share of it p50 {row['share_of_followup_ttft_p50']:.1%}; "
+              f"uncached TTFT p50 {row['uncached_ttft_ms_p50']} ms", flush=True)
 
 
 if __name__ == "__main__":
