@@ -29,6 +29,19 @@ def parse_address(text: str, *, any_port: bool = True) -> tuple[str, int]:
     return host, int(port)
 
 
+def listen_infos(host: str, port: int) -> list:
+    """socket.getaddrinfo of (host, port) for a listening socket; a ValueError saying why
+    where the host resolves to nothing (a failed lookup, or a name that is none, e.g. `a..b`,
+    which the lookup refuses with a UnicodeError rather than a gaierror)."""
+    import socket
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(e.strerror) from None
+    except UnicodeError:
+        raise ValueError("not a valid host name") from None
+
+
 def _split(text: str) -> tuple[str, str]:
     """(host without brackets, port text) of `text`; ConfigError for a malformed host."""
     if text.startswith("["):

@@ -31,7 +31,7 @@ import numpy as np
 from kvtier.checksum import block_checksum
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.net.accept import accept_forever, raise_open_files_limit
-from kvtier.net.address import format_address, is_unspecified, parse_address
+from kvtier.net.address import format_address, is_unspecified, listen_infos, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
 from kvtier.net.frames import MAX_KEYS, Frame, FrameError, check_secret, decode, read_prefix, request_seconds
@@ -429,13 +429,12 @@ def check_advertised(host: str, publishes: bool, advertise: str | None) -> None:
 def check_listen_host(listen: str, what: str = "listen") -> None:
     """`listen`'s host must resolve to an address to listen on, else a ConfigError that names
     it and what to give; `what` is where it came from (Node's `listen`, a CLI's flag).
-    Node.start calls it, the CLIs too, before any memory is taken. (socket.create_server turns
-    a failed lookup into a bare OSError; a name that is none, e.g. `a..b`, is a UnicodeError.)"""
+    Node.start calls it, the CLIs too, before any memory is taken (socket.create_server turns
+    a failed lookup into a bare OSError)."""
     host, port = parse_address(listen)
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        listen_infos(host, port)
+    except ValueError as why:
         raise ConfigError(f"{what} {listen!r}: {host!r} is not an address this machine can listen on ({why}): "
                           "give one of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all of them") from None
 

@@ -128,10 +128,11 @@ def _need_serve_extra() -> None:
 
 def _listen(host: str, port: int) -> Any:
     import socket
+
+    from kvtier.net.address import listen_infos
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:    # UnicodeError: a name that is none, e.g. "a..b"
-        why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        infos = listen_infos(host, port)
+    except ValueError as why:
         raise ConfigError(f"--host {host!r} is not an address this machine can listen on: {why}") from None
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
