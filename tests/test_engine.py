@@ -172,6 +172,10 @@ def test_bad_engine_arguments_and_prompt_shapes(tmp_path, block_bytes, reference
     with LLM("kimi-tiny", cache=cfg) as llm:
         with pytest.raises(ConfigError, match=r"stop_token_ids must be token ids in \[0, "):
             llm.generate([ids], SamplingParams(max_tokens=4, stop_token_ids=[10**9]))
+        # named, not the list echoed: a client's list of a million ids came back whole
+        with pytest.raises(ConfigError, match=r"got 1000000000$") as e:
+            llm.generate([ids], SamplingParams(max_tokens=4, stop_token_ids=[5, 6] * 20_000 + [10**9]))
+        assert len(str(e.value)) < 200
         for bad in (5, b"abc", None):
             with pytest.raises(ConfigError, match="prompts must be text, a list of token ids"):
                 llm.generate(bad, GREEDY)
@@ -315,3 +319,4 @@ def test_an_engine_never_closed_still_leaves_its_blocks_on_disk(tmp_path, childr
         LLM("kimi-tiny", cache={"kv_cache": "1GiB"})
     with pytest.raises(ConfigError, match="CUDA"):
         LLM("kimi-tiny", device="cuda:7" if torch.cuda.is_available() else "cuda:0")
+

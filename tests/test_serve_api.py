@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
@@ -495,3 +496,49 @@ def test_bad_top_k_or_min_p_is_a_400_naming_it(plain, field, value):
     for route, body in ROUTES:
         err = _error(plain.post(route, json={"model": MODEL, **body, field: value}), 400, field, "invalid_value")
         assert field in err["message"]
+
+
+# -- values a client sends are bounded, and never echoed whole -----------------------------------
+
+
+def test_a_huge_top_k_samples_from_every_token():
+    """top_k past int64 reached torch.tensor inside the engine step and failed every request in
+    flight (issue found by a review); any k at least the vocabulary keeps every token."""
+    from kvtier.engine.sampling import SamplingParams, cut
+    probs = torch.softmax(torch.randn(2, 7), dim=-1)
+    for k in (7, 8, 2**63, 2**70):
+        params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=1.0, top_k=3)]
+        out = cut(probs.clone(), params)
+        assert torch.equal(out[0], probs[0]) and int((out[1] > 0).sum()) == 3
+
+
+@pytest.mark.parametrize("route,body", ROUTES)
+def test_a_huge_top_k_is_taken(route, body):
+    svc = _service()
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    r = client.post(route, json={"model": MODEL, **body, "temperature": 0.7, "top_k": 2**63})
+    assert r.status_code == 200, r.text
+    assert svc.engine.subs[0].params.top_k == 2**63
+
+
+def test_stop_token_ids_are_taken_once_each_and_at_most_a_bound(plain):
+    from kvtier.serve.protocol import MAX_STOP_TOKEN_IDS, parse_completion
+    req = parse_completion({"model": MODEL, "prompt": "hi", "stop_token_ids": [5, 3, 5, 3, 5]})
+    assert req.stop_token_ids == (5, 3)
+    ok = parse_completion({"model": MODEL, "prompt": "hi", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS)) * 3})
+    assert len(ok.stop_token_ids) == MAX_STOP_TOKEN_IDS
+    r = plain.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                            "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))})
+    err = _error(r, 400, "stop_token_ids", "invalid_value")
+    assert f"at most {MAX_STOP_TOKEN_IDS:,}" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("stop_token_ids", [7] * 100_000 + [-1]), ("stop_token_ids", [None] * 100_000),
+                                         ("temperature", [1] * 100_000), ("top_k", "k" * 100_000),
+                                         ("model", "m" * 100_000)], ids=["stop-negative", "stop-null", "temperature",
+                                                                         "top_k", "model"])
+def test_a_bad_value_is_named_not_echoed_whole(plain, field, value):
+    body = {"model": MODEL, "prompt": "hi", field: value}
+    r = plain.post("/v1/completions", json=body)
+    assert r.status_code in (400, 404), r.text
+    assert len(r.json()["error"]["message"]) < 300, r.text[:400]

@@ -201,9 +201,10 @@ class LLM:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
-        if any(t >= vocab for t in params.stop_token_ids):
+        past = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if past is not None:
             raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab}) for this model (one past it could "
-                              f"never be generated), got {list(params.stop_token_ids)}")
+                              f"never be generated), got {past}")
         limit = self.config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -379,7 +380,7 @@ class LLM:
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:
         p = r.params
-        if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
+        if tok in p.stop_set or (tok == self.eos and not p.ignore_eos):
             return "stop"
         if len(r.output) >= p.max_tokens:
             return "length"

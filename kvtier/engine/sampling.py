@@ -10,7 +10,7 @@ docs/engine.md). Greedy rows take the argmax (ties go to the lowest id) and use 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -42,6 +42,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None   # per request: drafts per step (0 = off), at most the engine's; None = the engine's
     top_k: int = 0                         # sample from the k most likely tokens (ties at the k-th kept); 0 or -1: all
     min_p: float = 0.0                     # drop tokens less likely than min_p x the top token's; 0: none
+    stop_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())   # stop_token_ids
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -61,10 +62,13 @@ class SamplingParams:
             raise ConfigError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise ConfigError(f"stop_token_ids must be a list of token ids, e.g. [2], got {self.stop_token_ids!r}")
-        stops = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            raise ConfigError(f"stop_token_ids must be token ids (ints >= 0), got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stops)   # accept a list, store a tuple
+        stops = tuple(dict.fromkeys(self.stop_token_ids))   # accept a list, store a tuple, each id once
+        for t in stops:
+            if not (_is_int(t) and t >= 0):
+                raise ConfigError(f"stop_token_ids must be token ids (ints >= 0), got {t!r} among them")
+        object.__setattr__(self, "stop_token_ids", stops)
+        # Speed: every generated token is checked against the stops; a set, not a scan of the tuple
+        object.__setattr__(self, "stop_set", frozenset(stops))
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         k = self.num_speculative_tokens
@@ -125,7 +129,8 @@ def cut(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     min_p = [p.min_p for p in params]
     if any(p > 0 for p in min_p):
         probs = _min_p_filter(probs, torch.tensor(min_p, device=device, dtype=torch.float32))
-    top_k = [max(p.top_k, 0) for p in params]
+    vocab = probs.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]   # k >= the vocabulary keeps all
     if any(top_k):
         probs = _top_k_filter(probs, torch.tensor(top_k, device=device))
     top_p = [p.top_p for p in params]

@@ -27,7 +27,7 @@ from kvtier.serve.chat import ChatFormatter
 from kvtier.serve.detok import IncrementalText
 from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
-from kvtier.serve.protocol import ApiError
+from kvtier.serve.protocol import ApiError, short_repr
 from kvtier.serve.sse import (JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
                               read_json, session_of, sse_event, unless_gone)
 
@@ -142,7 +142,7 @@ class Service:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            raise ApiError(404, f"the model {short_repr(name)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     def text_ids(self, text: str, add_special: bool = True) -> list[int]:

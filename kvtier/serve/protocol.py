@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 TIERS = ("device", "host", "disk", "remote")   # where cached prompt tokens can come from
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1         # vLLM takes any int64; torch.Generator seeds are uint64
+MAX_STOP_TOKEN_IDS = 1024                     # distinct stop ids a request may give (each token is checked against them)
 HANDOFF_FIELD = "kvtier_handoff"              # a decode worker's hand-over (serve/disagg.py): router-made
 INTERNAL_FIELDS = (HANDOFF_FIELD,)            # body fields a router sets, never passed on from a client
 
@@ -68,6 +70,18 @@ class GenerationRequest:
 # -- field checks ------------------------------------------------------------------------
 
 
+# A client's value in an error message is cut short (a list may be megabytes; repr of it
+# in full took 0.4 s and sent it all back).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 2, 4, 4
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 40
+
+
+def short_repr(v: Any) -> str:
+    """A client's value for an error message, at most a few dozen characters."""
+    return _REPR.repr(v)
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -79,7 +93,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
             or v < lo or v > hi or (lo_open and v == lo):
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad(f"{name} must be a number in {interval}, got {v!r}", name)
+        raise bad(f"{name} must be a number in {interval}, got {short_repr(v)}", name)
     return float(v)
 
 
@@ -88,7 +102,8 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     if v is None:
         return None
     if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        raise bad(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}", name)
+        raise bad(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, "
+                  f"got {short_repr(v)}", name)
     return v
 
 
@@ -97,7 +112,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {v!r}", name)
+        raise bad(f"{name} must be true or false, got {short_repr(v)}", name)
     return v
 
 
@@ -105,10 +120,10 @@ def _unsupported(body: dict) -> None:
     """Refuse what the engine cannot do, instead of answering something else."""
     n = body.get("n")
     if n is not None and n != 1:
-        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n", "unsupported")
+        raise bad(f"n must be 1 (one choice per request), got {short_repr(n)}", "n", "unsupported")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
-        raise bad(f"best_of must be 1, got {best_of!r}", "best_of", "unsupported")
+        raise bad(f"best_of must be 1, got {short_repr(best_of)}", "best_of", "unsupported")
     for name in ("logprobs", "top_logprobs"):
         if body.get(name) not in (None, False, 0):
             raise bad(f"{name} is not supported by this server", name, "unsupported")
@@ -126,10 +141,10 @@ def _unsupported(body: dict) -> None:
     for name, neutral, fix in _NEUTRAL:
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or v not in neutral):
-            raise bad(f"{name} is not supported by this server ({fix}), got {v!r}", name, "unsupported")
+            raise bad(f"{name} is not supported by this server ({fix}), got {short_repr(v)}", name, "unsupported")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise bad(f"tool_choice {choice!r} is not supported by this server: tools are not (leave it out, or "
+        raise bad(f"tool_choice {short_repr(choice)} is not supported by this server: tools are not (leave it out, or "
                   "\"auto\" or \"none\")", "tool_choice", "unsupported")
 
 
@@ -162,8 +177,17 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
     stops = body.get("stop_token_ids")
     if stops is None:
         stops = []
-    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
-        raise bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {stops!r}", "stop_token_ids")
+    if not isinstance(stops, list):
+        raise bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {type(stops).__name__}",
+                  "stop_token_ids")
+    for t in stops:
+        if not (_is_int(t) and t >= 0):      # named, not the list echoed: it may be megabytes
+            raise bad(f"stop_token_ids must be token ids (integers >= 0), got {short_repr(t)} among them",
+                      "stop_token_ids")
+    stops = list(dict.fromkeys(stops))        # a stop id given twice stops the same way once
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"stop_token_ids has {len(stops):,} distinct ids; at most {MAX_STOP_TOKEN_IDS:,} are taken",
+                  "stop_token_ids")
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
@@ -227,7 +251,8 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
             raise bad(f"{where} must be an object with role and content", where)
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be system, developer, user, assistant or tool, got {short_repr(role)}",
+                      f"{where}.role")
         if isinstance(content, list):
             parts = []
             for part in content:
@@ -245,7 +270,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
             v = m.get(name)
             if v is not None:
                 if not isinstance(v, str):
-                    raise bad(f"{where}.{name} must be a string, got {v!r}", f"{where}.{name}")
+                    raise bad(f"{where}.{name} must be a string, got {short_repr(v)}", f"{where}.{name}")
                 msg[name] = v
         calls = m.get("tool_calls")
         if calls is not None:
