@@ -298,6 +298,14 @@ def test_short_prompts_go_straight_to_decode_and_bad_requests_pass_through(pd):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=60, headers=JSON_TYPE)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # nested deeper than the router can write back (a 500 and a logged traceback before); 254 levels pass
+    deep = b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}'
+    for levels, status in ((300, 400), (252, 400), (240, 400)):   # + the body's own 3 levels; 243: the worker's 400
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=60, headers=JSON_TYPE,
+                       content=deep % (MODEL.encode(), b"[" * levels + b"]" * levels))
+        assert r.status_code == status, r.text
+        assert ("nests deeper than 254" in r.text) == (levels > 251), r.text
+        assert ("messages[0].content" in r.text) == (levels == 240), r.text
 
 
 # -- faults ----------------------------------------------------------------------------------

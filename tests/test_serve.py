@@ -220,6 +220,7 @@ def test_session_affinity_pins_and_is_echoed(server):
 
 @pytest.mark.parametrize("method,path,body,status,code", [
     ("POST", "/v1/completions", b"{not json", 400, "invalid_json"),
+    ("POST", "/v1/completions", b'{"model": "x", "prompt": ' + b"[" * 300 + b"]" * 300 + b"}", 400, "invalid_json"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 9000, "max_tokens": 4}, 400, "context_length_exceeded"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "context_length_exceeded"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "invalid_value"),

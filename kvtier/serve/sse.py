@@ -128,13 +128,29 @@ async def read_body(request: Request, limit: int, who: str = "server") -> bytes:
     return b"".join(chunks)
 
 
+# The deepest body taken: orjson writes 255 levels, and the router wraps a body once for its
+# prefill worker
+MAX_JSON_DEPTH = 254
+
+
 async def read_json(request: Request, limit: int, who: str = "server") -> Any:
     """The body as JSON: 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
     raw = await read_body(request, limit, who)
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    # What cannot be written back is refused here: orjson reads 1,024 levels of nesting but
+    # writes 255, and the router writes bodies back (wrapped once); a deeper one was a 500
+    # there. Speed: counting brackets is a C scan; only a body with that many is encoded (in a
+    # list: one level more) to find out.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        try:
+            orjson.dumps([body])
+        except orjson.JSONEncodeError:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json") from None
+    return body
 
 
 async def wait_disconnect(receive: Receive) -> None:
