@@ -432,6 +432,30 @@ def test_a_replayed_frame_is_refused():
     store.close()
 
 
+def test_strangers_get_a_constant_refusal_and_replies_sent_back_never_enter_the_replay_table():
+    """A stranger's garbage was answered with an ERR MAC'd with the cluster secret; sent back on
+    a new connection it passed every check (a fresh nonce in the replay table) and was refused
+    only for its namespace: strangers could fill the table, whose horizon then refuses peers."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        host, port = node.address.rsplit(":", 1)
+        for junk in (os.urandom(PREFIX_BYTES), frames.REFUSAL):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(junk)
+                s.settimeout(10)
+                assert s.makefile("rb").read() == frames.REFUSAL      # "not this cluster", and closed
+        before = len(node.replays)
+        for op in ("ERR", "OK"):                          # a reply of the node's (or any holder's), sent back
+            f = Frame(op, store.keyer.seed, [], error="x" if op == "ERR" else "")
+            got = _exchange(node.address, f.encode(SECRET))
+            assert got.op == "ERR" and "is a reply, not a request" in got.error
+        assert len(node.replays) == before
+        with PeerClient.for_store(store, node.address, SECRET, timeout=5) as c:
+            c.ping()                                      # its peers are served
+        assert len(node.replays) == before + 1
+    store.close()
+
+
 def test_the_replay_table_is_bounded_and_never_forgets_too_early():
     from kvtier.net.replay import ReplayGuard
 

@@ -285,7 +285,8 @@ def _reason(e: BaseException) -> str:
         return (f"TLS: the node's certificate does not verify ({e.verify_message}): give the CA that signed it "
                 "(Tls(ca=...), --tls-ca), and a certificate that names the address dialled")
     if isinstance(e, ssl.SSLError):
-        return (f"TLS failed ({e.reason or e}): is the node serving TLS (--tls-cert), and this client "
+        why = getattr(e, "reason", None) or e     # an SSLError made by kvtier has no reason
+        return (f"TLS failed ({why}): is the node serving TLS (--tls-cert), and this client "
                 "given tls=Tls(ca=...) (--tls-ca)?")
     if isinstance(e, socket.timeout):
         return "no answer within the deadline"

@@ -30,11 +30,17 @@ import msgpack
 from kvtier.errors import ConfigError, KvtierError
 
 VERSION = 2
-OPS = ("HAS", "FIND", "GET", "PUT", "OK", "ERR")
+REQUESTS = ("HAS", "FIND", "GET", "PUT")
+REPLIES = ("OK", "ERR")
+OPS = REQUESTS + REPLIES
 PREFIX_BYTES = 36
 TAG_BYTES = 16
 NONCE_BYTES = 16
 MAC_BYTES = 32
+# What a node answers a peer that does not hold the secret: a prefix no tag check passes, so
+# it says "not this cluster" (read_prefix's error) and, being constant, cannot be sent back
+# as a frame (a MAC'd ERR could).
+REFUSAL = bytes(PREFIX_BYTES)
 MAX_HEADER = 4 << 20            # a 128k-token prompt at 16 tokens a block: ~200 KiB of keys
 MAX_KEYS = 1 << 16
 MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale

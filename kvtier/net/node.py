@@ -34,7 +34,8 @@ from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import format_address, is_unspecified, listen_infos, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import MAX_KEYS, Frame, FrameError, check_secret, decode, read_prefix, request_seconds
+from kvtier.net.frames import (MAX_KEYS, REFUSAL, REQUESTS, Frame, FrameError, Prefix, check_secret, decode, read_prefix,
+                               request_seconds)
 from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
@@ -246,11 +247,15 @@ class Node:
         # An ERR reply names the requester's own namespace (never this node's seed: a peer with
         # the cluster secret but another tenant's salt would build this tenant's keys from it).
         reply_ns = b""
+        # Whether the peer showed it holds the secret (a prefix tag that verified): a stranger
+        # gets frames.REFUSAL, not an ERR it could send back as a frame of its own.
+        holds_secret = False
+        fresh: Prefix | None = None
 
         def check(prefix: bytes) -> int:
-            nonlocal reserved
-            p = read_prefix(prefix, self.secret)
-            self.replays.check(p.nonce, p.ts, time.time())
+            nonlocal reserved, holds_secret, fresh
+            fresh = p = read_prefix(prefix, self.secret)
+            holds_secret = True
             if not authenticated:
                 if not gate.reserve(p.length):
                     raise FrameError("too many bytes buffered for unauthenticated peers: try again later")
@@ -276,6 +281,12 @@ class Node:
                     reserved = 0
                 req = decode(prefix, body, mac, self.secret, max_payload=MAX_KEYS * self.block_bytes)
                 del body
+                if req.op not in REQUESTS:
+                    raise FrameError(f"{req.op} is a reply, not a request")
+                # Only a request whose MAC verified is remembered: a reply sent back to this node
+                # (this node's own ERR, MAC'd) never enters the replay table.
+                assert fresh is not None
+                self.replays.check(fresh.nonce, fresh.ts, time.time())
                 if not authenticated:
                     authenticated = True
                     gate.authenticated(w)
@@ -301,7 +312,9 @@ class Node:
                 log.warning("node %s: refused a frame: %s%s", self.address, e,
                             _so_far(self.refused_frames, "frames refused"))
             try:
-                if not isinstance(e, _Answered):          # its ERR went out before its bytes were dropped
+                if not holds_secret:
+                    await asyncio.wait_for(conn.send(REFUSAL), self.request_timeout)
+                elif not isinstance(e, _Answered):        # an _Answered one's ERR went out already
                     await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
                                            self.request_timeout)
             except (OSError, EOFError, asyncio.TimeoutError):

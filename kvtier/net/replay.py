@@ -4,8 +4,8 @@ A frame older than the window is refused as stale (frames.read_prefix), so only 
 window's nonces need remembering; older entries are evicted as time passes. The table is
 also capped: when it is full, the oldest entry goes and the table's horizon moves up to
 its time, and frames from before the horizon are refused as stale too, so a nonce is
-never forgotten while a frame carrying it could still be accepted. Only frames whose
-prefix tag verified (peers holding the secret) reach the table, so strangers cannot fill it.
+never forgotten while a frame carrying it could still be accepted. Only requests whose MAC
+verified reach the table (never a reply sent back to the node), so strangers cannot fill it.
 
 "Oldest" is by the frame's time, not its arrival: a peer whose clock runs ahead (within
 the window) dates its frames in the future. Kept in arrival order, such an entry stopped

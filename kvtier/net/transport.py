@@ -192,6 +192,9 @@ class TcpChannel:
             try:
                 sock.settimeout(_left(deadline))
                 sock = self.ssl_ctx.wrap_socket(sock, server_hostname=self.addr[0])   # handshake, verified
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as e:
+                sock.close()   # a plain node closes on a ClientHello (it answers strangers nothing)
+                raise ssl.SSLError(f"the node closed the connection during the handshake ({e.strerror})") from None
             except BaseException:
                 sock.close()
                 raise
@@ -210,8 +213,8 @@ class TcpChannel:
         try:
             prefix = _recv_exact(sock, PREFIX_BYTES, deadline)
         except EOFError:
-            raise EOFError("the peer closed the connection without answering (a node that wants TLS, "
-                           "or another protocol version?)") from None
+            raise EOFError("the peer closed the connection without answering (a node with another cluster "
+                           "secret, one that wants TLS, or another protocol version?)") from None
         body = _recv_exact(sock, check(prefix), deadline)
         return prefix, body, _recv_exact(sock, MAC_BYTES, deadline)
 
