@@ -1,7 +1,8 @@
 """kvtier.serve.http's bounds on a request's head, on a bare ASGI app (no model): a head past
 MAX_HEAD_BYTES gets 431, one not complete within the head deadline gets 408, each request of a
 kept-alive connection with its own budget; bodies and streams are not held to them; sockets
-past twice the connection limit are closed at accept."""
+past twice the connection limit are closed at accept. A body arriving slower than the
+minimum rate gets 408; a client that reads none of its answer is dropped."""
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +33,11 @@ async def app(scope, receive, send) -> None:
         size += len(event.get("body", b""))
         if not event.get("more_body"):
             break
+    if scope["path"] == "/big":                  # 32 MiB in one write, as a big JSON answer is
+        big = b"x" * (32 << 20)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(big))]})
+        await send({"type": "http.response.body", "body": big})
+        return
     if scope["path"] == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         for i in range(4):
@@ -179,3 +185,45 @@ def test_sockets_past_twice_the_connection_limit_are_closed_at_accept():
         while server.server_state.connections:
             time.sleep(0.01)
         assert get(port).startswith(b"HTTP/1.1 200")
+
+
+def test_a_dripping_body_is_cut_below_the_minimum_rate_and_a_slow_steady_one_is_not(monkeypatch):
+    """A byte every 0.1 s beats the read deadline (1 s) for ever: it held the slot as long as
+    the client liked. 100 B/s is under the minimum (2,000 B/s here); 5,000 B/s is not."""
+    import kvtier.serve.http as http_module
+    monkeypatch.setattr(http_module, "BODY_GRACE_S", 0.5)
+    size = 12_000
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+    with serving(read_timeout=1, min_body_rate=2000) as (port, _):
+        with connect(port) as s:
+            s.sendall(head)
+            t = time.monotonic()
+            assert send_until_closed(s, iter([b"d" * 10] * 200), pause=0.1)      # 20 s of drip at most
+            data = read_answers(s)
+            assert data.startswith(b"HTTP/1.1 408") and b"arrived slower than" in data, data[:300]
+            assert time.monotonic() - t < 6
+        with connect(port) as s:                                              # steady: 12 KB in 2.4 s
+            s.sendall(head)
+            for _ in range(size // 500):
+                s.sendall(b"s" * 500)
+                time.sleep(0.1)
+            assert read_answers(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_reads_none_of_its_answer_is_dropped():
+    """A 32 MiB answer the client never reads sat in the server's write buffer for as long as
+    the connection lived (18 MB a /tokenize answer); it goes once writes waited write_timeout."""
+    with serving(read_timeout=0.5, write_timeout=1) as (port, _):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+        with s:
+            s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(3)                                  # reads nothing: dropped meanwhile
+            got = 0
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            assert got < 32 << 20                          # the rest was dropped, and the socket closed
+        assert get(port).startswith(b"HTTP/1.1 200")       # and the server serves on

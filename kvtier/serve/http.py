@@ -15,6 +15,14 @@ headers, 11 MB, were taken in one request). So a request's head also has a total
 (`head_timeout`, 408) and a size cap (`MAX_HEAD_BYTES`, 431), each request of a kept-alive
 connection its own; and uvicorn's connection limit, checked only once a head is complete,
 gets a hard bound at accept (sockets past twice the limit are closed at once).
+
+A body has a per-read deadline too, so one dripped a byte every few seconds held its slot for
+as long as the client liked (16 such sockets kept every other client at 503 for minutes). So a
+body must also arrive at `min_body_rate` bytes a second on average, after a grace of
+BODY_GRACE_S (408 otherwise): Kestrel's MinRequestBodyDataRate. And a client that stops
+reading its answer (its socket buffer full, the server's write buffer holding the rest: 18 MB
+for a /tokenize answer) is dropped once its writes have waited `write_timeout` s: nginx's
+send_timeout.
 """
 from __future__ import annotations
 
@@ -33,6 +41,13 @@ HEAD_TIMEOUT_S = 30.0
 # Bytes a request's head may take: nginx reads 4 x 8 KiB, uvicorn's h11 takes 16 KiB; 64 KiB
 # leaves room for big cookies or tokens and still bounds each of `--max-connections` sockets.
 MAX_HEAD_BYTES = 64 * 1024
+# Bytes a second a request body must arrive at, on average, once BODY_GRACE_S have passed
+# since its headers: 16 KiB/s is a 128 kbit/s link; a dripping client must send that much to
+# hold a slot, and no longer than the body size limit allows.
+MIN_BODY_RATE = 16 * 1024
+BODY_GRACE_S = 10.0
+# Seconds an answer may wait for a client that reads none of it (nginx's send_timeout).
+WRITE_TIMEOUT_S = 60.0
 # Connections past this multiple of the limit are closed at accept: those up to it still get
 # uvicorn's 503 (checked when their head is complete), those past it only cost descriptors.
 ACCEPT_FACTOR = 2
@@ -63,11 +78,14 @@ class _HeadTooLarge(Exception):
     """Raised in a parser callback to stop parsing a head past MAX_HEAD_BYTES."""
 
 
-def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float = HEAD_TIMEOUT_S) -> type:
+def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float = HEAD_TIMEOUT_S,
+                      min_body_rate: float = MIN_BODY_RATE, write_timeout: float = WRITE_TIMEOUT_S) -> type:
     """A uvicorn HTTP protocol class that closes a connection silent for `read_timeout` s
     while no complete request of it is being answered, one whose request head is not complete
     `head_timeout` s after the server began waiting for it (408), or past MAX_HEAD_BYTES (431),
-    and connections accepted past ACCEPT_FACTOR times the server's connection limit."""
+    one whose body arrives slower than `min_body_rate` bytes/s after BODY_GRACE_S (408), one
+    whose answer has waited `write_timeout` s for the client to read, and connections
+    accepted past ACCEPT_FACTOR times the server's connection limit."""
     base: Any = _base_protocol()
     # The head bounds hook httptools' parser callbacks; h11 bounds a head itself (16 KiB) and
     # calls none of them, so under it they stay off (_head_since stays None).
@@ -84,6 +102,11 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
             self._head_since: float | None = self._last_read if bounds_heads else None
             self._head_fields = self._head_reads = 0
             self._head_too_large = False
+            # When the server began waiting for the body now arriving (None: no body is due),
+            # and the bytes read since; when writes began waiting for the client to read.
+            self._body_since: float | None = None
+            self._body_bytes = 0
+            self._write_paused_since: float | None = None
             self._deadline = self.loop.call_later(min(read_timeout, head_timeout), self._check_deadline)
             limit = self.limit_concurrency
             if limit is not None and len(self.connections) > ACCEPT_FACTOR * limit:
@@ -91,6 +114,8 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
 
         def data_received(self, data: bytes) -> None:
             self._last_read = time.monotonic()
+            if self._body_since is not None:
+                self._body_bytes += len(data)
             if self._head_since is not None:
                 self._head_reads += len(data)    # zeroed again if the head completes in this read
             super().data_received(data)
@@ -101,6 +126,15 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
         def connection_lost(self, exc: Exception | None) -> None:
             self._deadline.cancel()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:      # the transport's buffer is full: the client is not reading
+            if self._write_paused_since is None:
+                self._write_paused_since = time.monotonic()
+            super().pause_writing()
+
+        def resume_writing(self) -> None:
+            self._write_paused_since = None
+            super().resume_writing()
 
         # httptools parser callbacks (uvicorn's, extended): a head runs from the end of the
         # previous message (or accept) to on_headers_complete.
@@ -157,26 +191,49 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
 
         def _waiting_on_client(self) -> bool:
             """Whether the server is waiting for the client's bytes: not while it answers a
-            request read whole, not while a pipelined request waits behind another's answer,
-            not while it paused reading itself (flow control)."""
-            if self.flow.read_paused or getattr(self, "pipeline", None):
+            request read whole (or the client has yet to read the answer), not while a
+            pipelined request waits behind another's answer, not while it paused reading
+            itself (flow control)."""
+            if self.flow.read_paused or getattr(self, "pipeline", None) or self._write_paused_since is not None:
                 return False
             cycle = self.cycle
             return cycle is None or cycle.response_complete or cycle.more_body
 
         def _check_deadline(self) -> None:
-            if self.transport.is_closing():
-                return
             now = time.monotonic()
-            if not self._waiting_on_client():
+            write_left = write_timeout
+            if self._write_paused_since is not None:
+                write_left -= now - self._write_paused_since
+                if write_left <= 0:
+                    self.transport.abort()   # close() waits to send what the client does not read
+                    return
+            if self.transport.is_closing():
+                if self._write_paused_since is not None:    # closed, its last answer still unread
+                    self._deadline = self.loop.call_later(write_left, self._check_deadline)
+                return
+            waiting = self._waiting_on_client()
+            if not waiting:
                 self._last_read = now      # the silence counts from when it waits again,
                 if self._head_since is not None:
                     self._head_since = now     # and so does the time a pipelined head takes
+            cycle = self.cycle
+            in_body = waiting and cycle is not None and cycle.more_body and not cycle.response_started
+            body_left = read_timeout
+            if not in_body:
+                self._body_since = None    # (a pause the server made restarts the count)
+            elif self._body_since is None:
+                self._body_since, self._body_bytes = now, 0     # seen within a tick of its headers
+            else:
+                body_left = self._body_since + BODY_GRACE_S + self._body_bytes / min_body_rate - now
+                if body_left <= 0:
+                    self.transport.write(_error_response(
+                        408, f"the request body arrived slower than {min_body_rate / 1024:g} KiB/s",
+                        "request_timeout"))
+                    self.transport.close()
+                    return
             silent = now - self._last_read
             if silent >= read_timeout:
-                cycle = self.cycle
-                if cycle is not None and cycle.more_body and not cycle.response_started:
-                    # its headers came, its body stalled
+                if in_body:            # its headers came, its body stalled
                     self.transport.write(_error_response(
                         408, f"the request body stalled: nothing arrived for {read_timeout:g} s",
                         "request_timeout"))
@@ -191,17 +248,21 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
                     self._reject(408, f"the request headers took longer than {head_timeout:g} s",
                                  "request_timeout")
                     return
-            self._deadline = self.loop.call_later(min(read_timeout - silent, head_left), self._check_deadline)
+            self._deadline = self.loop.call_later(min(read_timeout - silent, head_left, max(body_left, 0.05),
+                                                      write_left), self._check_deadline)
 
     return DeadlineProtocol
 
 
 def uvicorn_config(app: Any, *, max_connections: int, shutdown_timeout: float,
-                   read_timeout: float = READ_TIMEOUT_S, head_timeout: float = HEAD_TIMEOUT_S) -> Any:
+                   read_timeout: float = READ_TIMEOUT_S, head_timeout: float = HEAD_TIMEOUT_S,
+                   min_body_rate: float = MIN_BODY_RATE, write_timeout: float = WRITE_TIMEOUT_S) -> Any:
     """The uvicorn.Config of a kvtier HTTP server: at most `max_connections` connections
     (uvicorn answers 503 past it, and closes at once those past twice it), kept-alive ones
     closed 5 s after their last answer, silent clients after `read_timeout` s, request heads
-    due within `head_timeout` s and MAX_HEAD_BYTES, no access log, uvicorn's own logging quiet.
+    due within `head_timeout` s and MAX_HEAD_BYTES, bodies at `min_body_rate` bytes/s, clients
+    that read nothing of an answer for `write_timeout` s dropped, no access log, uvicorn's own
+    logging quiet.
     Raises the process's open-files limit to its hard limit, as a node does: each client (and,
     for the router, each connection to a worker) is a descriptor, and the usual soft limit of
     1,024 is below `--max-connections` in and out."""
@@ -211,5 +272,6 @@ def uvicorn_config(app: Any, *, max_connections: int, shutdown_timeout: float,
 
     raise_open_files_limit()
     return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                          http=deadline_protocol(read_timeout, head_timeout), limit_concurrency=max_connections,
+                          http=deadline_protocol(read_timeout, head_timeout, min_body_rate, write_timeout),
+                          limit_concurrency=max_connections,
                           timeout_keep_alive=5, timeout_graceful_shutdown=shutdown_timeout)

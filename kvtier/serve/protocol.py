@@ -16,7 +16,7 @@ from typing import Any
 
 TIERS = ("device", "host", "disk", "remote")   # where cached prompt tokens can come from
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1         # vLLM takes any int64; torch.Generator seeds are uint64
-MAX_STOP_TOKEN_IDS = 1024                     # distinct stop ids a request may give (each token is checked against them)
+MAX_STOP_TOKEN_IDS = 1024                     # distinct stop ids a request may give
 HANDOFF_FIELD = "kvtier_handoff"              # a decode worker's hand-over (serve/disagg.py): router-made
 INTERNAL_FIELDS = (HANDOFF_FIELD,)            # body fields a router sets, never passed on from a client
 
