@@ -159,6 +159,20 @@ def test_block_map_follows_events_and_forgets_beliefs():
         m.apply("a", {"events": "nope"})
 
 
+def test_beliefs_are_bounded_as_held_keys_are():
+    """Every routed prompt's keys were believed held for PENDING_S, pruned only by a match
+    past 4,096 of them: big prompts sent fast grew the router by their keys."""
+    now = [0.0]
+    m = BlockMap(capacity=100, clock=lambda: now[0])
+    m.apply("a", {"epoch": "e1", "next": 0, "events": []})
+    prompts = [[bytes([p, i]) * 8 for i in range(60)] for p in range(5)]
+    for keys in prompts:
+        m.sent("a", keys)
+        assert len(m._workers["a"].pending) <= 100
+    assert m.match("a", prompts[-1]) == 60                  # the newest beliefs stay
+    assert m.match("a", prompts[0]) == 0                     # the oldest went first
+
+
 class FakeWorker(FakeServer):
     """A decode worker that publishes KV events, scripted or from a real `log` (in pages of
     `page`), and says who answered."""

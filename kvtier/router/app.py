@@ -385,7 +385,10 @@ class Router:
                 w, uncached = self.pick(workers, prompt, session, "decode", handed_over=handoff is not None)
             hand = handoff is not None and w.url not in refused and (source is None or w.trusts(source))
             tried.add(w.url)
-            load = _Load(w, uncached, -(-(tokens + int(max_tokens)) // w.block_tokens) if isinstance(max_tokens, int) else 0)
+            # counted up to any model's context: a client's max_tokens of 2**64 weighed on the
+            # worker's load until its 400 came back
+            counted = min(max_tokens, MAX_COUNTED_TOKENS) if isinstance(max_tokens, int) and max_tokens > 0 else 0
+            load = _Load(w, uncached, -(-(tokens + counted) // w.block_tokens))
             try:
                 resp = await unless_lost(w, self.client.send(self.client.build_request(
                     "POST", w.url + path, content=with_hand if hand else plain, headers=headers), stream=True))
@@ -531,6 +534,7 @@ class _Load:
 
 
 MAX_HEAD_BYTES = 1 << 20       # what the router reads of a stream before it starts relaying it
+MAX_COUNTED_TOKENS = 1 << 20   # a request's max_tokens as the load counts it, at most
 BUSY = ("kv_cache_full", "shutting_down", "service_unavailable")
 
 

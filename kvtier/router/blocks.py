@@ -12,10 +12,11 @@ are believed held ("pending"), for at most PENDING_S; an event for a key settles
 way. A router new to a worker, one whose worker restarted (another epoch) and one further
 behind than the worker's log is answered a snapshot (`reset`, then pages of the keys held,
 then the events since it was taken) and starts that worker's view afresh. Bounded: at most
-`capacity` keys per worker (the oldest reported forgotten first).
+`capacity` keys per worker (the oldest reported forgotten first), and as many beliefs.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -95,10 +96,16 @@ class BlockMap:
         w = self._workers.get(worker)
         if w is None:
             return
-        until = self.clock() + PENDING_S
+        now = self.clock()
+        until = now + PENDING_S
+        pending = w.pending
         for k in keys:
             if k not in w.held:
-                w.pending[k] = until
+                pending[k] = until
+        if len(pending) > self.capacity:   # bounded as `held` is (a client's prompts add 1 key per block)
+            w.pending = pending = {k: t for k, t in pending.items() if t > now}
+            for k in list(itertools.islice(pending, len(pending) - self.capacity)):
+                del pending[k]             # the oldest beliefs first
 
     def match(self, worker: str, keys: Sequence[bytes]) -> int:
         """How many leading `keys` `worker` holds (or was just sent)."""
