@@ -131,12 +131,18 @@ class PagePool:
             c.put_bytes += n * st.layout.block_bytes
             c.put_rejected += refused
             c.put_present += tried - n - refused
-        if n and (st.write_through or st.backup is not None):
-            new = [k for k, d in zip(keys, done) if d]
-            if st.backup is not None:
-                st.backup.submit(new)
-            if st.write_through:
-                st._write_through(new)
+            new = [k for k, d in zip(keys, done) if d] if n else []
+            backup: list[BlockKey] = []
+            if new and st.backup is not None:
+                # A loaded block keeps its copy where it came from: one already in the backup's
+                # tier (a host hit) needs none, and its 256 keys cost the backup thread's Python
+                # (GIL, store lock) beside the next steps for nothing.
+                t, entries = st.backup.tier, st.index.entries
+                backup = [k for k in new if not ((e := entries[k]).copies and t in e.copies)]
+        if backup:
+            st.backup.submit(backup)     # type: ignore[union-attr]
+        if new and st.write_through:
+            st._write_through(new)
         return n
 
     # -- cached prefix -> pages ---------------------------------------------------------

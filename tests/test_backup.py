@@ -330,3 +330,27 @@ def test_a_backup_failing_every_pass_is_logged_once_a_minute_with_a_count(monkey
     monkeypatch.undo()
     a.close()
     st.close()
+
+
+def test_blocks_loaded_from_the_backups_tier_are_not_backed_up_again(monkeypatch):
+    """A host hit's pages, cached again once loaded, were all handed to the backup, whose
+    thread then found each already in host memory: Python beside the next steps for nothing."""
+    a = make(device_blocks=8)
+    st = a.store
+    keys, pages, _ = compute(a, 0, 6, 10.0)
+    a.free(pages)
+    assert st.backup.drain(timeout=10) and st.backup.copied == 6
+    a.free(a.allocate(8))                              # every page: the 6 blocks are in host memory only
+    submitted: list[bytes] = []
+    submit = st.backup.submit
+    monkeypatch.setattr(st.backup, "submit", lambda ks: (submitted.extend(ks), submit(ks)))
+    load = a.load(a.lookup(list(range(24))))
+    load.wait()
+    assert load.blocks == 6
+    a.cache(keys, load.pages)                          # what the engine does with loaded pages
+    more, more_pages, _ = compute(a, 100, 2, 20.0)     # newly computed blocks still are backed up
+    assert submitted == more
+    assert st.backup.drain(timeout=10) and st.backup.copied == 8
+    a.free(load.pages + more_pages)
+    a.close()
+    st.close()
