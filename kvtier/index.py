@@ -516,9 +516,11 @@ class BlockIndex:
             slots = sorted(free[len(free) - n:])
             del free[len(free) - n:]
             return slots
-        slots: list[SlotId] = []
+        slots = free[::-1]               # every free slot, as _take_slot would pop them
+        free.clear()
         first = len(moves)
-        for _ in range(n):
+        slots += self._drop_many(tier, n - len(slots), moves)
+        for _ in range(n - len(slots)):
             slot = self._take_slot(tier, moves)
             if slot is None:
                 self.tiers[tier].give_back(slots)
@@ -550,6 +552,7 @@ class BlockIndex:
         start = getattr(keys, "start", 0)
         parent = getattr(keys, "parent", None)
         bt, n = self.block_tokens, len(keys)
+        keys = list(keys)                   # Speed: as in reserve(), a plain list to index
         done = [False] * n
         for i in range(n - 1, -1, -1):      # tail-first, like reserve(): the root ends most recent
             k, slot = keys[i], slots[i]
@@ -694,6 +697,40 @@ class BlockIndex:
                 if t != tier and t <= floor:
                     return True
         return False
+
+    def _drop_many(self, tier: TierId, n: int, moves: list[Move]) -> list[SlotId]:
+        """Up to `n` slots of `tier` freed by evicting blocks with another copy within their
+        floor (drops: no bytes move), in the order _take_slot would evict them, stopping at
+        the first victim whose eviction would move bytes. Speed: one walk of the policy, not
+        one per victim: 256 evictions (a host hit's pages) took 0.5 ms one _take_slot each."""
+        ts = self.tiers[tier]
+        entries, floor_of, other_copy = self.entries, self.pins.floor, self._has_other_copy
+        last = len(self.tiers) - 1
+
+        def kind(k: Key) -> int:             # 1: drop it; 0: not evictable (skipped); -1: a demotion
+            e = entries[k]
+            if e.refs or not e.ready:
+                return 0
+            floor = floor_of(k)
+            if other_copy(e, tier, floor):
+                return 1
+            return -1 if floor == UNPINNED or (floor > tier and tier < last) else 0
+        victims = ts.policy.victims(kind, n) if n > 0 else None
+        if not victims:
+            return []
+        out = []
+        remove, counters = ts.policy.remove, ts.counters
+        for k in victims:
+            e = entries[k]
+            slot = e.slot_in(tier)
+            assert slot is not None
+            remove(k)
+            moves.append(Move(k, tier, slot, None))
+            self._drop_copy(k, e, tier)
+            out.append(slot)
+        counters.evicted += len(out)
+        counters.dropped += len(out)
+        return out
 
     def _take_slot(self, tier: TierId, moves: list[Move]) -> SlotId | None:
         """A free slot in `tier`, evicting (and demoting) a victim if needed; None if impossible."""

@@ -123,3 +123,44 @@ def test_belady_never_below_online(trace, cap):
     best = replay(trace, "belady", cap).prefix_hits
     for name in policy_names():
         assert replay(trace, name, cap).prefix_hits <= best, name
+
+
+@settings(max_examples=150, deadline=None)
+@given(chains=st.lists(st.tuples(st.integers(1, 5), st.booleans(), st.booleans(), st.booleans()), min_size=1,
+                       max_size=6),
+       want=st.integers(1, 24), policy=st.sampled_from(["lru", "lru+nopartial", "arc"]))
+def test_evicting_many_at_once_evicts_what_one_at_a_time_would(chains, want, policy):
+    """BlockIndex.allocate evicts a run of drops in one walk of the policy (_drop_many); the
+    slots, moves, entries and the policy's order after it are what _take_slot, one victim at
+    a time, gives: over held, pinned, backed-up and not backed-up blocks, with demotions."""
+    import copy
+
+    from kvtier.index import Move
+
+    idx = BlockIndex([("device", 16), ("host", 12), ("disk", 64)], policy=policy, block_tokens=4)
+    for c, (blocks, backed_up, pinned, held) in enumerate(chains):
+        keys = [bytes([c, j]) * 8 for j in range(blocks)]
+        slots = idx.allocate(0, blocks, [])
+        if slots is None:
+            continue
+        idx.cache(0, keys, slots)             # held by the caller
+        if backed_up:
+            res = idx.reserve_copies(keys, 1)
+            idx.commit(res)
+        if pinned:
+            idx.pins.pin(f"s{c}", keys, ttl=600, tier=0)
+        if not held:
+            idx.release(keys)
+
+    def run(batch: bool) -> tuple:
+        i = copy.deepcopy(idx)
+        if not batch:
+            pol = i.tiers[0].policy
+            pol = getattr(pol, "inner", pol)
+            pol.victims = lambda kind, n: None      # the one-at-a-time path
+        moves: list[Move] = []
+        slots = i.allocate(0, want, moves)
+        order = [list(getattr(getattr(t.policy, "inner", t.policy), "_order", [])) for t in i.tiers]
+        state = {k: (e.tier, e.slot, e.refs, dict(e.copies or {})) for k, e in i.entries.items()}
+        return slots, moves, state, order, [sorted(t.free) for t in i.tiers]
+    assert run(True) == run(False)

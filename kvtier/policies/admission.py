@@ -44,6 +44,9 @@ class AdmissionFilter(EvictionPolicy):
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         return self.inner.victim(evictable)
 
+    def victims(self, kind: Callable[[Key], int], n: int) -> list[Key] | None:
+        return self.inner.victims(kind, n)
+
     def __len__(self) -> int:
         return len(self.inner)
 

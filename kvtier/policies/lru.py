@@ -27,6 +27,29 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def victims(self, kind: Callable[[Key], int], n: int) -> list[Key]:
+        # One walk for n victims: victim() walked from the oldest each time (EvictionPolicy.victims).
+        # The blocks skipped before the last victim move to the recent end, as those calls
+        # moved them; any skipped after it stay, for the next victim() to walk (and move).
+        out: list[Key] = []
+        skipped: list[Key] = []
+        moved = 0
+        for k in self._order:
+            c = kind(k)
+            if c > 0:
+                out.append(k)
+                moved = len(skipped)
+                if len(out) == n:
+                    break
+            elif c < 0:
+                break
+            else:
+                skipped.append(k)
+        move = self._order.move_to_end
+        for k in skipped[:moved]:
+            move(k)
+        return out
+
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         # Speed: blocks skipped because they are held or pinned are in use: they move to the
         # recent end, so the next search does not walk past them again (amortized O(1)
