@@ -259,6 +259,9 @@ class Mover:
 
 def group_by_tier(locs: Sequence[tuple[TierId, SlotId]]) -> list[tuple[TierId, list[SlotId], list[int]]]:
     """(tier, slots, positions) for each tier that holds some of `locs`, in order of first appearance."""
+    if locs and all(t == locs[0][0] for t, _ in locs):
+        # Speed: one tier (a host hit's blocks, the usual case) in two comprehensions
+        return [(locs[0][0], [s for _, s in locs], list(range(len(locs))))]
     by: dict[TierId, tuple[list[SlotId], list[int]]] = {}
     for i, (t, s) in enumerate(locs):
         slots, idx = by.setdefault(t, ([], []))

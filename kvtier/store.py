@@ -547,7 +547,7 @@ class Store:
                 n = min([n, *(idx[j] for j in failed)])
                 groups.append(ReadGroup(buffer, torch.arange(len(slots), dtype=torch.int64), idx))
                 stored += [(i, rows[j]) for j, i in enumerate(idx)]
-            for g in groups:                      # the prefix ends at the first block that failed
+            for g in groups if n < len(keys) else ():   # the prefix ends at the first block that failed
                 keep = [j for j, i in enumerate(g.positions) if i < n]
                 if len(keep) < len(g.positions):
                     g.rows, g.positions = g.rows[keep], [g.positions[j] for j in keep]
