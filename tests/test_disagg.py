@@ -1024,3 +1024,18 @@ def test_bench_disagg_answers_every_request_through_the_router():
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert (row["setup"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == ("pd", 3, 0, 0, 0)
     assert row["handoff"] == "push" and row["disaggregated"] == 3 and row["moved_bytes"] > 0
+
+
+def test_bench_disagg_table_fits_a_pipe(monkeypatch, capsys):
+    """Its 16 columns were 131 characters wide: every cell wrapped at a pipe's 100."""
+    from kvtier.bench import common
+    from kvtier.bench.disagg import columns
+    monkeypatch.setenv("KVTIER_STRICT_TABLES", "1")
+    monkeypatch.setenv("COLUMNS", "100")
+    row = dict(setup="pd", handoff="push", completed=300, lost=0, duplicates=0, out_tok_per_s=1234.5, ttft_p50_ms=36.3,
+               ttft_p90_ms=162.7, ttft_p99_ms=11170.2, itl_p50_ms=1.1, itl_p90_ms=30.4, itl_p99_ms=101.9,
+               hit_ratio=0.964, moved_bytes=123_456_789_012, move_gb_per_s=12.349)
+    common.emit([row, dict(row, setup="colocated", handoff=None)], False,
+                "router + workers on loopback, 40 streaming clients, 128 tokens each (times in ms)", columns(), left=1)
+    out = capsys.readouterr().out
+    assert "pd-push" in out and "300/0/0" in out and "36/163/11170" in out and "1.1/30/102" in out, out

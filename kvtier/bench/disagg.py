@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from kvtier.bench.children import Children
+    from kvtier.bench.common import Column
     from kvtier.bench.serve import KvtierProcess
 
 HELP = "prefill/decode disaggregation vs colocated workers behind `kvtier router`, on loopback"
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return _predict(args)
     import httpx
 
-    from kvtier.bench.common import Column, emit, fmt_float
+    from kvtier.bench.common import emit
     from kvtier.bench.children import Children
     from kvtier.bench.serve import _replay, _served, sessions_of, summarize
     from kvtier.progress import progress
@@ -116,14 +117,27 @@ def run(args: argparse.Namespace) -> int:
             row.update(bench="disagg", setup=row.pop("mode"), handoff=handoff if setup == "pd" else None, **moved,
                        disaggregated=stats["disaggregated"], direct=stats["direct"])
             rows.append(row)
-    f1, f3 = fmt_float(1), fmt_float(3)
-    emit(rows, args.json, f"router + workers on loopback, {args.clients} streaming clients, {args.max_tokens} tokens each",
-         [Column("setup", "setup"), Column("handoff", "hand-over"), Column("completed", "done"), Column("lost", "lost"), Column("duplicates", "dup"),
-          Column("out_tok_per_s", "tok/s", f1), Column("ttft_p50_ms", "TTFT p50"), Column("ttft_p90_ms", "p90"),
-          Column("ttft_p99_ms", "p99"), Column("itl_p50_ms", "ITL p50"), Column("itl_p90_ms", "p90"),
-          Column("itl_p99_ms", "p99"), Column("hit_ratio", "hit", f3), Column("disaggregated", "P/D"),
-          Column("moved_bytes", "KV B"), Column("move_gb_per_s", "GB/s", f3)], left=2)
+    emit(rows, args.json, f"router + workers on loopback, {args.clients} streaming clients, {args.max_tokens} tokens "
+         "each (times in ms)", columns(), left=1)
     return 1 if any(r["lost"] or r["duplicates"] for r in rows) else 0
+
+
+def columns() -> list[Column]:
+    """The table's columns: p50/p90/p99 in one cell, and the counts in another (a column
+    each was 131 characters wide, past a pipe's 100; --json has every field apart)."""
+    from kvtier.bench.common import Column, fmt_float, fmt_size
+    f1, f3 = fmt_float(1), fmt_float(3)
+
+    def ms(v: float) -> str:
+        return f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+    def percentiles(what: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: "/".join(ms(r[f"{what}_{p}_ms"]) for p in ("p50", "p90", "p99"))
+    return [Column("setup", "setup", of_row=lambda r: r["setup"] + (f"-{r['handoff']}" if r.get("handoff") else "")),
+            Column("completed", "done/lost/dup", of_row=lambda r: f"{r['completed']}/{r['lost']}/{r['duplicates']}"),
+            Column("out_tok_per_s", "tok/s", f1), Column("ttft_p50_ms", "TTFT p50/90/99", of_row=percentiles("ttft")),
+            Column("itl_p50_ms", "ITL p50/90/99", of_row=percentiles("itl")), Column("hit_ratio", "hit", f3),
+            Column("moved_bytes", "KV moved", fmt_size), Column("move_gb_per_s", "GB/s", f3)]
 
 
 def _predict(args: argparse.Namespace) -> int:
