@@ -96,3 +96,35 @@ def test_published_rules_in_the_simulator():
     for r in ("dynamo", "sglang", "token-aware"):
         assert rows[r].load_imbalance < rows["kv-aware"].load_imbalance
         assert 0 < rows[r].prefix_hit_ratio <= 1
+
+
+def test_a_worker_not_up_yet_is_no_warning_and_one_that_was_up_warns_down_and_back(caplog):
+    """The router started beside its workers warned "unknown -> down" for each, and logged
+    their coming up at INFO: at the default level a user saw every worker down, nothing else."""
+    import asyncio
+
+    import httpx
+
+    from kvtier.router.workers import Pools, Worker
+
+    up = {"now": False}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if not up["now"]:
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return httpx.Response(200, json={"status": "ready", "role": "decode"})
+    pools = Pools(decode=[Worker("http://127.0.0.1:1", "decode")])
+
+    async def polls(states: list[bool]) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            for s in states:
+                up["now"] = s
+                await pools.poll_once(client)
+    with caplog.at_level("INFO", logger="kvtier.router"):
+        asyncio.run(polls([False, False, True]))              # starting: down, then up
+        quiet = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert quiet == [] and any("-> ready" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        asyncio.run(polls([False, True]))                     # was up: down and back, both warnings
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and "ready -> down" in warned[0] and "down -> ready" in warned[1], warned

@@ -96,13 +96,17 @@ class Pools:
         return self.prefill + self.decode
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
-        was = {w.url: (w.status, w.foreign) for w in self.all}
+        was = {w.url: (w.status, w.foreign, w.was_ready) for w in self.all}
         await asyncio.gather(*(_poll(client, w) for w in self.all))
         self._check_secrets()
         for w in self.all:
-            if w.status != was[w.url][0] or w.foreign > was[w.url][1]:     # down, and now we know why
-                (log.warning if w.status == "down" else log.info)(
-                    "worker %s (%s): %s -> %s%s", w.url, w.pool, was[w.url][0], w.status,
+            status, foreign, had_been_ready = was[w.url]
+            if w.status != status or w.foreign > foreign:     # down, and now we know why
+                # A worker not up yet (the router started beside it) is no warning; one that
+                # was up goes down, and comes back, at the same level.
+                loud = had_been_ready and (w.status == "down" or status == "down")
+                (log.warning if loud or w.foreign > foreign else log.info)(
+                    "worker %s (%s): %s -> %s%s", w.url, w.pool, status, w.status,
                     f" ({w.error})" if w.status == "down" and w.error else "")
 
     def _check_secrets(self) -> None:
