@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                         store.put(keys[hit.blocks:], fake_kv(keys[hit.blocks:], layout.block_bytes))
                     except CapacityError:
                         raise ConfigError(
-                            f"--capacity {format_bytes(args.capacity)} ({tier0.capacity_blocks} blocks) is too small "
+                            f"--capacity {format_bytes(args.capacity)} ({tier0.capacity_blocks} block"
+                            f"{'s' * (tier0.capacity_blocks != 1)}) is too small "
                             f"for this demo: turn {turn + 1} of session {s} saves {len(keys) - hit.blocks} new "
                             "blocks at once; give a larger --capacity, or fewer --sessions or --turns") from None
                     store.pin(f"session-{s}", keys, ttl=600)

@@ -325,13 +325,14 @@ def _serve(args: argparse.Namespace, name: str, cache: Any, cluster: dict | None
         stopping = asyncio.Event()
 
         async def shutdown() -> None:
-            say(f"kvtier serve: draining ({svc.inflight} requests in flight, up to {args.shutdown_timeout:g} s)")
+            say(f"kvtier serve: draining ({svc.inflight} request{'s' * (svc.inflight != 1)} in flight, "
+                f"up to {args.shutdown_timeout:g} s)")
             await svc.drain(args.shutdown_timeout)
             server.should_exit = True
 
         def on_signal() -> None:
             if stopping.is_set():                 # a second signal: stop waiting, as uvicorn and vLLM do
-                say(f"kvtier serve: stopping now: ending the {svc.inflight} requests in flight")
+                say(f"kvtier serve: stopping now: ending the {svc.inflight} request{'s' * (svc.inflight != 1)} in flight")
                 svc.cut()
                 return
             stopping.set()
