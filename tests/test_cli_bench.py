@@ -108,6 +108,9 @@ USAGE_ERRORS = [
     (["generate", "--prompt", "hi", "--seed", "3", "--temperature", "1e-6"], ["--seed shapes sampling"]),  # greedy too
     (["generate"], ["--prompt"]),
     (["generate", "--prompt-ids", "1,abc,3"], ["--prompt-ids", "'abc'"]),
+    (["generate", "--prompt", "hi", "--max-tokens", "100000"], ["--max-tokens 100000", "8192 positions"]),  # after
+    (["generate", "--prompt-ids", "999999"], ["token ids must be ints in [0, 512)"]),                # the model loaded
+    (["generate", "--prompt-ids", "1,2", "--max-tokens", "8191"], ["prompt (2 tokens) + max_tokens (8191)"]),
     (["generate", "--prompt", "hi", "--device", "cuda:0" if not _cuda() else "cuda:99"], ["cuda"]),
 ]
 

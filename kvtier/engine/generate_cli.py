@@ -193,8 +193,18 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.engine.spec import SpeculativeConfig
         spec = SpeculativeConfig.from_json(args.speculative_config)
     cache, sources = cache_config(args)
-    check_capacities(cache, kv_block_bytes(model_config(source, "--model" if args.model else "--preset"),
-                                            args.dtype, cache.block_tokens), sources)
+    cfg = model_config(source, "--model" if args.model else "--preset")
+    check_capacities(cache, kv_block_bytes(cfg, args.dtype, cache.block_tokens), sources)
+    # What the engine would refuse once loaded, refused before the model loads (the engine's words)
+    limit, vocab = cfg.max_position_embeddings, cfg.vocab_size
+    if args.max_tokens >= limit:
+        raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's {limit} positions")
+    for p in prompts:
+        if isinstance(p, list) and p and (min(p) < 0 or max(p) >= vocab):
+            raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
+        if isinstance(p, list) and len(p) + args.max_tokens > limit:
+            raise ConfigError(f"prompt ({len(p)} tokens) + max_tokens ({args.max_tokens}) exceeds the model's {limit} "
+                              "positions")
     greedy_only = [f for f, given in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None)) if given]
     if greedy_only and SamplingParams(temperature=args.temperature).greedy:
         raise ConfigError(f"{' and '.join(greedy_only)} {'shape' if len(greedy_only) > 1 else 'shapes'} sampling, "
