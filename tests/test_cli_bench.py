@@ -150,6 +150,8 @@ TINY = {
     "transport": ["bench", "transport", "--transport", "tcp", "--block-bytes", "1MiB", "--total", "2MiB",
                   "--repeat", "1"],
     "lookup": ["bench", "lookup", "--tokens", "4096", "--repeat", "2"],
+    "adapter": ["bench", "adapter", "--page-tokens", "16", "--requests", "1", "--prompt-tokens", "256", "--layers", "2",
+                "--repeat", "1", "--device", "cpu"],
     "engine": ["bench", "engine", "--prompt-tokens", "64", "--repeat", "1", "--batch", "1,2", "--decode-tokens", "3",
                "--tiers", "device,host"],
 }
@@ -158,6 +160,7 @@ HEADINGS = {
     "device": ["op", "block", "GB/s", "raw GB/s", "ratio", "90% CI", "raw copy"],
     "transport": ["transport", "block", "GET GB/s", "raw GB/s", "ratio", "90% CI"],
     "lookup": ["tokens", "blocks", "keys ms", "lookup ms", "keys+lookup ms", "raw ms", "ratio"],
+    "adapter": ["op", "page tokens", "blocks", "MiB", "GB/s", "raw GB/s", "ratio", "90% CI"],
     "engine": ["prefix in", "cached blocks from", "cached ms", "sched ms", "resident ms", "scratch ms", "speedup",
                "batch", "tokens/s", "ms per step"],
 }

@@ -90,7 +90,7 @@ HOLDS_WITH_GPU = 3
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import emit, existing_dir, interval_column, memory_hint, quiet_threads
+    from kvtier.bench.common import Column, emit, existing_dir, fmt_float, interval_column, memory_hint, quiet_threads
     from kvtier.progress import progress
 
     sizes = page_sizes(args.page_tokens)
@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     raw = "pinned host<->device copy" if device.type == "cuda" else "memcpy"
     emit(rows, args.json, f"Engine pages ({_device_name(device)}) <-> kvtier's tiers vs a raw {raw} of the same bytes "
          "(higher GB/s is better)",
-         ["op", "page_tokens", "blocks", "mib", "gbps", "memcpy_gbps", "ratio", interval_column()], left=1)
+         [Column("op", "op"), Column("page_tokens", "page tokens"), Column("blocks", "blocks"), Column("mib", "MiB"),
+          Column("gbps", "GB/s", fmt_float(2)), Column("memcpy_gbps", "raw GB/s", fmt_float(2)),
+          Column("ratio", "ratio", fmt_float(3)), interval_column()], left=1)
     return 0
 
 
