@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk", default=None, help="directory for the disk tier (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        venv = REPO / ".venv" / "vllm" / "bin" / "python"
+        hint = f"run it with {venv.relative_to(REPO)}" if venv.exists() else "pip install 'kvtier[vllm]' (in a venv of its own)"
+        sys.exit(f"kvtier: error: this benchmark needs vLLM, which {sys.executable} lacks: {hint}")
 
     from vllm_models import prompt_ids, write_model
 
