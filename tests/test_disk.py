@@ -401,6 +401,7 @@ def test_bench_tiers_disk_json(tmp_path):
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 1e-9
         assert x["ratio_low"] == x["ratio"] == x["ratio_high"]        # one round: its own ratio
     assert rows[1]["cold_pread_gbps"] > 0 and list(tmp_path.iterdir()) == []   # cleaned up
+    assert rows[0]["checksum_floor"] > 0 and rows[1]["checksum_floor"] is None   # raw writes with xxh3 beside them
 
 
 def test_a_block_cascading_through_three_tiers_keeps_its_bytes(tmp_path):

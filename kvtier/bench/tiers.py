@@ -2,8 +2,9 @@
 
 host: a raw memcpy between page-aligned buffers.
 disk: raw O_DIRECT pwritev/preadv of the same bytes with the tier's thread count and
-bytes per syscall (so the ratio is the tier's overhead, not its parallelism), and a
-buffered pread of a cold file.
+bytes per syscall (so the ratio is the tier's overhead, not its parallelism), a buffered
+pread of a cold file, and for puts the same raw writes with each block's xxh3 taken beside
+them (`checksum_floor`: what any put that checksums every byte gets here, as a ratio to raw).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ MULTIPLE = {"host": 32, "disk": 32, "device": 256}
 # Buffers of --total bytes each run holds at once (tier, source, destination, baselines).
 HOLDS = {"host": 5, "disk": 3, "device": 6}
 # Timed phases per block size, for the progress bar.
-PHASES = {"host": 2, "disk": 3, "device": 6}
+PHASES = {"host": 2, "disk": 4, "device": 6}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     elif tier == "disk":
         title = (f"disk tier vs raw O_DIRECT; {rows[0]['filesystem']}, {rows[0]['io']}, {args.io_threads} threads"
                  if rows else "disk tier")
-        emit(rows, args.json, title, head + [interval_column(), Column("cold_pread_gbps", "cold pread GB/s", gbps)],
-             left=1)
+        emit(rows, args.json, title, head + [interval_column(), Column("checksum_floor", "raw+xxh3", fmt_float(2)),
+                                             Column("cold_pread_gbps", "cold pread GB/s", gbps)], left=1)
     else:
         title = f"host tier vs raw memcpy; {rows[0]['memory']} memory" if rows else "host tier"
         emit(rows, args.json, title, head + [interval_column()], left=1)
@@ -180,6 +181,7 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
     from kvtier.store import Store
     from kvtier.tiers import DiskTier
 
+    from kvtier.bench.common import fmt_size, timeit_pair
     n = total // bb
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=path))
     try:
@@ -194,6 +196,12 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
         raw = RawDisk(tier.path / "slab.bin", n * tier.slot_bytes, chunk, args.io_threads)
         try:
             p_put, p_get = _put_get(store, n, bb, args.repeat, bar, raw.write, raw.read)
+            # The floor a checksummed put meets here: the same raw writes with every block
+            # hashed beside them, as the tier hashes a put's (the checksum's read of each byte
+            # slows the writes on this VM's disk: docs/benchmarks.md#disk-tier)
+            bar.describe(f"disk tier, {fmt_size(bb)} blocks: raw writes with checksums beside them")
+            floor = timeit_pair(lambda: raw.write(hash_rows=bb), raw.write, args.repeat)
+            bar.advance()
             bar.describe("cold buffered pread")
             cold = raw.cold_read_gbps()
             bar.advance()
@@ -207,7 +215,8 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
     return [{"tier": "disk", "op": op, "block_bytes": bb, "blocks": n, "gbps": nbytes / p.a / 1e9,
              "baseline_gbps": nbytes / p.b / 1e9, **p.fields(),
              "cold_pread_gbps": cold if op == "get" else None,
-             "io": io, "io_threads": args.io_threads, "filesystem": fs}
+             "io": io, "io_threads": args.io_threads, "filesystem": fs,
+             "checksum_floor": floor.ratio if op == "put" else None}
             for op, p in (("put", p_put), ("get", p_get))]
 
 
@@ -234,9 +243,21 @@ class RawDisk:
         view = memoryview(self.buf.array)
         list(self.pool.map(lambda off: fn(view[off: min(off + self.chunk, self.nbytes)], off), self.offsets))
 
-    def write(self) -> None:
+    def write(self, hash_rows: int | None = None) -> None:
+        """The raw writes; with hash_rows, every hash_rows-byte block of the buffer is also
+        hashed on this thread while they run (one C call, as the disk tier hashes a put)."""
         import os
-        self._each(lambda region, off: os.pwritev(self.fd, [region], off))
+        if hash_rows is None:
+            self._each(lambda region, off: os.pwritev(self.fd, [region], off))
+            return
+        from kvtier.checksum import block_checksums
+        view = memoryview(self.buf.array)
+        futures = [self.pool.submit(os.pwritev, self.fd, [view[off: min(off + self.chunk, self.nbytes)]], off)
+                   for off in self.offsets]
+        a = self.buf.array
+        block_checksums([a[i: i + hash_rows] for i in range(0, self.nbytes - hash_rows + 1, hash_rows)])
+        for f in futures:
+            f.result()
 
     def read(self) -> None:
         import os
