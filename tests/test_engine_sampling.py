@@ -216,3 +216,11 @@ def test_speculative_verification_draws_from_what_top_k_and_min_p_keep() -> None
         kept = cut(torch.softmax(logits, dim=-1), [params, params])
         assert torch.allclose(p, kept / kept.sum(dim=-1, keepdim=True))
         assert (p[0] > 0).sum() == 2 and torch.allclose(p.sum(dim=-1), torch.ones(2))   # of 5 tokens
+
+
+@pytest.mark.parametrize("stops", [[1, True], [True, 1], [1, 1.0], [[1]], [1, None]])
+def test_stop_ids_are_checked_before_they_are_made_unique(stops):
+    """True == 1 and 1.0 == 1: made unique first, [1, True] was taken as (1,) and [[1]] raised
+    a TypeError (unhashable), not a ConfigError."""
+    with pytest.raises(ConfigError, match="stop_token_ids must be token ids"):
+        SamplingParams(stop_token_ids=stops)

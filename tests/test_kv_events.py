@@ -171,6 +171,14 @@ def test_beliefs_are_bounded_as_held_keys_are():
         assert len(m._workers["a"].pending) <= 100
     assert m.match("a", prompts[-1]) == 60                  # the newest beliefs stay
     assert m.match("a", prompts[0]) == 0                     # the oldest went first
+    m = BlockMap(capacity=4, clock=lambda: now[0])
+    m.apply("a", {"epoch": "e1", "next": 0, "events": []})
+    root, a1, a2, b1 = (bytes([i]) * 16 for i in range(4))
+    m.sent("a", [root])
+    m.sent("a", [root, a1, a2])
+    m.sent("a", [root])                                     # a hot prefix routed again: renewed
+    m.sent("a", [root, b1])
+    assert m.match("a", [root]) == 1 and m.match("a", [root, b1]) == 2   # trimmed: a tail, not the root
 
 
 class FakeWorker(FakeServer):

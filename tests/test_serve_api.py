@@ -542,3 +542,18 @@ def test_a_bad_value_is_named_not_echoed_whole(plain, field, value):
     r = plain.post("/v1/completions", json=body)
     assert r.status_code in (400, 404), r.text
     assert len(r.json()["error"]["message"]) < 300, r.text[:400]
+
+
+def test_a_body_the_router_takes_is_taken_wrapped_by_its_worker(plain):
+    """The router takes a body of 254 levels and wraps it once for /kvtier/keys and
+    /kvtier/prefill: the worker refused that (255 levels) as nesting too deep."""
+    deep = b"[" * 251 + b"]" * 251                      # + {"messages": [{"content": ...}]}: 254 levels
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}' % (MODEL.encode(), deep)
+    r = plain.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert "messages[0].content" in r.text, r.text       # past the depth check: refused for its content
+    wrapped = b'{"api": "chat", "request": %s}' % body
+    r = plain.post("/kvtier/keys", content=wrapped, headers={"content-type": "application/json"})
+    assert "messages[0].content" in r.text, r.text
+    r = plain.post("/kvtier/keys", content=b'{"api": "chat", "request": [%s]}' % body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nests deeper than 255" in r.text, r.text

@@ -62,10 +62,11 @@ class SamplingParams:
             raise ConfigError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise ConfigError(f"stop_token_ids must be a list of token ids, e.g. [2], got {self.stop_token_ids!r}")
-        stops = tuple(dict.fromkeys(self.stop_token_ids))   # accept a list, store a tuple, each id once
-        for t in stops:
+        stops = tuple(self.stop_token_ids)
+        for t in stops:             # checked before they are made unique: True == 1 and 1.0 == 1
             if not (_is_int(t) and t >= 0):
                 raise ConfigError(f"stop_token_ids must be token ids (ints >= 0), got {t!r} among them")
+        stops = tuple(dict.fromkeys(stops))                 # accept a list, store a tuple, each id once
         object.__setattr__(self, "stop_token_ids", stops)
         # Speed: every generated token is checked against the stops; a set, not a scan of the tuple
         object.__setattr__(self, "stop_set", frozenset(stops))

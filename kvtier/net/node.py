@@ -247,8 +247,9 @@ class Node:
         # An ERR reply names the requester's own namespace (never this node's seed: a peer with
         # the cluster secret but another tenant's salt would build this tenant's keys from it).
         reply_ns = b""
-        # Whether the peer showed it holds the secret (a prefix tag that verified): a stranger
-        # gets frames.REFUSAL, not an ERR it could send back as a frame of its own.
+        # Whether the peer's prefix tag verified (it holds the secret, or replays a frame of one
+        # who does): a peer whose prefix fails gets frames.REFUSAL, not an ERR it could send
+        # back as a frame of its own (and a reply sent back is refused before the replay table).
         holds_secret = False
         fresh: Prefix | None = None
 

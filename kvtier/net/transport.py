@@ -194,7 +194,7 @@ class TcpChannel:
                 sock = self.ssl_ctx.wrap_socket(sock, server_hostname=self.addr[0])   # handshake, verified
             except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as e:
                 sock.close()   # a plain node closes on a ClientHello (it answers strangers nothing)
-                raise ssl.SSLError(f"the node closed the connection during the handshake ({e.strerror})") from None
+                raise ssl.SSLError(f"the node closed the connection during the handshake ({e.strerror or e})") from None
             except BaseException:
                 sock.close()
                 raise

@@ -98,14 +98,17 @@ class BlockMap:
             return
         now = self.clock()
         until = now + PENDING_S
-        pending = w.pending
-        for k in keys:
-            if k not in w.held:
+        pending, held = w.pending, w.held
+        # Tail first and renewed at the end: trimmed oldest first, a prompt loses its tail
+        # before its root (a match stops at the first key missing)
+        for k in reversed(keys):
+            if k not in held:
+                pending.pop(k, None)
                 pending[k] = until
         if len(pending) > self.capacity:   # bounded as `held` is (a client's prompts add 1 key per block)
             w.pending = pending = {k: t for k, t in pending.items() if t > now}
             for k in list(itertools.islice(pending, len(pending) - self.capacity)):
-                del pending[k]             # the oldest beliefs first
+                del pending[k]
 
     def match(self, worker: str, keys: Sequence[bytes]) -> int:
         """How many leading `keys` `worker` holds (or was just sent)."""

@@ -163,10 +163,10 @@ def accept_handoff(svc: Service, body: dict, ids: list[int]) -> None:
 async def _wrapped(svc: Service, request: Request) -> tuple[dict, P.GenerationRequest, list[int]]:
     """A router's `{"api": "completions" | "chat", "request": {...}}` body: the outer object, the
     client's request (validated as /v1/... validates it: the same 4xx) and its prompt's ids."""
-    from kvtier.serve.sse import read_json
+    from kvtier.serve.sse import MAX_JSON_DEPTH, read_json
 
     svc.check_serving()
-    outer = await read_json(request, svc.max_body_bytes)
+    outer = await read_json(request, svc.max_body_bytes, depth=MAX_JSON_DEPTH + 1)   # a client's body, wrapped once
     if not isinstance(outer, dict) or outer.get("api") not in ("completions", "chat"):
         raise P.bad("the body must be {'api': 'completions' | 'chat', 'request': {...}}", "api")
     body = outer.get("request")

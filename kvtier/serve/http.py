@@ -102,10 +102,17 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
             self._head_since: float | None = self._last_read if bounds_heads else None
             self._head_fields = self._head_reads = 0
             self._head_too_large = False
-            # When the server began waiting for the body now arriving (None: no body is due),
-            # and the bytes read since; when writes began waiting for the client to read.
-            self._body_since: float | None = None
+            # The request whose body is arriving (its cycle), since when, and the bytes read
+            # since then: the body rate is per request (a kept-alive connection's earlier
+            # request and the time it was answered in are no part of it). `_headers_at`: when
+            # the last head completed (httptools tells; h11 does not: its clock starts at the
+            # first deadline check that finds the body arriving). When writes began waiting
+            # for the client to read.
+            self._body_cycle: Any = None
+            self._body_paused = False
+            self._body_since = 0.0
             self._body_bytes = 0
+            self._headers_at: float | None = None
             self._write_paused_since: float | None = None
             self._deadline = self.loop.call_later(min(read_timeout, head_timeout), self._check_deadline)
             limit = self.limit_concurrency
@@ -114,8 +121,7 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
 
         def data_received(self, data: bytes) -> None:
             self._last_read = time.monotonic()
-            if self._body_since is not None:
-                self._body_bytes += len(data)
+            self._body_bytes += len(data)        # (zeroed when a head completes in this read)
             if self._head_since is not None:
                 self._head_reads += len(data)    # zeroed again if the head completes in this read
             super().data_received(data)
@@ -151,6 +157,8 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
+            self._headers_at = time.monotonic()   # the body's clock starts here
+            self._body_bytes = 0
             self._head_since = None
             self._head_reads = 0
             super().on_headers_complete()
@@ -202,13 +210,16 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
         def _check_deadline(self) -> None:
             now = time.monotonic()
             write_left = write_timeout
+            if (self._write_paused_since is None and self.transport.is_closing()
+                    and self.transport.get_write_buffer_size()):
+                self._write_paused_since = now     # closed with the end of its answer unread
             if self._write_paused_since is not None:
                 write_left -= now - self._write_paused_since
                 if write_left <= 0:
                     self.transport.abort()   # close() waits to send what the client does not read
                     return
             if self.transport.is_closing():
-                if self._write_paused_since is not None:    # closed, its last answer still unread
+                if self._write_paused_since is not None:
                     self._deadline = self.loop.call_later(write_left, self._check_deadline)
                 return
             waiting = self._waiting_on_client()
@@ -220,10 +231,17 @@ def deadline_protocol(read_timeout: float = READ_TIMEOUT_S, head_timeout: float 
             in_body = waiting and cycle is not None and cycle.more_body and not cycle.response_started
             body_left = read_timeout
             if not in_body:
-                self._body_since = None    # (a pause the server made restarts the count)
-            elif self._body_since is None:
-                self._body_since, self._body_bytes = now, 0     # seen within a tick of its headers
-            else:
+                if cycle is not self._body_cycle or cycle is None:
+                    self._body_cycle = None
+                elif cycle.more_body:
+                    self._body_paused = True     # the server paused reading: its count restarts after
+            elif cycle is not self._body_cycle or self._body_paused:
+                new, self._body_cycle, self._body_paused = cycle is not self._body_cycle, cycle, False
+                if new and self._headers_at is not None:
+                    self._body_since = self._headers_at          # its head's end (httptools)
+                else:
+                    self._body_since, self._body_bytes = now, 0  # h11, or after a pause: from here
+            if in_body:
                 body_left = self._body_since + BODY_GRACE_S + self._body_bytes / min_body_rate - now
                 if body_left <= 0:
                     self.transport.write(_error_response(

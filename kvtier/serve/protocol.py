@@ -102,9 +102,9 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     if v is None:
         return None
     if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        # JSON integers past 64 bits reach here as floats (1e+23): say what was sent
-        got = ("an integer past 64 bits" if isinstance(v, float) and math.isfinite(v) and v.is_integer()
-               and abs(v) >= 2**63 else short_repr(v))
+        # JSON integers past 64 bits reach here as floats (1e+23): say why it is one
+        got = short_repr(v) + (" (a number this large is read as a float)" if isinstance(v, float) and
+                               math.isfinite(v) and v.is_integer() and abs(v) >= 2**63 else "")
         raise bad(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {got}", name)
     return v
 

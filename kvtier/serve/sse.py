@@ -133,7 +133,7 @@ async def read_body(request: Request, limit: int, who: str = "server") -> bytes:
 MAX_JSON_DEPTH = 254
 
 
-async def read_json(request: Request, limit: int, who: str = "server") -> Any:
+async def read_json(request: Request, limit: int, who: str = "server", depth: int = MAX_JSON_DEPTH) -> Any:
     """The body as JSON: 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
     raw = await read_body(request, limit, who)
     try:
@@ -142,14 +142,16 @@ async def read_json(request: Request, limit: int, who: str = "server") -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     # What cannot be written back is refused here: orjson reads 1,024 levels of nesting but
     # writes 255, and the router writes bodies back (wrapped once); a deeper one was a 500
-    # there. Speed: counting brackets is a C scan; only a body with that many is encoded (in a
-    # list: one level more) to find out.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+    # there. Speed: counting brackets is a C scan; only a body with that many is encoded
+    # (inside lists up to orjson's 255 levels) to find out.
+    if raw.count(b"[") + raw.count(b"{") > depth:
+        probe = body
+        for _ in range(255 - depth):
+            probe = [probe]
         try:
-            orjson.dumps([body])
+            orjson.dumps(probe)
         except orjson.JSONEncodeError:
-            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
-                           code="invalid_json") from None
+            raise ApiError(400, f"the request body nests deeper than {depth} levels", code="invalid_json") from None
     return body
 
 
