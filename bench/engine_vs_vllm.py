@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def _measure(startup, run, cached_of, tokens_of) -> dict:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-def _spawn(python: str, kind: str, job: dict, tmp: Path) -> dict:
+def _spawn(children: Any, python: str, kind: str, job: dict, tmp: Path) -> dict:
     from kvtier.bench.common import child_env
     from kvtier.errors import KvtierError
 
@@ -121,14 +122,15 @@ def _spawn(python: str, kind: str, job: dict, tmp: Path) -> dict:
                     VLLM_LOGGING_LEVEL="ERROR")
     # kvtier's side runs this checkout's kvtier, whatever is installed in that python
     env = child_env(**settings) if kind == "kvtier" else {**os.environ, **settings}
-    p = subprocess.run([python, str(Path(__file__).resolve()), "--child", kind, str(path)], capture_output=True,
-                       text=True, env=env)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    p = children.start([python, str(Path(__file__).resolve()), "--child", kind, str(path)], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = p.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         # the child's whole output at --log-level debug; its last words in the one-line error
         log.debug("the %s engine (%s) failed, exit status %s; its stderr:\n%s", kind, python, p.returncode,
-                  p.stderr)
-        last = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()][-1:] or ["no output on stderr"]
+                  stderr)
+        last = [ln.strip() for ln in stderr.splitlines() if ln.strip()][-1:] or ["no output on stderr"]
         raise KvtierError(f"the {kind} engine ({python}) failed, exit status {p.returncode}: {last[0]} "
                           "(KVTIER_LOG_LEVEL=debug or kvtier's --log-level debug shows its whole output)")
     return json.loads(lines[-1])
@@ -177,7 +179,10 @@ def compare(rounds: int = 3, vllm_python: str | None = None, kvtier_python: str 
     sys.path.insert(0, str(REPO / "tests"))
     from vllm_models import write_model
 
-    with tempfile.TemporaryDirectory(prefix="kvtier-engine-vs-vllm-") as td:
+    from kvtier.bench.children import Children
+
+    # Children inside the folder's block: stopped (Ctrl-C, SIGTERM too) before it is removed
+    with tempfile.TemporaryDirectory(prefix="kvtier-engine-vs-vllm-") as td, Children() as children:
         model = write_model(Path(td) / "model", "deepseek_v3", layers=4, hidden=256, heads=4, experts=8,
                             max_len=2048)
         job = {"model": str(model), "budget": budget, "eager": vllm_eager}
@@ -185,7 +190,7 @@ def compare(rounds: int = 3, vllm_python: str | None = None, kvtier_python: str 
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):          # alternate who goes first
                 if progress:
                     progress(f"round {r + 1} of {rounds}: {kind}")
-                runs[kind].append(_spawn(pythons[kind], kind, job, Path(td)))
+                runs[kind].append(_spawn(children, pythons[kind], kind, job, Path(td)))
     out: dict = {"rounds": rounds, "load_avg": os.getloadavg(), "runs": runs, "median": {}, "range": {}}
     for kind, rs in runs.items():
         if rs:
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     except KvtierError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:               # Ctrl-C, or SIGTERM while the engines ran: they are stopped
+        print(f"{ap.prog}: interrupted", file=sys.stderr)
+        return 130
     print(json.dumps(res) if args.json else table(res))
     return 0
 

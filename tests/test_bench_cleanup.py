@@ -1,6 +1,6 @@
 """Whatever stops `kvtier bench serve` / `bench disagg` (Ctrl-C, SIGTERM, an error, even SIGKILL),
-no server it started is left running; `bench engine --compare-vllm` refuses a python without
-vllm on one line, before anything runs."""
+no server it started is left running (nor bench/engine_vs_vllm.py's engines and folder);
+`bench engine --compare-vllm` refuses a python without vllm on one line, before anything runs."""
 from __future__ import annotations
 
 import os
@@ -187,8 +187,38 @@ def test_a_failed_engine_child_is_one_line_with_its_last_words(tmp_path):
     spec.loader.exec_module(mod)
     fake = _fake_python(tmp_path, "echo 'Traceback (most recent call last):' >&2; echo '  File x' >&2; "
                                   "echo 'RuntimeError: no CPU backend' >&2; exit 1")
-    with pytest.raises(KvtierError) as e:
-        mod._spawn(fake, "vllm", {}, tmp_path)
+    from kvtier.bench.children import Children
+    with pytest.raises(KvtierError) as e, Children() as children:
+        mod._spawn(children, fake, "vllm", {}, tmp_path)
     msg = str(e.value)
     assert "RuntimeError: no CPU backend" in msg and "exit status 1" in msg
     assert "Traceback" not in msg and "\n" not in msg
+
+
+def test_sigterm_stops_the_engine_comparison_its_engines_and_its_folder(tmp_path):
+    """bench/engine_vs_vllm.py run by hand and sent SIGTERM died at once: its engine process
+    ran on and its temporary folder (the model it wrote) stayed."""
+    mark = uuid.uuid4().hex
+    script = Path(__file__).resolve().parents[1] / "bench" / "engine_vs_vllm.py"
+    p = subprocess.Popen([sys.executable, str(script), "--only", "kvtier", "--rounds", "3"], cwd=tmp_path, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=child_env(**{MARK: mark, "TMPDIR": str(tmp_path)}))
+    try:
+        deadline = time.monotonic() + HANG
+        while not any("--child" in cmd for cmd in _marked(mark).values()):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no engine started"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=HANG)
+        assert p.returncode == 130 and err.strip().splitlines()[-1].endswith("interrupted"), (p.returncode, err)
+        assert "Traceback" not in err, err
+        deadline = time.monotonic() + 30
+        while (left := {k: c for k, c in _marked(mark).items() if k != p.pid}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == {}
+        assert list(tmp_path.glob("kvtier-engine-vs-vllm-*")) == []
+    finally:
+        p.kill()
+        p.communicate()
+        _kill_all(mark)
