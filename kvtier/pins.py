@@ -30,7 +30,8 @@ class PinRecord:
 class Pins:
     """Every live pin of one index, and the floor each pinned key gets from them."""
 
-    def __init__(self, capacities: Sequence[int], pin_budget: float, clock: Callable[[], float]) -> None:
+    def __init__(self, capacities: Sequence[int], pin_budget: float, clock: Callable[[], float],
+                 ref_limit: int | None = None) -> None:
         if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or not 0.0 <= pin_budget <= 0.9:
             raise ConfigError(f"pin_budget is the fraction of each tier that pins may hold, in [0, 0.9] "
                               f"(pins must never starve the store), got {pin_budget!r}")
@@ -40,8 +41,18 @@ class Pins:
         self.pinned = [0] * len(self.capacities)     # distinct keys with each tier as their floor
         self._pins: dict[str, PinRecord] = {}
         self._pinners: dict[Key, dict[str, int]] = {}
+        # key -> how many sessions pin it to each tier: its floor in O(tiers) when one leaves
+        # (min over its pinners was O(sessions): 20,000 sessions on one prefix, quadratic)
+        self._tiers: dict[Key, list[int]] = {}
         self._floor: dict[Key, int] = {}             # key -> highest tier it must stay in or above
         self._expiry: list[tuple[float, str]] = []
+        # Session pins are bounded as a whole: every session id a client sends (the affinity
+        # header) keeps a record of its keys for the TTL, shared keys included (20,000 sessions
+        # on one 256-block prefix held 155 MB). Past `ref_limit` keys over all records, the
+        # pins nearest their expiry go first (`shed` counts them).
+        self.ref_limit = ref_limit if ref_limit is not None else max(1 << 20, 4 * sum(self.capacities))
+        self.refs = 0
+        self.shed = 0
 
     def floor(self, key: Key) -> int:
         """The highest tier `key` must stay in or above (UNPINNED if none)."""
@@ -69,10 +80,10 @@ class Pins:
             # again every time a block grew. Unpin-then-pin arrives at the same state unless
             # the tier is over its budget (another session's unpin can lower a shared key's
             # floor into it): then those keys are pinned afresh.
-            pinned, keys = rec.keys, keys[n:]
+            pinned, keys, counted = rec.keys, keys[n:], n
         else:
             self.unpin(session)
-            pinned = []
+            pinned, counted = [], 0
         for k in keys:
             if session in self._pinners.get(k, ()):
                 continue            # a key listed twice is pinned once
@@ -85,24 +96,50 @@ class Pins:
                     self.pinned[old] -= 1
                 self._floor[k] = tier
             self._pinners.setdefault(k, {})[session] = tier
+            counts = self._tiers.get(k)
+            if counts is None:
+                counts = self._tiers[k] = [0] * len(self.capacities)
+            counts[tier] += 1
             pinned.append(k)
         expires = self.clock() + ttl
+        self.refs += len(pinned) - counted
         self._pins[session] = PinRecord(pinned, tier, expires)
         heapq.heappush(self._expiry, (expires, session))
+        if self.refs > self.ref_limit:
+            self._shed(session)
         return len(pinned)
+
+    def _shed(self, keep: str) -> None:
+        """Unpin the sessions nearest their expiry (not `keep`) until within ref_limit."""
+        exp, kept = self._expiry, []
+        while self.refs > self.ref_limit and exp:
+            expires, session = heapq.heappop(exp)
+            rec = self._pins.get(session)
+            if rec is None or rec.expires != expires:
+                continue                   # re-pinned or gone since: a stale entry
+            if session == keep:
+                kept.append((expires, session))
+                continue
+            self.unpin(session)
+            self.shed += 1
+        for item in kept:
+            heapq.heappush(exp, item)
 
     def unpin(self, session: str) -> int:
         """Release a session's pin; returns how many keys it had pinned (0 if none)."""
         rec = self._pins.pop(session, None)
         if rec is None:
             return 0
+        self.refs -= len(rec.keys)
         for k in rec.keys:
             who = self._pinners[k]
-            del who[session]
+            counts = self._tiers[k]
+            counts[who.pop(session)] -= 1
             old = self._floor[k]
-            new = min(who.values(), default=UNPINNED)
+            new = next((t for t, c in enumerate(counts) if c), UNPINNED)
             if not who:
                 del self._pinners[k]
+                del self._tiers[k]
             if new != old:
                 self.pinned[old] -= 1
                 if new == UNPINNED:
