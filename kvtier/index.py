@@ -72,6 +72,11 @@ class Entry:
         return self.copies.get(tier) if self.copies else None
 
 
+
+# How a block's copy may leave a tier (BlockIndex._eviction; EvictionPolicy.victims' kinds)
+DROP, NOT_EVICTABLE, DEMOTE = 1, 0, -1
+
+
 @dataclass(slots=True)
 class Move:
     """A copy leaving (src_tier, src_slot): to (dst_tier, dst_slot), or dropped (dst_tier None)."""
@@ -678,14 +683,20 @@ class BlockIndex:
         return out
 
     def _evictable(self, key: Key, tier: TierId) -> bool:
+        return self._eviction(key, tier) != NOT_EVICTABLE
+
+    def _eviction(self, key: Key, tier: TierId) -> int:
+        """How `key`'s copy in `tier` may leave: DROP (another copy stays within its floor),
+        DEMOTE (its bytes must move down, or out if unpinned), or NOT_EVICTABLE (held, being
+        written, or pinned here with nowhere below)."""
         e = self.entries[key]
         if e.refs or not e.ready:
-            return False
+            return NOT_EVICTABLE
         floor = self.pins.floor(key)
-        if floor == UNPINNED or self._has_other_copy(e, tier, floor):
-            return True
+        if self._has_other_copy(e, tier, floor):
+            return DROP
         # A pinned block's only copy within its floor may move down to the floor, never out.
-        return floor > tier and tier + 1 < len(self.tiers)
+        return DEMOTE if floor == UNPINNED or (floor > tier and tier + 1 < len(self.tiers)) else NOT_EVICTABLE
 
     @staticmethod
     def _has_other_copy(e: Entry, tier: TierId, floor: int) -> bool:
@@ -704,22 +715,12 @@ class BlockIndex:
         the first victim whose eviction would move bytes. Speed: one walk of the policy, not
         one per victim: 256 evictions (a host hit's pages) took 0.5 ms one _take_slot each."""
         ts = self.tiers[tier]
-        entries, floor_of, other_copy = self.entries, self.pins.floor, self._has_other_copy
-        last = len(self.tiers) - 1
-
-        def kind(k: Key) -> int:             # 1: drop it; 0: not evictable (skipped); -1: a demotion
-            e = entries[k]
-            if e.refs or not e.ready:
-                return 0
-            floor = floor_of(k)
-            if other_copy(e, tier, floor):
-                return 1
-            return -1 if floor == UNPINNED or (floor > tier and tier < last) else 0
-        victims = ts.policy.victims(kind, n) if n > 0 else None
+        eviction = self._eviction
+        victims = ts.policy.victims(lambda k: eviction(k, tier), n) if n > 0 else None
         if not victims:
             return []
         out = []
-        remove, counters = ts.policy.remove, ts.counters
+        entries, remove, counters = self.entries, ts.policy.remove, ts.counters
         for k in victims:
             e = entries[k]
             slot = e.slot_in(tier)
@@ -744,7 +745,7 @@ class BlockIndex:
             if victim is None:
                 return None
             e = self.entries[victim]
-            if self._has_other_copy(e, tier, self.pins.floor(victim)):
+            if self._eviction(victim, tier) == DROP:
                 dst = None          # another copy stays readable: drop this one, no I/O
                 break
             # The lower tier's admission filter decides whether the block is worth a slot

@@ -177,11 +177,11 @@ def _disk(bb: int, total: int, args, path, bar) -> list[dict]:
     import tempfile
     from pathlib import Path
 
+    from kvtier.bench.common import fmt_size, timeit_pair
     from kvtier.keys import Namespace
     from kvtier.store import Store
     from kvtier.tiers import DiskTier
 
-    from kvtier.bench.common import fmt_size, timeit_pair
     n = total // bb
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=path))
     try:

@@ -76,9 +76,9 @@ class EvictionPolicy(ABC):
 
     def victims(self, kind: Callable[[Key], int], n: int) -> list[Key] | None:
         """Up to `n` blocks to evict next, in order: the blocks n calls of victim() would
-        return (each followed by remove()), while kind(key) says 1 (evict it); a key whose kind
-        is 0 is skipped as victim() skips it, and one whose kind is -1 ends the list (the
-        caller evicts it through victim()). For a tier giving up many blocks at once (a host
+        return (each followed by remove()), while kind(key) says 1 (evict it: index.DROP); a
+        key whose kind is 0 (NOT_EVICTABLE) is skipped as victim() skips it, and one whose kind
+        is -1 (DEMOTE) ends the list (the caller evicts it through victim()). For a tier giving up many blocks at once (a host
         hit's pages). None: not offered; the caller calls victim() for each."""
         return None
 

@@ -128,9 +128,9 @@ async def read_body(request: Request, limit: int, who: str = "server") -> bytes:
     return b"".join(chunks)
 
 
-# The deepest body taken: orjson writes 255 levels, and the router wraps a body once for its
-# prefill worker
-MAX_JSON_DEPTH = 254
+ORJSON_MAX_DEPTH = 255  # the deepest nesting orjson.dumps writes (it reads 1,024)
+# The deepest body taken: the router wraps a body once for its prefill worker
+MAX_JSON_DEPTH = ORJSON_MAX_DEPTH - 1
 
 
 async def read_json(request: Request, limit: int, who: str = "server", depth: int = MAX_JSON_DEPTH) -> Any:
@@ -146,7 +146,7 @@ async def read_json(request: Request, limit: int, who: str = "server", depth: in
     # (inside lists up to orjson's 255 levels) to find out.
     if raw.count(b"[") + raw.count(b"{") > depth:
         probe = body
-        for _ in range(255 - depth):
+        for _ in range(ORJSON_MAX_DEPTH - depth):
             probe = [probe]
         try:
             orjson.dumps(probe)
