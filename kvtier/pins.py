@@ -105,6 +105,12 @@ class Pins:
         self.refs += len(pinned) - counted
         self._pins[session] = PinRecord(pinned, tier, expires)
         heapq.heappush(self._expiry, (expires, session))
+        if len(self._expiry) > 2 * len(self._pins) + 64:
+            # each re-pin leaves its old entry behind until it expires (a session re-pinned
+            # every turn left rate x TTL of them): rebuild from the live records when stale
+            # entries outnumber live ones, O(1) amortised per pin
+            self._expiry = [(r.expires, s) for s, r in self._pins.items()]
+            heapq.heapify(self._expiry)
         if self.refs > self.ref_limit:
             self._shed(session)
         return len(pinned)
@@ -164,6 +170,10 @@ class Pins:
     def keys(self) -> int:
         """How many distinct keys are pinned."""
         return len(self._floor)
+
+    def count(self) -> int:
+        """How many sessions hold a pin."""
+        return len(self._pins)
 
     def sessions(self) -> dict[str, PinRecord]:
         return dict(self._pins)

@@ -60,6 +60,7 @@ class StoreStats:
     counters: StoreCounters
     tiers: list[TierStats]
     pinned_sessions: int
+    pins_shed: int = 0           # session pins dropped early to bound the pins' memory (Pins.ref_limit)
     recovered_blocks: int = 0    # blocks found in persistent tiers when the store opened
     remote: dict[str, Any] | None = None   # the remote tier's peers, timeout and errors
     backup: dict[str, Any] | None = None   # background copies one tier down: into which tier, blocks

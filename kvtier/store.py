@@ -731,8 +731,9 @@ class Store:
                 tiers.append(TierStats(t.name, t.kind, s.capacity, s.used, t.block_bytes, c.inserted, c.hits,
                                        c.evicted, c.demoted_in, c.dropped, c.rejected, pinned, t.info()))
             b = self.backup
-            return StoreStats(StoreCounters(**vars(self.counters)), tiers, len(self.index.pins.sessions()),
-                              self.recovered, self.remote.info() if self.remote else None,
+            pins = self.index.pins
+            return StoreStats(StoreCounters(**vars(self.counters)), tiers, pins.count(), pins.shed, self.recovered,
+                              self.remote.info() if self.remote else None,
                               None if b is None else {"tier": self.tiers[b.tier].name, "copied": b.copied,
                                                       "failed": b.failed})
 

@@ -20,6 +20,7 @@ def check(p: Pins) -> None:
     assert p.pinned == [sum(1 for t in want.values() if t == tier) for tier in range(len(p.capacities))]
     assert p.refs == sum(len(r.keys) for r in p.sessions().values()) <= max(p.ref_limit, max(
         (len(r.keys) for r in p.sessions().values()), default=0))
+    assert {(r.expires, s) for s, r in p.sessions().items()} <= set(p._expiry)   # every pin can expire
 
 
 @settings(max_examples=200, deadline=None)
@@ -54,3 +55,21 @@ def test_past_the_bound_the_pins_nearest_expiry_go_first():
     for s in range(5, 10):
         p.unpin(f"s{s}")
     assert p.refs == 0 and p.keys() == 0 and p.pinned == [0, 0]
+
+
+def test_re_pinning_does_not_grow_the_expiry_heap():
+    """Each re-pin pushed an entry that stayed until its old expiry: a session re-pinned every
+    turn left rate x TTL of them. Stale entries are dropped once they outnumber live ones;
+    expiry still unpins at the latest TTL."""
+    now = [0.0]
+    p = Pins([100, 1000], 0.5, lambda: now[0])
+    for turn in range(5000):
+        now[0] += 0.01
+        p.pin(f"s{turn % 3}", KEYS[:4 + turn % 5], ttl=600, tier=1)
+        assert len(p._expiry) <= 2 * p.count() + 65
+    now[0] += 599.97
+    p.expire()
+    assert p.count() == 3              # each session's last pin runs its own TTL
+    now[0] += 0.05
+    p.expire()
+    assert p.count() == 0 and p.refs == 0 and p.keys() == 0

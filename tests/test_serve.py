@@ -266,7 +266,7 @@ def test_metrics_parse_and_name_like_vllm(server):
                  "kvtier:e2e_request_latency_seconds_count", "kvtier:num_requests_running",
                  "kvtier:num_requests_waiting", "kvtier:prefix_cache_queries_total", "kvtier:kv_cache_usage_perc",
                  "kvtier:store_used_bytes", "kvtier:store_evictions_total", "kvtier:store_pinned_bytes",
-                 "kvtier:store_verification_failures_total"):
+                 "kvtier:store_verification_failures_total", "kvtier:store_pins_shed_total"):
         assert name in m, name
     assert set(m["kvtier:prefix_cache_hits_total"]) == {(("tier", t),) for t in ("device", "host", "disk", "remote")}
     assert m["kvtier:time_to_first_token_seconds_count"][()] >= 1

@@ -310,6 +310,16 @@ def test_pin_budget_and_unpin(layout, ns):
     assert store.stats().pinned_sessions == 0
 
 
+def test_pins_shed_past_their_bound_are_counted_in_stats(layout, ns):
+    store = make(layout, ns, blocks=8)
+    store.index.pins.ref_limit = 6              # the default is at least 2**20 keys
+    keys = store.keys([3] * 12)
+    for s in range(4):
+        assert store.pin(f"s{s}", keys, ttl=60) == 3
+    st = store.stats()
+    assert st.pins_shed == 2 and st.pinned_sessions == 2 and st.as_dict()["pins_shed"] == 2
+
+
 def test_pinned_blocks_arriving_later_are_protected(layout, ns):
     store = make(layout, ns, blocks=6)
     sess = store.keys([5] * 12)

@@ -117,6 +117,8 @@ class _StateCollector:
                        m, c.corrupt_blocks)
         yield _counter("kvtier:store_remote_blocks", "Blocks fetched from peers.", m, c.remote_blocks)
         yield _gauge("kvtier:store_pinned_sessions", "Sessions holding a pin.", m, st.pinned_sessions)
+        yield _counter("kvtier:store_pins_shed", "Session pins dropped before their expiry to bound the pins' memory.",
+                       m, st.pins_shed)
         if llm.speculative is not None:                   # vLLM's spec_decode counters
             sp = llm.spec_stats
             yield _counter("kvtier:spec_decode_num_drafts", "Verify steps with at least one draft token.", m, sp.drafts)
