@@ -557,3 +557,23 @@ def test_a_body_the_router_takes_is_taken_wrapped_by_its_worker(plain):
     r = plain.post("/kvtier/keys", content=b'{"api": "chat", "request": [%s]}' % body,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "nests deeper than 255" in r.text, r.text
+
+
+def test_a_bug_is_one_500_and_its_traceback_is_logged_once(caplog):
+    """Starlette's handler for Exception answered and then re-raised, so the server logged a
+    whole traceback for every request that met a bug."""
+    svc = _service()
+
+    def crash(_sub):
+        raise RuntimeError("a bug")
+
+    svc.engine.script = crash
+    client = TestClient(build_app(svc), raise_server_exceptions=True)    # a re-raise fails the test
+    with caplog.at_level("ERROR", logger="kvtier.serve"):
+        for _ in range(3):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            headers={"x-session-affinity": "s1"})
+            _error(r, 500, None, "internal_error")
+            assert "RuntimeError: a bug" in r.json()["error"]["message"] and r.headers["x-session-affinity"] == "s1"
+    crashes = [rec for rec in caplog.records if "internal error on POST /v1/completions" in rec.getMessage()]
+    assert len(crashes) == 3 and [rec.exc_info is not None for rec in crashes] == [True, False, False]

@@ -31,7 +31,6 @@ from urllib.parse import quote
 
 import httpx
 import orjson
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -44,8 +43,8 @@ from kvtier.router.workers import (POLL_TIMEOUT_S, AnswerTooLarge, LostGuard, Po
                                    unless_lost)
 from kvtier.serve.metrics import CONTENT_TYPE
 from kvtier.serve.protocol import INTERNAL_FIELDS, ApiError
-from kvtier.serve.sse import (JSON, EXCEPTION_HANDLERS, AFFINITY, ClientGone, EchoAffinity, EventStream, read_body,
-                              read_json, session_of, sse_event, unless_gone)
+from kvtier.serve.sse import (JSON, AFFINITY, ClientGone, EventStream, http_app, read_body, read_json,
+                              session_of, sse_event, unless_gone)
 
 log = logging.getLogger("kvtier.router")
 FORWARD = ("content-type", "authorization", AFFINITY)
@@ -640,5 +639,4 @@ def build_app(router: Router) -> Any:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
-    return EchoAffinity(app)
+    return http_app(routes)

@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -28,8 +27,8 @@ from kvtier.serve.detok import IncrementalText
 from kvtier.serve.engine_loop import EngineLoop, Event, Failed, Finished, Submission, Tokens
 from kvtier.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.serve.protocol import ApiError, short_repr
-from kvtier.serve.sse import (JSON, SSE_DONE, EXCEPTION_HANDLERS, EchoAffinity, EventStream, error_response,
-                              read_json, session_of, sse_event, unless_gone)
+from kvtier.serve.sse import (JSON, SSE_DONE, EventStream, error_response, http_app, read_json,
+                              session_of, sse_event, unless_gone)
 
 
 
@@ -329,7 +328,7 @@ class _Answer:
 
 
 def build_app(svc: Service) -> Any:
-    """The ASGI application: Starlette routes wrapped in the affinity-echo middleware."""
+    """The ASGI application (kvtier.serve.sse.http_app of the routes below)."""
 
     async def completions(request: Request) -> Any:
         return await generate(svc, request, chat=False)
@@ -435,5 +434,4 @@ def build_app(svc: Service) -> Any:
         Route("/kvtier/keys", keys, methods=["POST"]),
         Route("/kvtier/events", events, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
-    return EchoAffinity(app)
+    return http_app(routes)

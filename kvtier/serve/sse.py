@@ -12,7 +12,9 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -68,12 +70,6 @@ async def on_http_error(_request: Request, e: Exception) -> Response:
     return resp
 
 
-async def on_crash(_request: Request, e: Exception) -> Response:
-    """A bug: logged, and answered as one 500 JSON error."""
-    log.error("internal error: %s: %s", type(e).__name__, e)
-    return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-
-
 async def on_answer_unwanted(_request: Request, _e: Exception) -> Response:
     """ClientGone: nobody reads this answer; nginx's 499 "client closed request"."""
     return Response(status_code=499)
@@ -87,9 +83,55 @@ async def on_client_gone(_request: Request, _e: Exception) -> Response:
                                    code="client_disconnected"))
 
 
-# The exception handlers of every kvtier HTTP app (kvtier serve, kvtier router).
+# The exception handlers of every kvtier HTTP app (kvtier serve, kvtier router); anything
+# else is a bug, answered by CrashGuard.
 EXCEPTION_HANDLERS = {ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_client_gone,
-                      ClientGone: on_answer_unwanted, Exception: on_crash}
+                      ClientGone: on_answer_unwanted}
+MAX_TRACEBACKS = 64      # distinct crash sites whose traceback is logged (then one line each)
+
+
+class CrashGuard:
+    """ASGI middleware: a bug in a route is answered as one 500 JSON error and logged, its
+    traceback once per crash site. (Starlette's handler for `Exception` answers and then
+    re-raises, so the server logged a whole traceback per request: a log flood if a crash
+    were ever reachable from outside.) An answer already under way is cut off."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+        self.sites: set[tuple[str, str, int]] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            tb = e.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            site = (type(e).__name__, tb.tb_frame.f_code.co_filename if tb else "", tb.tb_lineno if tb else 0)
+            first = site not in self.sites and len(self.sites) < MAX_TRACEBACKS
+            if first:
+                self.sites.add(site)
+            log.error("internal error on %s %s: %s: %s%s", scope.get("method"), scope.get("path"), type(e).__name__,
+                      e, "" if first else " (traceback logged before)", exc_info=e if first else None)
+            if not started:
+                await error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                              code="internal_error"))(scope, receive, send)
+
+
+def http_app(routes: list) -> Callable:
+    """The ASGI app of kvtier serve and kvtier router: the routes, the API's JSON errors, bugs
+    answered as 500s (CrashGuard), and the affinity header echoed (EchoAffinity)."""
+    return EchoAffinity(Starlette(routes=routes, middleware=[Middleware(CrashGuard)],
+                                  exception_handlers=EXCEPTION_HANDLERS))
 
 
 def sse_event(obj: Any) -> bytes:
