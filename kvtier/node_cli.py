@@ -195,12 +195,13 @@ def tls_options(args: argparse.Namespace) -> tuple[object, object]:
 
 
 def disk_size(store: Store) -> str:
-    """The disk tier's size as the banner shows it ("" without one)."""
+    """The disk tier's size as the banner shows it ("" without one): its blocks' bytes, as
+    `kvtier inspect`, `store.stats()` and /metrics count them (not its 4 KiB-aligned slots')."""
     from kvtier.units import format_bytes
 
     for t in store.tiers:
         if t.kind == "disk":
-            return " " + format_bytes(t.capacity_blocks * t.slot_size(t.block_bytes))
+            return " " + format_bytes(t.capacity_blocks * t.block_bytes)
     return ""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -235,6 +236,18 @@ def test_a_node_whose_terminal_closed_writes_its_host_blocks_down(tmp_path):
     assert out.wait_for("stopped; served 1 requests"), out.lines
     assert "Traceback" not in "".join(err.lines), err.lines
     assert len(read_directory(tmp_path / "kv")[1]) == 4       # written down at exit
+
+
+def test_the_banner_and_inspect_give_a_disk_tier_the_same_size(tmp_path):
+    """kimi-k2's blocks (1,124,352 bytes) are not 4 KiB multiples: the banner counted the
+    tier's aligned slots (127.83 MiB) and inspect its blocks' bytes (127.60 MiB)."""
+    out, _err = serve_then_stop(signal.SIGTERM, "--layout", "kimi-k2", "--disk", str(tmp_path / "kv"),
+                                "--disk-capacity", "128MiB")
+    banner = re.search(rf"disk {re.escape(str(tmp_path / 'kv'))} ([\d.]+ MiB)", out.lines[0])
+    r = run_kvtier("inspect", str(tmp_path / "kv"))
+    assert r.returncode == 0, r.stderr
+    shown = re.search(r"blocks +0 of \d+ \(0 B of ([\d.]+ MiB)\)", r.stdout)
+    assert banner and shown and banner[1] == shown[1] == "127.60 MiB", (out.lines[0], r.stdout)
 
 
 def test_a_node_with_its_disk_in_a_config_file_shows_it_and_writes_it_down(tmp_path):
