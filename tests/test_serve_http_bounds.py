@@ -210,6 +210,24 @@ def test_a_dripping_body_is_cut_below_the_minimum_rate_and_a_slow_steady_one_is_
             assert read_answers(s).startswith(b"HTTP/1.1 200")
 
 
+def test_a_kept_alive_connections_earlier_body_gives_no_credit_to_the_next(monkeypatch):
+    """The rate is per request: a fast first body (200 KB, 100 s of credit at 2,000 B/s if bytes
+    were counted per connection) must not let the next request's body drip."""
+    import kvtier.serve.http as http_module
+    monkeypatch.setattr(http_module, "BODY_GRACE_S", 0.5)
+    big, size = 200_000, 12_000
+    with serving(read_timeout=1, min_body_rate=2000) as (port, _):
+        with connect(port) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % big + b"f" * big)
+            assert read_answers(s).startswith(b"HTTP/1.1 200")
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+            t = time.monotonic()
+            assert send_until_closed(s, iter([b"d" * 10] * 200), pause=0.1)      # 20 s of drip at most
+            data = read_answers(s)
+            assert data.startswith(b"HTTP/1.1 408") and b"arrived slower than" in data, data[:300]
+            assert time.monotonic() - t < 6
+
+
 def test_a_client_that_reads_none_of_its_answer_is_dropped():
     """A 32 MiB answer the client never reads sat in the server's write buffer for as long as
     the connection lived (18 MB a /tokenize answer); it goes once writes waited write_timeout."""
