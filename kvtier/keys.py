@@ -288,6 +288,9 @@ def token_bytes(tokens: object) -> bytes:
         except (TypeError, ValueError, OverflowError) as e:
             why = str(e).split(". ")[0]   # numpy's first sentence, e.g. a ragged nested list
             raise LayoutError(f"tokens must be a flat sequence of int token ids: {why}") from None
+    if arr.ndim == 0:       # None, one int, a generator: numpy makes a scalar of it
+        got = "an iterator: make a list of it" if hasattr(tokens, "__next__") else type(tokens).__name__
+        raise LayoutError(f"tokens must be a list, array or tensor of int token ids, got {got}")
     if arr.ndim != 1:
         raise LayoutError(f"tokens must be a one-dimensional sequence of ids, got shape {arr.shape}")
     kind = arr.dtype.kind

@@ -52,6 +52,16 @@ def as_rows(blocks: object, n: int, layout: KVLayout, what: str = "blocks", writ
             raw = blocks.reshape(-1)
         else:
             raw = _tensor_bytes(blocks, what, layout, writable)
+            # A tensor of the layout's dtype must have its block shape: one with the same
+            # element count in another order ([n, L, T, 2, ...] for [n, L, 2, T, ...]) would be
+            # stored as its raw bytes, and every later load would hand back scrambled KV.
+            if (blocks.dtype == layout.dtype and blocks.dtype != torch.uint8
+                    and tuple(blocks.shape[1:]) != tuple(layout.block_shape)):
+                raise LayoutError(
+                    f"{what} has shape {tuple(blocks.shape)} but this layout's block is "
+                    f"[{', '.join(map(str, layout.block_shape))}] {dtype_name(layout.dtype)} ({layout.describe()}): "
+                    f"pass [{n}, {', '.join(map(str, layout.block_shape))}] in that order (permute your tensor "
+                    f"and make it contiguous), or its bytes as uint8 [{n}, {bb}]")
         if raw.size != n * bb:
             raise LayoutError(f"{what} holds {raw.size} bytes = {raw.size / max(n, 1):.0f} per block; "
                               f"this layout's block is {bb} bytes ({layout.describe()})")
@@ -65,7 +75,9 @@ def as_rows(blocks: object, n: int, layout: KVLayout, what: str = "blocks", writ
         for i, b in enumerate(blocks):
             if not isinstance(b, (torch.Tensor, np.ndarray)):
                 raise LayoutError(f"{what}[{i}] is a {type(b).__name__}; expected a tensor of one block")
-            r = as_rows(b.reshape(1, *b.shape) if b.ndim else b, 1, layout, f"{what}[{i}]", writable)
+            batched = b.ndim in (2, 1 + len(layout.block_shape)) and b.shape[0] == 1    # [1, ...] already
+            one = b if batched else b.reshape(1, *b.shape)
+            r = as_rows(one, 1, layout, f"{what}[{i}]", writable)
             rows.append(r[0])
         return rows
     raise LayoutError(f"{what} must be a tensor [n, block_bytes] or a list of n block tensors, "

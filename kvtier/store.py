@@ -42,7 +42,7 @@ from kvtier.pool import PagePool
 from kvtier.policies import DEFAULT_POLICY, policy_names
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.submit import submit
-from kvtier.tiers.base import PendingWrite, Tier
+from kvtier.tiers.base import PendingWrite, Tier, check_fit
 from kvtier.net.remote import Remote
 
 log = logging.getLogger("kvtier.store")
@@ -214,6 +214,7 @@ class Store:
             if getattr(t, "read_only", False):
                 raise ConfigError(f"tier {t.name!r} is read-only: a store writes to its tiers "
                                   "(use `kvtier inspect PATH` to look inside a disk tier)")
+        check_fit(self.tiers, layout.block_bytes)     # all of them, before any is allocated
         bound: list[Tier] = []
         try:
             with _gc_paused():
@@ -640,6 +641,8 @@ class Store:
     def flush(self) -> None:
         """Make every completed put durable in the persistent tiers (write-back blocks that
         have no copy there yet, then sync). Without a persistent tier this does nothing."""
+        with self._lock:
+            self._check_open()          # also without a persistent tier: a closed store says so
         for i, tier in enumerate(self.tiers):
             if not tier.persistent:
                 continue

@@ -23,6 +23,8 @@ def parse_bytes(value: int | str) -> int:
         return value
     if not isinstance(value, str):
         raise ConfigError(f"size must be an int or a string like '8GiB', not {type(value).__name__}")
+    if value.strip().startswith("-"):
+        raise ConfigError(f"size must be >= 0 bytes, got {value!r}")
     m = _SIZE.match(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:

@@ -290,6 +290,24 @@ def test_a_folder_this_user_cannot_write_is_one_config_error(tmp_path, monkeypat
     open_store(tmp_path / "kv").close()        # nothing was left locked or half-made
 
 
+def test_a_disk_tier_given_no_size_reopens_at_the_size_it_had(tmp_path):
+    """DiskTier(path) needed a capacity even where the folder records one (StoreConfig did not)."""
+    with pytest.raises(ConfigError, match="no tier there to reopen at its size: give a new one a capacity"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv")], NS)
+    store = open_store(tmp_path / "kv")
+    keys = store.keys(list(range(4 * LAYOUT.block_tokens)))
+    store.put(keys, payload(keys, LAYOUT.block_bytes))
+    blocks = store.tiers[1].capacity_blocks
+    store.close()
+    again = kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv")], NS)
+    assert again.tiers[0].capacity_blocks == blocks and again.stats().recovered_blocks == 4
+    out = torch.empty(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    assert again.get(keys, out).loaded == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    again.close()
+    with pytest.raises(ConfigError, match="exactly one of capacity"):
+        kvtier.DiskTier(tmp_path / "kv", capacity="1GiB", blocks=8)
+
+
 def test_a_capacity_in_bytes_bounds_the_slab(tmp_path):
     """Slots are 4 KiB-aligned (O_DIRECT): 8 MiB of 512-byte blocks is 2,048 slots of 4 KiB,
     an 8 MiB slab (it was 16,384 slots: a 64 MiB slab for an 8 MiB tier)."""

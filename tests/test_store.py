@@ -136,6 +136,10 @@ def test_get_of_uncached_keys_raises_and_holds_nothing(layout, ns):
     (torch.zeros(3, 500, dtype=torch.uint8), "512 bytes"),
     (torch.zeros(512, 3, dtype=torch.uint8).t(), "contiguous"),
     (torch.zeros(3, 512, dtype=torch.uint8, device="meta"), "meta"),
+    # the layout's dtype in another order (block [2, 2, 4, 2, 8]: tokens before K/V here) or
+    # flattened: same element count, was stored as raw bytes and loaded back scrambled
+    (torch.zeros(3, 2, 4, 2, 2, 8, dtype=torch.float16), r"shape \(3, 2, 4, 2, 2, 8\) .* in that order"),
+    (torch.zeros(3, 256, dtype=torch.float16), r"pass \[3, 2, 2, 4, 2, 8\] in that order"),
     ([torch.zeros(512, dtype=torch.uint8)] * 2, "2 blocks but 3"),
     ("not a tensor", "must be a tensor"),
 ])
@@ -157,6 +161,11 @@ def test_get_rejects_read_only_and_bad_out(layout, ns):
         store.get(keys, ro)
     with pytest.raises(LayoutError, match="dtype"):
         store.get(keys, torch.zeros(2, 256, dtype=torch.int16))
+    with pytest.raises(LayoutError, match="in that order"):
+        store.get(keys, torch.zeros(2, 2, 4, 2, 2, 8, dtype=torch.float16))
+    right = torch.zeros(2, *layout.block_shape, dtype=torch.float16)
+    assert store.get(keys, right).loaded == 2 and store.get(keys, list(right)).loaded == 2
+    assert torch.equal(right.view(torch.uint8).reshape(2, -1), payload(keys, layout.block_bytes))
 
 
 def test_bad_keys_and_config(layout, ns):
@@ -188,7 +197,10 @@ def test_bad_keys_and_config(layout, ns):
     with pytest.raises(ClosedError):
         with store:
             pass
+    with pytest.raises(ClosedError):
+        store.flush()                  # returned None without a persistent tier
     assert store.stats().tier("host").capacity_blocks == 16     # still reads the last counters
+    assert len(store.keys(list(range(8)))) == 2                 # hashing needs nothing the store holds
 
 
 @pytest.mark.parametrize("other", [
@@ -252,6 +264,9 @@ def test_float_token_ids_never_hit_another_tokens_blocks(layout, ns):
             store.keys(bad)
     for ok in ([1, 2, 3, 4], (1, 2, 3, 4), np.array([1, 2, 3, 4], dtype=np.int32), torch.tensor([1, 2, 3, 4])):
         assert store.lookup(store.keys(ok)).blocks == 1
+    for bad, got in ((None, "NoneType"), (iter([1, 2, 3, 4]), "an iterator: make a list of it"), (7, "int")):
+        with pytest.raises(LayoutError, match=f"list, array or tensor of int token ids, got {got}"):
+            store.keys(bad)      # said "one-dimensional sequence of ids, got shape ()"
 
 
 def test_capacity_smaller_than_one_block(layout, ns):

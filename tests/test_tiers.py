@@ -77,6 +77,28 @@ def test_a_host_tier_larger_than_memory_says_how_much_there_is():
         assert t.info() == {"memory": "unallocated"}
 
 
+def test_tiers_that_fit_only_alone_are_refused_before_any_is_allocated(ns):
+    """Each tier was checked as it was allocated: a device tier (and its memory touched) came
+    before a host tier too large for what was left; two host tiers each under the free memory
+    passed together."""
+    import torch
+
+    import kvtier
+    from kvtier.tiers import DeviceTier
+    from kvtier.tiers.memory import memory_available
+
+    avail = memory_available()[0]
+    layout = kvtier.KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float16)
+    for tiers, match in (
+            ([DeviceTier(blocks=4, device="cpu"), HostTier(capacity=4 * avail)], r"tiers 'device', 'host': "),
+            ([HostTier(capacity=avail * 2 // 3, name="a"), HostTier(capacity=avail * 2 // 3, name="b")],
+             r"tiers 'a', 'b': .* \+ ")):
+        with pytest.raises(ConfigError, match=r"CPU memory \(" + match + r".* asked for, but this machine has"):
+            kvtier.Store(layout, tiers, ns)
+        assert all(t.block_bytes == 0 and getattr(t, "tensor", None) is None and getattr(t, "slots", None) is None
+                   for t in tiers)
+
+
 def test_a_refused_mapping_is_the_same_clear_error(monkeypatch):
     """Where the free-memory check passes but the kernel still refuses the mapping (ENOMEM)."""
     import errno

@@ -23,6 +23,17 @@ from kvtier.units import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
+class Demand:
+    """What a tier will take once bound: `nbytes` of `where` (one name per pool that tiers
+    share: "memory" for the host's RAM, a GPU's name, a disk tier's directory), and how to tell
+    whether a total fits there (an error naming what is short, or None)."""
+
+    where: str
+    nbytes: int
+    check: Callable[[str, int], TierSizeError | None]
+
+
+@dataclass(frozen=True)
 class PendingWrite:
     """A write under way (Tier.begin_write). wait() finishes it and raises its error;
     call it exactly once, and before the slots or the rows are used again."""
@@ -40,10 +51,13 @@ class Tier(ABC):
     kind: str = "tier"
     #: True for tiers whose blocks survive a restart (the store adopts them when it opens).
     persistent: bool = False
+    #: True where a tier given no size takes the one it had (a disk tier's directory records it).
+    keeps_size: bool = False
 
     def __init__(self, capacity: int | str | None = None, *, blocks: int | None = None,
                  name: str | None = None) -> None:
-        if (capacity is None) == (blocks is None):
+        if capacity is not None and blocks is not None or (capacity is None and blocks is None
+                                                           and not self.keeps_size):
             raise ConfigError(f"{type(self).__name__} needs exactly one of capacity (bytes, e.g. '8GiB') or blocks=N")
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
             raise ConfigError(f"blocks must be a positive int, got {blocks!r}")
@@ -60,20 +74,33 @@ class Tier(ABC):
         """
         if self.block_bytes:
             raise ConfigError(f"tier {self.name!r} is already in use by a store: give each store its own tiers")
-        if self.capacity_spec is not None:
-            n = self.capacity_spec
-        else:
-            assert self.capacity_bytes is not None
-            slot = self.slot_size(block_bytes)
-            n = self.capacity_bytes // slot
-            if n == 0:
-                raise TierSizeError(
-                    f"tier {self.name!r}: capacity {format_bytes(self.capacity_bytes)} is smaller than one "
-                    f"block ({slot} bytes = {format_bytes(slot)}); give it at least that much")
+        n = self.slots_for(block_bytes)
         self.block_bytes = block_bytes
         self.capacity_blocks = n
         self._allocate(n, block_bytes)
         return n
+
+    def slots_for(self, block_bytes: int) -> int:
+        """How many slots this tier takes for blocks of `block_bytes` (its capacity's)."""
+        if self.capacity_spec is not None:
+            return self.capacity_spec
+        if self.capacity_bytes is None:
+            return self._kept_slots(block_bytes)
+        slot = self.slot_size(block_bytes)
+        n = self.capacity_bytes // slot
+        if n == 0:
+            raise TierSizeError(
+                f"tier {self.name!r}: capacity {format_bytes(self.capacity_bytes)} is smaller than one "
+                f"block ({slot} bytes = {format_bytes(slot)}); give it at least that much")
+        return n
+
+    def _kept_slots(self, block_bytes: int) -> int:
+        """The slots a tier given no size had before (keeps_size tiers only)."""
+        raise NotImplementedError
+
+    def demand(self, block_bytes: int) -> Demand | None:
+        """What binding this tier for `block_bytes` will take (None: nothing checked ahead)."""
+        return None
 
     def slot_size(self, block_bytes: int) -> int:
         """Bytes one block takes in this tier: a capacity in bytes holds capacity // this."""
@@ -186,3 +213,24 @@ def slots_into_rows(pool: np.ndarray, slots: Sequence[SlotId], rows: Sequence[np
             rows[i][...] = pool[s]
         else:
             rows[i:i + n] = pool[s:s + n]
+
+
+def check_fit(tiers: Sequence[Tier], block_bytes: int) -> None:
+    """Refuse tiers that cannot all be had before any is allocated: each fitting alone is not
+    enough where they share memory or a disk, and a tier refused after another was allocated
+    (and its memory touched) wasted the time that took."""
+    shared: dict[str, list[tuple[Tier, Demand]]] = {}
+    for t in tiers:
+        if t.block_bytes:
+            continue                   # bound to another store: bind() says so
+        d = t.demand(block_bytes)
+        if d is not None:
+            shared.setdefault(d.where, []).append((t, d))
+    for where, items in shared.items():
+        total = sum(d.nbytes for _, d in items)
+        names = ", ".join(repr(t.name) for t, _ in items)
+        what = f"{where} (tier{'s' if len(items) > 1 else ''} {names}" + (
+            f": {' + '.join(format_bytes(d.nbytes) for _, d in items)})" if len(items) > 1 else ")")
+        err = items[0][1].check(what, total)
+        if err is not None:
+            raise err

@@ -19,8 +19,8 @@ import torch
 
 from kvtier.errors import ConfigError, TierSizeError
 from kvtier.ids import BlockKey, SlotId
-from kvtier.tiers.base import Tier, copy_runs, rows_into_slots, slots_into_rows
-from kvtier.tiers.memory import out_of_memory, prefault, too_large
+from kvtier.tiers.base import Demand, Tier, copy_runs, rows_into_slots, slots_into_rows
+from kvtier.tiers.memory import memory_demand, out_of_memory, prefault, too_large
 from kvtier.units import format_bytes
 
 
@@ -88,6 +88,13 @@ class DeviceTier(Tier):
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+    def demand(self, block_bytes: int) -> Demand:
+        nbytes = self.slots_for(block_bytes) * block_bytes
+        if not self.on_gpu:
+            return memory_demand(nbytes)
+        device = self.device
+        return Demand(f"GPU memory of {device}", nbytes, lambda what, n: gpu_too_large(what, n, device))
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
         nbytes = slots * block_bytes

@@ -34,7 +34,7 @@ from kvtier.config import MAX_DISK_IO_THREADS
 from kvtier.errors import ClosedError, ConfigError, KvtierError, TierInUseError, TierSizeError, TransferError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
-from kvtier.tiers.base import PendingWrite, Tier
+from kvtier.tiers.base import Demand, PendingWrite, Tier
 from kvtier.tiers.lmdb_check import extend, readable_copy, shortfall
 from kvtier.units import format_bytes
 
@@ -77,6 +77,7 @@ class DiskTier(Tier):
 
     kind = "disk"
     persistent = True
+    keeps_size = True        # DiskTier(path) reopens the tier there at the size it had
 
     def __init__(self, path: str | os.PathLike, capacity: int | str | None = None, *,
                  blocks: int | None = None, name: str | None = None, direct: bool | None = None,
@@ -120,6 +121,27 @@ class DiskTier(Tier):
     def bind(self, block_bytes: int, identity: dict[str, Any] | None = None) -> int:
         self.identity = dict(identity or {})
         return super().bind(block_bytes)
+
+    def _kept_slots(self, block_bytes: int) -> int:
+        n = present_blocks(self.path, block_bytes)
+        if n == 0:
+            raise ConfigError(f"disk tier {self.path}: no tier there to reopen at its size: give a new one a "
+                              "capacity (bytes, e.g. capacity='64GiB') or blocks=N")
+        return n
+
+    def demand(self, block_bytes: int) -> Demand | None:
+        if self.read_only:
+            return None
+        path = self.path
+
+        def room(_what: str, nbytes: int) -> TierSizeError | None:
+            try:
+                check_room(path, nbytes)
+            except TierSizeError as e:
+                return e
+            return None
+
+        return Demand(f"disk space in {path}", self.slots_for(block_bytes) * self.slot_size(block_bytes), room)
 
     def slot_size(self, block_bytes: int) -> int:
         """A block's slot on disk is rounded up to ALIGN (O_DIRECT): the slab never exceeds the

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kvtier.ids import BlockKey, SlotId
-from kvtier.tiers.base import Tier, rows_into_slots, slots_into_rows
-from kvtier.tiers.memory import HostBuffer, allocate_host
+from kvtier.tiers.base import Demand, Tier, rows_into_slots, slots_into_rows
+from kvtier.tiers.memory import HostBuffer, allocate_host, memory_demand
 
 
 class HostTier(Tier):
@@ -26,6 +26,9 @@ class HostTier(Tier):
         self._buf: HostBuffer | None = None
         self.slots: np.ndarray | None = None   # [capacity_blocks, block_bytes] view of the pool
         self._memory: torch.Tensor | None = None   # the same as a tensor (memory())
+
+    def demand(self, block_bytes: int) -> Demand:
+        return memory_demand(self.slots_for(block_bytes) * block_bytes)
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
         self._buf = allocate_host(slots * block_bytes, self.pin, f"host memory (tier {self.name!r})")

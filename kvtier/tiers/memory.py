@@ -23,6 +23,7 @@ import torch
 
 from kvtier.errors import TierSizeError
 from kvtier.progress import progress
+from kvtier.tiers.base import Demand
 from kvtier.units import format_bytes
 
 PAGE = mmap.PAGESIZE
@@ -87,6 +88,11 @@ def memory_available() -> tuple[int | None, int | None]:
     except (OSError, ValueError):
         pass
     return avail, total
+
+
+def memory_demand(nbytes: int) -> Demand:
+    """What a tier of `nbytes` in host RAM takes: host tiers and CPU device tiers share it."""
+    return Demand("CPU memory", max(PAGE, -(-nbytes // PAGE) * PAGE), too_large)
 
 
 def too_large(what: str, nbytes: int) -> TierSizeError | None:
