@@ -31,6 +31,7 @@ class Demand:
     where: str
     nbytes: int
     check: Callable[[str, int], TierSizeError | None]
+    what: str = ""          # this tier's own name for it, as its allocation's error says it
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,11 @@ def check_fit(tiers: Sequence[Tier], block_bytes: int) -> None:
             shared.setdefault(d.where, []).append((t, d))
     for where, items in shared.items():
         total = sum(d.nbytes for _, d in items)
-        names = ", ".join(repr(t.name) for t, _ in items)
-        what = f"{where} (tier{'s' if len(items) > 1 else ''} {names}" + (
-            f": {' + '.join(format_bytes(d.nbytes) for _, d in items)})" if len(items) > 1 else ")")
+        if len(items) == 1:
+            what = items[0][1].what or f"{where} (tier {items[0][0].name!r})"
+        else:
+            what = (f"{where} (tiers {', '.join(repr(t.name) for t, _ in items)}: "
+                    f"{' + '.join(format_bytes(d.nbytes) for _, d in items)})")
         err = items[0][1].check(what, total)
         if err is not None:
             raise err

@@ -92,13 +92,16 @@ class DeviceTier(Tier):
     def demand(self, block_bytes: int) -> Demand:
         nbytes = self.slots_for(block_bytes) * block_bytes
         if not self.on_gpu:
-            return memory_demand(nbytes)
+            return memory_demand(nbytes, self._what())
         device = self.device
-        return Demand(f"GPU memory of {device}", nbytes, lambda what, n: gpu_too_large(what, n, device))
+        return Demand(f"GPU memory of {device}", nbytes, lambda what, n: gpu_too_large(what, n, device), self._what())
+
+    def _what(self) -> str:
+        return f"{'GPU' if self.on_gpu else 'CPU'} memory (device tier {self.name!r})"
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
         nbytes = slots * block_bytes
-        what = f"{'GPU' if self.on_gpu else 'CPU'} memory (device tier {self.name!r})"
+        what = self._what()
         err = gpu_too_large(what, nbytes, self.device) if self.on_gpu else too_large(what, nbytes)
         if err is not None:
             raise err

@@ -28,10 +28,13 @@ class HostTier(Tier):
         self._memory: torch.Tensor | None = None   # the same as a tensor (memory())
 
     def demand(self, block_bytes: int) -> Demand:
-        return memory_demand(self.slots_for(block_bytes) * block_bytes)
+        return memory_demand(self.slots_for(block_bytes) * block_bytes, self._what())
+
+    def _what(self) -> str:
+        return f"host memory (tier {self.name!r})"
 
     def _allocate(self, slots: int, block_bytes: int) -> None:
-        self._buf = allocate_host(slots * block_bytes, self.pin, f"host memory (tier {self.name!r})")
+        self._buf = allocate_host(slots * block_bytes, self.pin, self._what())
         self.slots = self._buf.array[: slots * block_bytes].reshape(slots, block_bytes)
         # Made once: a view per call cost ~3 us, and a load asks once per block it plans.
         self._memory = self._buf.tensor[: self.slots.size].view(self.slots.shape)

@@ -90,9 +90,9 @@ def memory_available() -> tuple[int | None, int | None]:
     return avail, total
 
 
-def memory_demand(nbytes: int) -> Demand:
+def memory_demand(nbytes: int, what: str) -> Demand:
     """What a tier of `nbytes` in host RAM takes: host tiers and CPU device tiers share it."""
-    return Demand("CPU memory", max(PAGE, -(-nbytes // PAGE) * PAGE), too_large)
+    return Demand("CPU memory", max(PAGE, -(-nbytes // PAGE) * PAGE), too_large, what)
 
 
 def too_large(what: str, nbytes: int) -> TierSizeError | None:
