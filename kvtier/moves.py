@@ -44,17 +44,22 @@ class Mover:
         it was moving are forgotten where they were going (their bytes may not be there) and
         the reservation is undone: the index never claims bytes that did not arrive."""
         try:
-            self._move(res.moves)
-        except Exception as e:
+            interrupt = self._move(res.moves)
+        except BaseException as e:
             for m in res.moves:
                 if m.dst_tier is not None:
                     gone = self.index.discard(m.key, m.dst_tier)
                     if gone is not None:
                         self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
             self.index.abort(res)
+            if not isinstance(e, Exception):
+                raise                         # (a Ctrl-C outside a write: the same undo, then on)
             raise TransferError(f"moving evicted blocks to a lower tier failed: {e}") from e
+        if interrupt is not None:             # every move carried out or dropped: only the put stops
+            self.index.abort(res)
+            raise interrupt
 
-    def _move(self, moves: list[Move]) -> None:
+    def _move(self, moves: list[Move]) -> BaseException | None:
         """Carry out demotions and drops chosen by the index (under the lock, before slots are reused).
 
         Moves run in the order the index chose them (a block may move twice in one put, and
@@ -65,6 +70,9 @@ class Mover:
         A demotion whose write fails (a full or failing disk) drops its blocks instead: they
         were being evicted, and a cache that loses them is a cache; failing the put (an
         engine's page allocation) for them stopped the engine for as long as the disk failed.
+        A Ctrl-C (KeyboardInterrupt) during a write is treated so too, and returned once every
+        move is carried out, for the caller to raise: it skipped the rest and left the index
+        claiming blocks in slots that held none, and the put's keys reserved for good.
         """
         batch: list[Move] = []
         touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
@@ -73,6 +81,7 @@ class Mover:
         failed: list[Move] = []                    # demotions whose bytes did not arrive
         lost: set[bytes] = set()                   # their blocks: a later move of one moves nothing
         error: Exception | None = None
+        interrupt: BaseException | None = None
 
         def release_drops() -> None:
             if drops:
@@ -80,13 +89,16 @@ class Mover:
                 drops.clear()
 
         def flush() -> None:
-            nonlocal error
+            nonlocal error, interrupt
             if batch:
                 src_slots, keys_ = [m.src_slot for m in batch], [m.key for m in batch]
                 try:
                     self._copy(batch[0].src_tier, src_slots, batch[0].dst_tier, [m.dst_slot for m in batch], keys_)
-                except Exception as e:
-                    error = error or e
+                except BaseException as e:
+                    if isinstance(e, Exception):
+                        error = error or e
+                    else:
+                        interrupt = interrupt or e
                     failed.extend(batch)
                     lost.update(keys_)
                 self.tiers[batch[0].src_tier].release(src_slots, keys_)
@@ -119,6 +131,7 @@ class Mover:
         flush()
         if failed:
             self._dropped_for(failed, error)
+        return interrupt
 
     def _dropped_for(self, failed: list[Move], error: Exception | None) -> None:
         """Forget the copies that failed demotions were to make (their slots hold no block),
@@ -127,6 +140,8 @@ class Mover:
             gone = self.index.undo_demotion(m)
             if gone is not None:
                 self.tiers[m.dst_tier].release([gone.src_slot], [m.key])
+        if error is None:
+            return                     # interrupted, not failing: nothing to warn of
         self._unlogged += len({m.key for m in failed})
         again = self._warn.last is not None
         if self._warn.due(time.monotonic()):

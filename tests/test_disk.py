@@ -308,6 +308,64 @@ def test_a_disk_tier_given_no_size_reopens_at_the_size_it_had(tmp_path):
         kvtier.DiskTier(tmp_path / "kv", capacity="1GiB", blocks=8)
 
 
+@pytest.mark.parametrize("where", ["checksums", "wait"])
+def test_a_ctrl_c_while_evictions_are_written_down_leaves_a_sound_store(tmp_path, monkeypatch, where):
+    """A KeyboardInterrupt while a put wrote evicted blocks down left the put's keys reserved
+    for good (a retried put found them "present" and stored nothing), the index claiming
+    blocks on disk with no record behind them, and writes still running into slots reused
+    after (committed blocks there then failed verification)."""
+    import threading
+
+    import kvtier.tiers.disk as disk
+
+    store = open_store(tmp_path / "kv", host=8, disk=256)
+    chains_ = [store.keys([7000 + i] * (6 * LAYOUT.block_tokens)) for i in range(4)]
+    for keys in chains_[:3]:
+        store.put(keys, payload(keys, LAYOUT.block_bytes))
+    real, writing = disk._pwritev_all, threading.Event()
+
+    def slow(fd, bufs, off):                 # a slow disk: the writes are in flight when Ctrl-C comes
+        writing.set()
+        time.sleep(0.3)
+        return real(fd, bufs, off)
+
+    def interrupt(*_a, **_k):
+        writing.wait(5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(disk, "_pwritev_all", slow)
+    if where == "checksums":                 # on the calling thread, while the I/O threads write
+        monkeypatch.setattr(disk, "block_checksums", interrupt)
+    else:                                    # or in the wait for them
+        monkeypatch.setattr(disk.Future, "result", lambda self, timeout=None: interrupt())
+    last = chains_[3]
+    with pytest.raises(KeyboardInterrupt):
+        store.put(last, payload(last, LAYOUT.block_bytes))
+    monkeypatch.undo()
+    assert store.lookup(last).blocks == 0
+    t = store.put(last, payload(last, LAYOUT.block_bytes))       # not stuck "present"
+    assert (t.blocks, t.present) == (6, 0) and store.lookup(last).blocks == 6
+
+    def readable() -> int:
+        n = 0
+        for keys in chains_:
+            hit = store.lookup(keys).blocks
+            out = torch.empty(hit, LAYOUT.block_bytes, dtype=torch.uint8)
+            if hit:
+                assert store.get(keys[:hit], out).loaded == hit
+                assert torch.equal(out, payload(keys[:hit], LAYOUT.block_bytes))
+            n += hit
+        return n
+
+    assert readable() >= 6
+    st = store.stats()
+    assert st.tier("host").used_blocks <= 8 and st.counters.corrupt_blocks == 0
+    store.close()
+    store = open_store(tmp_path / "kv", host=8, disk=256)
+    assert readable() >= 6 and store.stats().counters.corrupt_blocks == 0   # no stale write landed
+    store.close()
+
+
 def test_a_capacity_in_bytes_bounds_the_slab(tmp_path):
     """Slots are 4 KiB-aligned (O_DIRECT): 8 MiB of 512-byte blocks is 2,048 slots of 4 KiB,
     an 8 MiB slab (it was 16,384 slots: a 64 MiB slab for an 8 MiB tier)."""

@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -521,16 +521,20 @@ class DiskTier(Tier):
         # Hashing each run on its I/O thread before its write measured 0.80-0.85; hashing run
         # k as run k starts or once it ended, 0.87-0.92: this VM's disk slows with any memory
         # read beside it, however it is spread (docs/benchmarks.md#disk-tier).
-        now = time.time()
-        sums = block_checksums([rows[i] for i in order])
-        pack = msgpack.Packer().pack
-        puts = [(k, pack([s, c, now, now])) for s, k, c in zip(slots, keys, sums)]
-        errors = []
-        for f in pending:                  # every write is finished before any error is raised:
-            try:                           # the store may reuse these slots right after
-                f.result()
-            except Exception as e:
-                errors.append(e)
+        try:
+            now = time.time()
+            sums = block_checksums([rows[i] for i in order])
+            pack = msgpack.Packer().pack
+            puts = [(k, pack([s, c, now, now])) for s, k, c in zip(slots, keys, sums)]
+            errors = []
+            for f in pending:                  # every write is finished before any error is raised:
+                try:                           # the store may reuse these slots right after
+                    f.result()
+                except Exception as e:
+                    errors.append(e)
+        except BaseException:                  # a Ctrl-C: nothing recorded, and no write goes on
+            wait_quietly(pending)              # behind the caller's back into a reused slot
+            raise
         if errors:
             raise TransferError(f"disk tier {self.path}: write failed: {errors[0]}") from errors[0]
         with self._meta_lock:
@@ -566,15 +570,20 @@ class DiskTier(Tier):
         errors = []
         # Speed: this thread verifies each run as it lands while the I/O threads go on to
         # their next reads; hashing on the I/O thread left the disk's queue a read short.
-        for f in self._parallel(self._read_run, slots, rows, order):
-            try:                               # every read is finished before any error is raised:
-                part, check = f.result()       # they land in the caller's rows
-            except Exception as e:
-                errors.append(e)
-                continue
-            bad.extend(part)
-            sums = block_checksums([data for _, data, _ in check])
-            bad.extend(j for (j, _, want), got in zip(check, sums) if got != want)
+        pending = self._parallel(self._read_run, slots, rows, order)
+        try:
+            for f in pending:
+                try:                               # every read is finished before any error is raised:
+                    part, check = f.result()       # they land in the caller's rows
+                except Exception as e:
+                    errors.append(e)
+                    continue
+                bad.extend(part)
+                sums = block_checksums([data for _, data, _ in check])
+                bad.extend(j for (j, _, want), got in zip(check, sums) if got != want)
+        except BaseException:                      # a Ctrl-C: no read lands in rows the caller
+            wait_quietly(pending)                  # has taken back
+            raise
         if errors:
             raise TransferError(f"disk tier {self.path}: read failed: {errors[0]}") from errors[0]
         now = time.time()
@@ -609,8 +618,12 @@ class DiskTier(Tier):
         begun = threading.Semaphore(0) if until_started else None
         futures = [submit(self._pool, self._run, fn, begun, js, s0, rows, order) for js, s0 in runs]
         if begun is not None:
-            for _ in range(min(idle, len(runs))):
-                begun.acquire()
+            try:
+                for _ in range(min(idle, len(runs))):
+                    begun.acquire()
+            except BaseException:
+                wait_quietly(futures)
+                raise
         return futures
 
     def _run(self, fn, begun: threading.Semaphore | None, *args: Any) -> Any:
@@ -898,6 +911,18 @@ def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def wait_quietly(futures: Sequence[Future]) -> None:
+    """Wait until every future has ended, whatever they raise and however often the wait is
+    interrupted (a Ctrl-C): the caller re-raises what stopped it once no I/O thread still
+    writes a slot or reads into its rows."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except BaseException:
+            continue
 
 
 def check_room(path: Path, size: int) -> int:
