@@ -114,7 +114,11 @@ def test_one_process_at_a_time(tmp_path):
     s = open_store(tmp_path / "kv")
     with pytest.raises(kvtier.TierInUseError, match=r"in use by another store \(in this process or another\)"):
         open_store(tmp_path / "kv")
+    (tmp_path / "kv" / "lock").unlink()   # let a second store in, each then dropping the other's records
+    with pytest.raises(kvtier.TierInUseError, match=r"in use by another store"):
+        open_store(tmp_path / "kv")
     s.close()
+    open_store(tmp_path / "kv").close()
 
 
 def test_flipped_bytes_are_misses_not_data(tmp_path):

@@ -3,7 +3,7 @@
     PATH/slab.bin     capacity x slot_bytes, written and read with O_DIRECT
     PATH/index.lmdb   meta (layout, namespace, sizes) and one record per block:
                       key -> [slot, xxh3-64 checksum, created, last access]
-    PATH/lock         flock: one process at a time
+    PATH/lock         flock (and PATH itself): one process at a time
 
 Crash safety: a block's record is committed only after its bytes are written, and every
 read is verified against the record's checksum, so a torn write, a slot reused before a
@@ -107,7 +107,7 @@ class DiskTier(Tier):
         # and read() outside its own lock (copies), release() inside it, flush() from anywhere.
         self._meta_lock = threading.Lock()
         self._fd = -1
-        self._lock_fd = -1
+        self._lock_fds: list[int] = []     # flocked: the directory and its `lock` file
         self._env: lmdb.Environment | None = None
         self._scratch: str | None = None       # read-only: where a short index was copied to be read
         self._db = None
@@ -208,14 +208,25 @@ class DiskTier(Tier):
     def _take_lock(self) -> None:
         if self.read_only:
             return
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # The directory itself is locked, and the `lock` file in it (what earlier versions
+        # lock): a `lock` file deleted under a live store let a second one open the tier
+        # (each then dropped the other's records as damaged: 119 of 120 acknowledged
+        # requests lost), and a directory cannot be unlinked while it holds the tier's files.
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for where, flags in ((self.path, os.O_RDONLY | os.O_DIRECTORY),
+                                 (self.path / "lock", os.O_RDWR | os.O_CREAT)):
+                fd = os.open(where, flags, 0o644)
+                self._lock_fds.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self._drop_locks()
             raise TierInUseError(f"disk tier {self.path} is in use by another store (in this process or "
                               f"another); give each store its own directory (`kvtier inspect {self.path}` reads it while in use)") from None
+
+    def _drop_locks(self) -> None:
+        for fd in self._lock_fds:
+            os.close(fd)               # closing the descriptor drops its flock
+        self._lock_fds = []
 
     def _open_index(self) -> None:
         where = self.path / "index.lmdb"
@@ -761,9 +772,7 @@ class DiskTier(Tier):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)    # closing the descriptor drops the flock
-            self._lock_fd = -1
+        self._drop_locks()
         for b in self._staging:
             b.close()
         self._staging = []
