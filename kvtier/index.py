@@ -672,6 +672,20 @@ class BlockIndex:
         ts.free = sorted(free, reverse=True)     # lowest first, as at the start
         return n
 
+    def recency(self, tier: TierId) -> list[SlotId]:
+        """`tier`'s slots, least recently used block first, for a persistent tier to record:
+        its own blocks in its policy's order (where the policy keeps one: LRU), then the
+        copies of blocks whose primary is in a faster tier (in use there: their hits never
+        reach this tier), tails before roots. Without it, a restarted or shrunk tier kept
+        old requests' tails and dropped the shared roots they had been hit through."""
+        own = self.tiers[tier].policy.order() or []
+        entries = self.entries
+        slots = [entries[k].slot for k in own if k in entries and entries[k].tier == tier]
+        above = [(e.info.depth, e.copies[tier]) for e in entries.values()
+                 if e.ready and e.tier < tier and e.copies and tier in e.copies]
+        above.sort(key=lambda d: -d[0])
+        return slots + [s for _, s in above]
+
     def without_copy(self, tier: TierId) -> list[Key]:
         """Readable blocks with no copy in `tier` or below it (what a flush must write down),
         newest first: a chain's blocks are indexed tail-first (reserve, cache), so each chain

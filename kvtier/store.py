@@ -650,6 +650,9 @@ class Store:
                 self._check_open()
                 keys = self.index.without_copy(i)
             self._mover.copy_into(i, keys)
+            with self._lock:
+                order = self.index.recency(i)
+            tier.record_order(order)
             tier.flush()
 
     # -- pins ------------------------------------------------------------------------

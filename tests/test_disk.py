@@ -287,7 +287,7 @@ def test_a_folder_this_user_cannot_write_is_one_config_error(tmp_path, monkeypat
         return real(path, *a, **kw)
 
     monkeypatch.setattr(os, "open", refuse)
-    with pytest.raises(ConfigError, match=r"cannot open disk tier .*: Operation not permitted \(.*lock\): "
+    with pytest.raises(ConfigError, match=r"cannot open disk tier .*: Operation not permitted \(.*kv\): "
                                           "give a directory this user can write"):
         open_store(tmp_path / "kv")
     monkeypatch.setattr(os, "open", real)
@@ -367,6 +367,26 @@ def test_a_ctrl_c_while_evictions_are_written_down_leaves_a_sound_store(tmp_path
     store.close()
     store = open_store(tmp_path / "kv", host=8, disk=256)
     assert readable() >= 6 and store.stats().counters.corrupt_blocks == 0   # no stale write landed
+    store.close()
+
+
+def test_a_shrunk_or_restarted_tier_keeps_the_shared_roots_in_use(tmp_path):
+    """Hits above (and puts finding a block present) never reached a disk record's last
+    access, so shared roots, written down first, looked oldest: a shrunk tier kept old tails
+    and no root (a helper's run: 0 of 400 requests kept their root at a quarter of the size)."""
+    bt = LAYOUT.block_tokens
+
+    def chain(store: kvtier.Store, i: int) -> kvtier.BlockKeys:
+        return store.keys([90_000 + i % 5] * (2 * bt) + [i] * (3 * bt))    # 2 shared blocks, 3 own
+
+    store = open_store(tmp_path / "kv", host=8, disk=512)
+    for i in range(100):
+        keys = chain(store, i)
+        store.put(keys, payload(keys, LAYOUT.block_bytes))
+    store.close()
+    store = open_store(tmp_path / "kv", host=8, disk=64)              # shrunk: the 64 most recent stay
+    assert all(store.lookup(chain(store, i)).blocks >= 2 for i in range(100))
+    assert store.lookup(chain(store, 99)).blocks == 5
     store.close()
 
 

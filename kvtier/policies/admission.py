@@ -47,6 +47,9 @@ class AdmissionFilter(EvictionPolicy):
     def victims(self, kind: Callable[[Key], int], n: int) -> list[Key] | None:
         return self.inner.victims(kind, n)
 
+    def order(self) -> list[Key] | None:
+        return self.inner.order()
+
     def __len__(self) -> int:
         return len(self.inner)
 

@@ -82,5 +82,11 @@ class EvictionPolicy(ABC):
         hit's pages). None: not offered; the caller calls victim() for each."""
         return None
 
+    def order(self) -> list[Key] | None:
+        """The blocks it tracks, the next to evict first, where the policy keeps one such
+        order (LRU); None where it does not. A persistent tier records it at a flush, so a
+        restart adopts its blocks in the order they were used."""
+        return None
+
     def __len__(self) -> int:  # pragma: no cover - optional
         raise NotImplementedError

@@ -66,5 +66,8 @@ class LRUPolicy(EvictionPolicy):
             move(k)
         return found
 
+    def order(self) -> list[Key]:
+        return list(self._order)
+
     def __len__(self) -> int:
         return len(self._order)

@@ -721,6 +721,22 @@ class DiskTier(Tier):
                 if rec is not None:
                     self._deleted.append(rec[0])
 
+    def record_order(self, slots: Sequence[SlotId]) -> None:
+        # Last-access times made to follow that order: a block older than the one before it
+        # gets that one's time and a microsecond (recorded at the next flush); the rest keep
+        # their own, so only blocks out of order are rewritten.
+        prev = 0.0
+        access, records, touched = self._access, self._records, self._touched
+        with self._meta_lock:
+            for s in slots:
+                if s not in records:
+                    continue
+                t = access.get(s, 0.0)
+                if t <= prev:
+                    t = access[s] = prev + 1e-6
+                    touched.add(s)
+                prev = t
+
     def flush(self) -> None:
         """Make every completed write durable: data, then the index, synced to the device."""
         if self._env is None or self.read_only:
