@@ -19,6 +19,7 @@ import sys
 from typing import Any, NoReturn
 
 from kvtier.errors import ConfigError, KvtierError, LayoutError
+from kvtier.interrupts import as_interrupts
 
 BENCHES: dict[str, str] = {
     "lookup": "kvtier.bench.lookup",
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         return _missing(parser, "give a command, e.g. `kvtier bench hit-ratio`")
     try:
-        code = int(args.run(args) or 0)
-        sys.stdout.flush()
+        with as_interrupts():           # SIGTERM and SIGHUP clean up as Ctrl-C does
+            code = int(args.run(args) or 0)
+            sys.stdout.flush()
         return code
     except (ConfigError, LayoutError) as e:
         return _fail(str(e), EXIT_USAGE)

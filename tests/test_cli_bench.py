@@ -365,3 +365,22 @@ def test_lmcache_compare_pairs_each_kvtier_move_with_lmcaches_in_the_same_rounds
     assert kv["gbps"] == 0.5 and kv["memcpy_gbps"] == 1.0
     (line,) = mod._summary([lmc, kv])
     assert "kvtier 3.00x LMCache" in line
+
+
+def test_sigterm_stops_a_bench_as_ctrl_c_does(tmp_path):
+    """`timeout 6 kvtier bench tiers --tier disk` died of SIGTERM's default action and left its
+    512 MiB slab in /tmp: SIGTERM now stops every command as Ctrl-C does (its cleanup runs)."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--tier", "disk", "--path",
+                          str(tmp_path), "--block-bytes", "1MiB", "--total", "64MiB", "--repeat", "500"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.rglob("slab.bin")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)                                     # into the rounds
+    p.send_signal(signal.SIGTERM)
+    _out, err = p.communicate(timeout=60)
+    assert (p.returncode, err.splitlines()[-1:]) == (130, ["kvtier: interrupted"]), err
+    assert list(tmp_path.iterdir()) == []

@@ -402,10 +402,12 @@ def test_the_generator_command_errors_are_one_line_and_leave_no_file(tmp_path):
         assert list(tmp_path.iterdir()) == []
 
 
-def test_an_interrupted_generator_leaves_no_partial_trace(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_generator_leaves_no_partial_trace(tmp_path, signame):
     """Ctrl-C printed a KeyboardInterrupt traceback and left a partial file that replayed as a
     shorter trace; now: `kvtier: interrupted`, exit 130, and no file (the trace is written
-    beside its name and renamed only when complete)."""
+    beside its name and renamed only when complete). SIGTERM (`kill`, `timeout`) left the
+    partial file: it stops the generator as Ctrl-C does."""
     import signal
     import time
 
@@ -416,7 +418,7 @@ def test_an_interrupted_generator_leaves_no_partial_trace(tmp_path):
     time.sleep(0.2)                                    # into the generation, past the file's creation
     [part] = list(tmp_path.iterdir())
     assert part.name.startswith(".out.jsonl.") and part.name.endswith(".part")
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, signame))
     out, err = p.communicate(timeout=60)
     assert (p.returncode, err) == (130, "kvtier: interrupted\n")
     assert list(tmp_path.iterdir()) == []

@@ -3,12 +3,13 @@ child outlives the bench, whatever ends it."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
+from contextlib import ExitStack
 from typing import Any
+
+from kvtier.interrupts import as_interrupts
 
 
 class Children:
@@ -31,28 +32,23 @@ class Children:
               "if os.getppid() != int(sys.argv[1]):\n"
               "    sys.exit(1)\n"
               "os.execvp(sys.argv[2], sys.argv[2:])")
-    _SIGNALS = ("SIGTERM", "SIGHUP")
-
     def __init__(self, grace: float = 10.0) -> None:
         self.grace = grace              # on the way out after an error or a signal
         self.procs: list[subprocess.Popen] = []
-        self._saved: dict[int, Any] = {}
+        self._signals: ExitStack | None = None
 
     def __enter__(self) -> Children:
-        if threading.current_thread() is threading.main_thread():
-            for name in self._SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
-                    self._saved[sig] = signal.signal(sig, _interrupt)
+        self._signals = ExitStack()
+        self._signals.enter_context(as_interrupts())
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.stop()
         finally:
-            for sig, handler in self._saved.items():
-                signal.signal(sig, handler)
-            self._saved.clear()
+            if self._signals is not None:
+                self._signals.close()
+                self._signals = None
 
     def start(self, cmd: list[str], **popen: Any) -> subprocess.Popen:
         """Popen(cmd, **popen), owned from here on."""
@@ -88,6 +84,3 @@ class Children:
                     self.procs.remove(p)
         return max((p.returncode for p in procs), key=abs, default=0)
 
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)

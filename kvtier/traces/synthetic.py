@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.interrupts import as_interrupts
 from kvtier.keys import chain_keys, token_bytes
 from kvtier.traces.model import Request, Trace
 from kvtier.traces.mooncake import MOONCAKE_BLOCK_TOKENS, mooncake_record
@@ -243,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     # The Mooncake format's hash ids are per 512-token block (its traces' and kvtier's
     # reader's): a --block-tokens option here wrote traces the reader then refused.
     try:
-        n = _write(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=MOONCAKE_BLOCK_TOKENS),
-                   a.format)
+        with as_interrupts():           # SIGTERM too: it left a 46 MB .part file beside OUT
+            n = _write(a.out, AgenticConfig(seed=a.seed, sessions=a.sessions, block_tokens=MOONCAKE_BLOCK_TOKENS),
+                       a.format)
     except ConfigError as e:
         print(f"kvtier: error: {e}", file=sys.stderr)
         return 2
