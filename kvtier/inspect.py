@@ -49,10 +49,15 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     except ConfigError:
         raise                 # not a disk tier directory: read_directory says so
     except lmdb.Error as e:
-        if os.path.isdir(index) and not os.path.exists(os.path.join(index, "data.mdb")):
+        data = os.path.join(index, "data.mdb")
+        if os.path.isdir(index) and not os.path.exists(data):
             raise KvtierError(f"the disk tier index {index} holds no data.mdb (removed?): without it the blocks "
                               f"in {path}/slab.bin cannot be found; a store opened on {path} starts the tier "
                               "empty") from None
+        if os.path.isfile(data) and os.path.getsize(data) == 0:       # (LMDB says "Bad file descriptor")
+            raise KvtierError(f"the disk tier index {index} is empty (data.mdb is 0 bytes: cut?): without its "
+                              f"records the blocks in {path}/slab.bin cannot be found; opening a store on {path} "
+                              "moves it aside (index.lmdb.damaged-TIME) and starts the tier empty") from None
         short = shortfall(Path(index))
         cut = f"; data.mdb is {short[0]} bytes, its newest transaction uses {short[1]}: cut short" if short else ""
         what = f"the disk tier index {index} is damaged ({e}{cut})"

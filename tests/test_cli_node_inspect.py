@@ -449,6 +449,20 @@ def test_inspect_says_when_the_slab_or_the_index_data_is_gone(tier, tmp_path):
     assert_one_line_error(run_kvtier("inspect", str(other)), 1, "holds no data.mdb", "starts the tier empty")
 
 
+def test_an_empty_index_file_is_set_aside_with_a_warning_and_inspect_says_so(tier, caplog):
+    """An empty data.mdb: inspect called it damaged (LMDB's "Bad file descriptor") and said a
+    store could not open it; a store opened it as a new index and started the tier empty
+    without a word, every block in the slab unreachable."""
+    os.truncate(tier / "index.lmdb" / "data.mdb", 0)
+    assert_one_line_error(run_kvtier("inspect", str(tier)), 1, "is empty (data.mdb is 0 bytes",
+                          "moves it aside (index.lmdb.damaged-TIME) and starts the tier empty")
+    with caplog.at_level("WARNING", logger="kvtier.disk"):
+        store = open_store(tier)
+    assert "index damaged (its data.mdb is empty (0 bytes)); moved to index.lmdb.damaged-" in caplog.text
+    assert store.stats().recovered_blocks == 0 and any(tier.glob("index.lmdb.damaged-*"))
+    store.close()
+
+
 def test_verify_does_not_count_a_block_whose_record_changed_meanwhile(tier):
     """A live store reuses slots: the new bytes land before the old block's record goes, so
     a snapshot of the records can name bytes no longer there. A failure counts only if the

@@ -243,6 +243,12 @@ class DiskTier(Tier):
                 self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
             else:
+                data = where / "data.mdb"
+                if data.is_file() and data.stat().st_size == 0:
+                    # LMDB takes an empty file for a new index: the tier started empty without
+                    # a word, every block in the slab unreachable
+                    self._set_aside(where, "its data.mdb is empty (0 bytes)")
+                    return
                 _refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
                 self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
@@ -265,7 +271,7 @@ class DiskTier(Tier):
         self._meta_db = self._env.open_db(_META, create=not self.read_only)
         self._db = self._env.open_db(b"blocks", create=not self.read_only)
 
-    def _set_aside(self, where: Path, e: Exception) -> None:
+    def _set_aside(self, where: Path, e: Exception | str) -> None:
         """A cache may forget: move the damaged index aside and start an empty one (the
         slab's bytes are never trusted without a record and its checksum)."""
         if self._env is not None:
