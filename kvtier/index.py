@@ -672,19 +672,37 @@ class BlockIndex:
         ts.free = sorted(free, reverse=True)     # lowest first, as at the start
         return n
 
-    def recency(self, tier: TierId) -> list[SlotId]:
-        """`tier`'s slots, least recently used block first, for a persistent tier to record:
-        its own blocks in its policy's order (where the policy keeps one: LRU), then the
-        copies of blocks whose primary is in a faster tier (in use there: their hits never
-        reach this tier), tails before roots. Without it, a restarted or shrunk tier kept
-        old requests' tails and dropped the shared roots they had been hit through."""
-        own = self.tiers[tier].policy.order() or []
+    def order_in(self, tier: TierId) -> list[SlotId]:
+        """The slots of `tier`'s own blocks (its primary copies), least recently used first,
+        as its policy keeps them (LRU; [] for a policy keeping no such order). O(blocks):
+        for a persistent tier's record at close (BlockIndex.copies_above for the rest)."""
         entries = self.entries
-        slots = [entries[k].slot for k in own if k in entries and entries[k].tier == tier]
-        above = [(e.info.depth, e.copies[tier]) for e in entries.values()
-                 if e.ready and e.tier < tier and e.copies and tier in e.copies]
-        above.sort(key=lambda d: -d[0])
-        return slots + [s for _, s in above]
+        out = []
+        for k in self.tiers[tier].policy.order() or ():
+            e = entries.get(k)
+            if e is not None and e.tier == tier:
+                out.append(e.slot)
+        return out
+
+    def copies_above(self, tier: TierId) -> list[SlotId]:
+        """The slots in `tier` of copies of blocks whose primary is in a faster tier, least
+        recently used first (a slower tier's before a faster one's; within a tier as its
+        policy keeps them, else tails before roots). Their hits never reach `tier`: without
+        this a restarted or shrunk tier kept old requests' tails and dropped the shared roots
+        they had been hit through. O(blocks above), cheap enough for every flush."""
+        entries = self.entries
+        out: list[SlotId] = []
+        for t in reversed(range(tier)):
+            keys = self.tiers[t].policy.order()
+            if keys is None:
+                keys = sorted((k for k, e in entries.items() if e.tier == t), key=lambda k: -entries[k].info.depth)
+            for k in keys:
+                e = entries.get(k)
+                if e is not None and e.ready and e.tier == t and e.copies:
+                    s = e.copies.get(tier)
+                    if s is not None:
+                        out.append(s)
+        return out
 
     def without_copy(self, tier: TierId) -> list[Key]:
         """Readable blocks with no copy in `tier` or below it (what a flush must write down),

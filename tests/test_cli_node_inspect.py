@@ -238,6 +238,35 @@ def test_a_node_whose_terminal_closed_writes_its_host_blocks_down(tmp_path):
     assert len(read_directory(tmp_path / "kv")[1]) == 4       # written down at exit
 
 
+def test_a_node_killed_outright_keeps_what_its_periodic_flush_wrote(tmp_path):
+    """SIGKILL (the OOM killer) gives a node no chance to write its host blocks down: a
+    helper's run kept none of 300 acknowledged requests whole. --flush-every writes them down
+    as it serves."""
+    from kvtier.net.client import PeerClient
+    p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB", "--flush-every", "0.5")
+    try:
+        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+        address = out.lines[0].rsplit(" on ", 1)[1].strip()
+        layout = kvtier.preset_layout("llama3-8b", 16)
+        local = kvtier.Store(layout, [kvtier.HostTier(blocks=1)], kvtier.Namespace("m"))
+        keys = local.keys(list(range(4 * 16)))
+        with PeerClient.for_store(local, address, SECRET.encode(), timeout=10) as client:
+            assert client.put(keys, payload(keys, layout.block_bytes)) == 4
+        local.close()
+        deadline = time.monotonic() + 30
+        while len(read_directory(tmp_path / "kv")[1]) < 4:
+            assert time.monotonic() < deadline, "the blocks were not flushed"
+            time.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    store = kvtier.Store(layout, [kvtier.HostTier(blocks=8), kvtier.DiskTier(tmp_path / "kv")], kvtier.Namespace("m"))
+    out_ = torch.empty(4, layout.block_bytes, dtype=torch.uint8)
+    assert store.get(store.keys(list(range(4 * 16))), out_).loaded == 4
+    assert torch.equal(out_, payload(keys, layout.block_bytes))
+    store.close()
+
+
 def test_the_banner_and_inspect_give_a_disk_tier_the_same_size(tmp_path):
     """kimi-k2's blocks (1,124,352 bytes) are not 4 KiB multiples: the banner counted the
     tier's aligned slots (127.83 MiB) and inspect its blocks' bytes (127.60 MiB)."""

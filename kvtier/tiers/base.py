@@ -99,10 +99,10 @@ class Tier(ABC):
         """The slots a tier given no size had before (keeps_size tiers only)."""
         raise NotImplementedError
 
-    def record_order(self, slots: Sequence[SlotId]) -> None:
-        """The blocks in these slots were last used in this order (oldest first): a
-        persistent tier keeps it for the order it adopts and shrinks in (BlockIndex.recency).
-        Memory tiers need not."""
+    def record_order(self, slots: Sequence[SlotId], newest: bool = False) -> None:
+        """The blocks in these slots were last used in this order (oldest first), and, if
+        `newest`, after every other block: a persistent tier keeps it for the order it adopts
+        and shrinks in (BlockIndex.order_in, copies_above). Memory tiers need not."""
 
     def demand(self, block_bytes: int) -> Demand | None:
         """What binding this tier for `block_bytes` will take (None: nothing checked ahead)."""

@@ -727,11 +727,12 @@ class DiskTier(Tier):
                 if rec is not None:
                     self._deleted.append(rec[0])
 
-    def record_order(self, slots: Sequence[SlotId]) -> None:
+    def record_order(self, slots: Sequence[SlotId], newest: bool = False) -> None:
         # Last-access times made to follow that order: a block older than the one before it
         # gets that one's time and a microsecond (recorded at the next flush); the rest keep
-        # their own, so only blocks out of order are rewritten.
-        prev = 0.0
+        # their own, so only blocks out of order are rewritten. Newest: from now on (no
+        # record's time is later than now).
+        prev = time.time() if newest else 0.0
         access, records, touched = self._access, self._records, self._touched
         with self._meta_lock:
             for s in slots:
