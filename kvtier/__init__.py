@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["CapacityError", "ClosedError", "ConfigError", "ForeignKeysError", "KeyNotCachedError",
-                     "KvtierError", "LayoutError", "TierInUseError", "TierSizeError", "TraceError", "TransferError"],
+                     "KvtierError", "LayoutError", "TierInUseError", "TierSizeError", "TraceError", "TransferError",
+                     "WriteInterrupted"],
                     "kvtier.errors"),
     "Transfer": "kvtier.handles",
     **dict.fromkeys(["BlockKeys", "KeyOrigin", "Keyer", "Namespace"], "kvtier.keys"),
@@ -47,7 +48,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eagerly  # noqa: F401
     from kvtier.errors import (CapacityError, ClosedError, ConfigError, ForeignKeysError, KeyNotCachedError,
-                               KvtierError, LayoutError, TierInUseError, TierSizeError, TraceError, TransferError)
+                               KvtierError, LayoutError, TierInUseError, TierSizeError, TraceError, TransferError,
+                               WriteInterrupted)
     from kvtier.handles import Transfer
     from kvtier.keys import BlockKeys, KeyOrigin, Keyer, Namespace
     from kvtier.layout import KVLayout, preset_layout

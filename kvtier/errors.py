@@ -59,3 +59,9 @@ class TraceError(ConfigError):
         super().__init__(f"{where}: {problem}")
         self.path = path
         self.line = line
+
+
+class WriteInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM in the CLI) came while a tier wrote blocks: the write was finished
+    and recorded before it was let through, so the caller keeps the blocks and stops. (An
+    eviction written down as Ctrl-C came was dropped: blocks a put had acknowledged lost.)"""

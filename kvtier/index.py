@@ -689,7 +689,8 @@ class BlockIndex:
         recently used first (a slower tier's before a faster one's; within a tier as its
         policy keeps them, else tails before roots). Their hits never reach `tier`: without
         this a restarted or shrunk tier kept old requests' tails and dropped the shared roots
-        they had been hit through. O(blocks above), cheap enough for every flush."""
+        they had been hit through. O(blocks above) with LRU, cheap enough for every flush; a
+        policy keeping no order (ARC, LFU, ...) has its blocks scanned and sorted by depth."""
         entries = self.entries
         out: list[SlotId] = []
         for t in reversed(range(tier)):

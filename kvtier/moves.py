@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kvtier.errors import TransferError
+from kvtier.errors import TransferError, WriteInterrupted
 from kvtier.ids import BlockKey, SlotId, TierId
 from kvtier.index import BlockIndex, Move, Reservation
 from kvtier.stats import StoreCounters
@@ -70,9 +70,11 @@ class Mover:
         A demotion whose write fails (a full or failing disk) drops its blocks instead: they
         were being evicted, and a cache that loses them is a cache; failing the put (an
         engine's page allocation) for them stopped the engine for as long as the disk failed.
-        A Ctrl-C (KeyboardInterrupt) during a write is treated so too, and returned once every
-        move is carried out, for the caller to raise: it skipped the rest and left the index
-        claiming blocks in slots that held none, and the put's keys reserved for good.
+        A Ctrl-C is returned once every move is carried out, for the caller to raise (it
+        skipped the rest and left the index claiming blocks in slots that held none, and the
+        put's keys reserved for good): a write it came during was finished first
+        (WriteInterrupted: the batch stands), or, where the tier could not finish it, is
+        dropped as a failed one.
         """
         batch: list[Move] = []
         touched: set[tuple[int, int]] = set()      # (tier, slot) read or written by the batch
@@ -94,6 +96,8 @@ class Mover:
                 src_slots, keys_ = [m.src_slot for m in batch], [m.key for m in batch]
                 try:
                     self._copy(batch[0].src_tier, src_slots, batch[0].dst_tier, [m.dst_slot for m in batch], keys_)
+                except WriteInterrupted as e:      # written and recorded: the batch stands
+                    interrupt = interrupt or e
                 except BaseException as e:
                     if isinstance(e, Exception):
                         error = error or e
@@ -221,16 +225,22 @@ class Mover:
         all. A part whose bytes did land is released from its tier first (a disk tier drops
         its records), before its slots can be reused."""
         landed: list[Reservation] = []
+        interrupt: WriteInterrupted | None = None
         for res, w in zip(parts, writes):
             if w is None:
                 continue
             try:
                 w.wait()
                 landed.append(res)
+            except WriteInterrupted as e:     # written and recorded: committed, then raised
+                landed.append(res)
+                interrupt = interrupt or e
             except BaseException as e:
                 error = error or e
         if error is None:
             self.commit(parts)
+            if interrupt is not None:
+                raise interrupt
             return
         for res in landed:
             if res.keys:
@@ -266,6 +276,9 @@ class Mover:
         raises, they are forgotten and their slots freed."""
         try:
             yield
+        except WriteInterrupted:        # written and recorded: they stand
+            self.commit([res])
+            raise
         except BaseException:
             self.abort([res])
             raise

@@ -50,6 +50,7 @@ log = logging.getLogger("kvtier.store")
 FEED_LIMIT = 1 << 16         # changes a watcher's feed keeps unread before it must start over
 _SPARE_MAX_BYTES = 256 << 20    # the largest disk-read buffer a store keeps between reads
 PIPELINE_HEAD_BYTES = 32 << 20  # a large put's first part, written while the rest is reserved (_store)
+FLUSH_PART_BYTES = 64 << 20     # a flush writes blocks down in parts of this many bytes (_flush)
 
 # Everything still open at interpreter exit is closed then, last registered first: every
 # Store (so blocks held only in memory are written back to its disk tier even when nobody
@@ -368,8 +369,12 @@ class Store:
             # Its own thread, not the I/O pool: a put made on an I/O thread (a non-blocking
             # get keeping what it fetched from peers) must not wait on work queued behind it.
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put-ahead")
-        started = self.tiers[0].begin_write(first.slots, rows, first.positions, first.keys, executor=self._ahead) \
-            if first.keys else PendingWrite.done()
+        try:
+            started = self.tiers[0].begin_write(first.slots, rows, first.positions, first.keys,
+                                                executor=self._ahead) if first.keys else PendingWrite.done()
+        except BaseException:       # (a Ctrl-C while it started: the tier waited for its runs)
+            self._mover.abort([first])
+            raise
         parts = [first]
         try:
             for cut in cuts[1:]:
@@ -655,7 +660,12 @@ class Store:
             with self._lock:
                 self._check_open()
                 keys = self.index.without_copy(i)
-            self._mover.copy_into(i, keys)
+            # In parts: a copy holds its blocks until their bytes are in, and a host tier
+            # full of blocks held by one long write refused every put meanwhile (a node's
+            # periodic flush: `stored 0 rejected 4` while it wrote).
+            step = max(1, FLUSH_PART_BYTES // self.layout.block_bytes)
+            for at in range(0, len(keys), step):
+                self._mover.copy_into(i, keys[at:at + step])
             with self._lock:
                 own = self.index.order_in(i) if whole_order else []
                 above = self.index.copies_above(i)
