@@ -215,21 +215,27 @@ def test_ctrl_c_stops_a_node_cleanly(tmp_path):
     assert read_directory(tmp_path / "kv")[0]["namespace"]["model"] == "m"     # the disk tier closed cleanly
 
 
+def put_four_blocks(out: Lines, err: Lines) -> tuple[kvtier.KVLayout, kvtier.BlockKeys]:
+    """Once the node whose output is `out` serves, put 4 llama3-8b blocks to it as a peer."""
+    from kvtier.net.client import PeerClient
+    assert out.wait_for("serving 'm'"), (out.lines, err.lines)
+    address = out.lines[0].rsplit(" on ", 1)[1].strip()
+    layout = kvtier.preset_layout("llama3-8b", 16)
+    local = kvtier.Store(layout, [kvtier.HostTier(blocks=1)], kvtier.Namespace("m"))
+    keys = local.keys(list(range(4 * 16)))
+    with PeerClient.for_store(local, address, SECRET.encode(), timeout=10) as client:
+        assert client.put(keys, payload(keys, layout.block_bytes)) == 4
+    local.close()
+    return layout, keys
+
+
 def test_a_node_whose_terminal_closed_writes_its_host_blocks_down(tmp_path):
     """SIGHUP (the terminal or ssh session of a node started by hand went away) killed the
     node at once: every block held only in host memory was lost. It stops cleanly now, as on
     SIGTERM, and the blocks peers put are on disk for the next start."""
-    from kvtier.net.client import PeerClient
     p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB")
     try:
-        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
-        address = out.lines[0].rsplit(" on ", 1)[1].strip()
-        layout = kvtier.preset_layout("llama3-8b", 16)
-        local = kvtier.Store(layout, [kvtier.HostTier(blocks=1)], kvtier.Namespace("m"))
-        keys = local.keys(list(range(4 * 16)))
-        with PeerClient.for_store(local, address, SECRET.encode(), timeout=10) as client:
-            assert client.put(keys, payload(keys, layout.block_bytes)) == 4
-        local.close()
+        put_four_blocks(out, err)
     finally:
         p.send_signal(signal.SIGHUP)
         assert p.wait(timeout=30) == 0
@@ -242,17 +248,9 @@ def test_a_node_killed_outright_keeps_what_its_periodic_flush_wrote(tmp_path):
     """SIGKILL (the OOM killer) gives a node no chance to write its host blocks down: a
     helper's run kept none of 300 acknowledged requests whole. --flush-every writes them down
     as it serves."""
-    from kvtier.net.client import PeerClient
     p, out, err = start_node("--disk", str(tmp_path / "kv"), "--disk-capacity", "64MiB", "--flush-every", "0.5")
     try:
-        assert out.wait_for("serving 'm'"), (out.lines, err.lines)
-        address = out.lines[0].rsplit(" on ", 1)[1].strip()
-        layout = kvtier.preset_layout("llama3-8b", 16)
-        local = kvtier.Store(layout, [kvtier.HostTier(blocks=1)], kvtier.Namespace("m"))
-        keys = local.keys(list(range(4 * 16)))
-        with PeerClient.for_store(local, address, SECRET.encode(), timeout=10) as client:
-            assert client.put(keys, payload(keys, layout.block_bytes)) == 4
-        local.close()
+        layout, keys = put_four_blocks(out, err)
         deadline = time.monotonic() + 30
         while len(read_directory(tmp_path / "kv")[1]) < 4:
             assert time.monotonic() < deadline, "the blocks were not flushed"
