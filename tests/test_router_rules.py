@@ -128,3 +128,31 @@ def test_a_worker_not_up_yet_is_no_warning_and_one_that_was_up_warns_down_and_ba
         asyncio.run(polls([False, True]))                     # was up: down and back, both warnings
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and "ready -> down" in warned[0] and "down -> ready" in warned[1], warned
+
+
+def test_a_worker_in_the_wrong_pool_is_down_and_warned_at_once(caplog):
+    """`--prefill` and `--decode` swapped: the decode pool took the prefill worker and it
+    answered every request itself (no hand-over), with nothing on stderr."""
+    import asyncio
+
+    import httpx
+
+    from kvtier.router.workers import Pools, Worker
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        role = "prefill" if request.url.port == 8001 else "decode"
+        return httpx.Response(200, json={"status": "ready", "role": role, "node": "127.0.0.1:9000"})
+    pools = Pools(prefill=[Worker("http://127.0.0.1:8002", "prefill")],
+                  decode=[Worker("http://127.0.0.1:8001", "decode")])
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await pools.poll_once(client)
+            await pools.poll_once(client)
+    with caplog.at_level("WARNING", logger="kvtier.router"):
+        asyncio.run(poll())
+    assert [w.status for w in pools.all] == ["down", "down"]
+    assert pools.decode[0].error == "it runs --role prefill, not decode: give it to --prefill"
+    assert pools.prefill[0].error == "it runs --role decode, not prefill: give it to --decode"
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all("unknown -> down (it runs --role" in m for m in warned), warned

@@ -203,6 +203,9 @@ def test_context_error_blames_max_tokens_only_when_the_client_sent_it(plain):
     body = {"model": MODEL, "prompt": long}
     _error(plain.post("/v1/completions", json=body), 400, "prompt", "context_length_exceeded")   # default 16
     _error(plain.post("/v1/completions", json={**body, "max_tokens": 16}), 400, "max_tokens", "context_length_exceeded")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": CONTEXT}
+    err = _error(plain.post("/v1/chat/completions", json=chat), 400, "max_completion_tokens", "context_length_exceeded")
+    assert err["message"].endswith("lower max_completion_tokens")      # it said max_tokens, which it was not sent
 
 
 def test_models_retrieve(plain):
@@ -211,6 +214,10 @@ def test_models_retrieve(plain):
     assert card.json() == plain.get("/v1/models").json()["data"][0]
     _error(plain.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
     _error(plain.get("/v1/models/org/gpt-4"), 404, "model", "model_not_found")
+    # an OpenAI client whose base_url lacks /v1 got a bare "no such route"
+    assert "the API is under /v1" in _error(plain.post("/chat/completions", json={}), 404, None, "not_found")["message"]
+    assert "the API is under /v1" in _error(plain.get("/models"), 404, None, "not_found")["message"]
+    assert "see docs/serve.md" in _error(plain.get("/v2/nothing"), 404, None, "not_found")["message"]
 
 
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",

@@ -46,6 +46,7 @@ class Worker:
     node_signature: str | None = None  # decode workers: their signature of `node`, passed on as a push target
     cluster: str | None = None         # the id of the secret it signs with (serve/roles.py); None: not told
     foreign: bool = False              # a prefill worker whose secret no ready decode worker shares
+    miscast: bool = False              # it runs a role its pool cannot use (--role prefill among --decode)
     answered_ready: bool = False       # its last /kvtier/load said ready (a foreign one stays down)
     block_tokens: int = 16
     kv_events: bool = False            # it publishes GET /kvtier/events (router/blocks.py)
@@ -103,10 +104,12 @@ class Pools:
             status, foreign, had_been_ready = was[w.url]
             if w.status != status or w.foreign > foreign:     # down, and now we know why
                 # A worker not up yet (the router started beside it) is no warning; one that
-                # was up goes down, and comes back, at the same level.
+                # was up goes down, and comes back, at the same level; a misconfigured one
+                # (a secret or a role its pool cannot use) is a warning at once.
                 loud = had_been_ready and (w.status == "down" or status == "down")
-                (log.warning if loud or w.foreign > foreign else log.info)(
-                    "worker %s (%s): %s -> %s%s", w.url, w.pool, status, w.status,
+                change = f"{status} -> {w.status}" if w.status != status else w.status
+                (log.warning if loud or w.foreign > foreign or (w.miscast and w.status != status) else log.info)(
+                    "worker %s (%s): %s%s", w.url, w.pool, change,
                     f" ({w.error})" if w.status == "down" and w.error else "")
 
     def _check_secrets(self) -> None:
@@ -197,8 +200,11 @@ async def _poll(client: httpx.AsyncClient, w: Worker) -> None:
         w.kv_events = data.get("kv_events") is True
         w.pulled_bytes = _count(data.get("pulled_bytes"))
         w.pushed_bytes = _count(data.get("pushed_bytes"))
-        if w.pool == "prefill" and w.role not in (None, "prefill", "both"):
-            w.status, w.error = "down", f"it runs --role {w.role}, not prefill"
+        want = ("prefill", "both") if w.pool == "prefill" else ("decode", "both")
+        w.miscast = w.role not in (None, *want)
+        if w.miscast:       # (a prefill worker among --decode answered every request itself: no hand-over)
+            w.status, w.error = "down", (f"it runs --role {w.role}, not {w.pool}: give it to --{w.role}"
+                                         if w.role in ("prefill", "decode") else f"it runs --role {w.role}")
         elif w.pool == "prefill" and not w.node:
             w.status, w.error = "down", "it has no kvtier node to hand KV over from (start it with --role prefill)"
     w.answered_ready = w.ready

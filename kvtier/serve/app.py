@@ -174,8 +174,9 @@ class Service:
         # The field to blame: the prompt when it alone is too long (with one token to generate)
         # or max_tokens was not sent (a default's, 16 for completions, is not the client's field).
         prompt_alone = n_prompt >= limit
-        param = ("messages" if req.messages else "prompt") if prompt_alone or not req.max_tokens_sent else "max_tokens"
-        fix = "shorten the prompt" if prompt_alone else "shorten the prompt or lower max_tokens"
+        field = req.max_tokens_field        # as the client named it (max_completion_tokens in a chat)
+        param = ("messages" if req.messages else "prompt") if prompt_alone or not req.max_tokens_sent else field
+        fix = "shorten the prompt" if prompt_alone else f"shorten the prompt or lower {field}"
         if max_tokens < 1 or n_prompt + max_tokens > limit:
             why = "" if limit == self.context else \
                 f" on this server (the model's {self.context}, capped by what its KV cache holds for one request)"

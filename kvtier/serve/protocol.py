@@ -52,6 +52,7 @@ class GenerationRequest:
     model: str
     max_tokens: int | None            # None: up to the model's context
     max_tokens_sent: bool = False     # the client gave max_tokens (else a default: not the field to blame)
+    max_tokens_field: str = "max_tokens"   # the name it came as (chat: max_completion_tokens too)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                    # vLLM's: the k most likely tokens; 0 or -1: all
@@ -167,11 +168,11 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
     if not isinstance(model, str) or not model:
         raise bad("model is required: the name GET /v1/models lists", "model")
     _unsupported(body)
-    max_tokens = None
+    max_tokens, field = None, "max_tokens"
     for name in max_tokens_names:
         v = _int(body, name, 1)
         if v is not None:
-            max_tokens = v
+            max_tokens, field = v, name
             break
     seed = _int(body, "seed", MIN_SEED, MAX_SEED)
     if seed is not None:
@@ -200,7 +201,7 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
             raise bad("stream_options is only allowed with stream: true", "stream_options")
         include_usage = _bool(opts, "include_usage")
     return GenerationRequest(
-        model=model, max_tokens=max_tokens, max_tokens_sent=max_tokens is not None,
+        model=model, max_tokens=max_tokens, max_tokens_sent=max_tokens is not None, max_tokens_field=field,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(_int(body, "top_k", -1) or 0, 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),

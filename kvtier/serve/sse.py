@@ -58,12 +58,18 @@ async def on_api_error(_request: Request, e: Exception) -> Response:
     return error_response(e)
 
 
-async def on_http_error(_request: Request, e: Exception) -> Response:
+_V1_ROUTES = ("/completions", "/chat/completions", "/models")
+
+
+async def on_http_error(request: Request, e: Exception) -> Response:
     """Starlette's own errors (no route, wrong method, too large) as the API's JSON errors."""
     assert isinstance(e, HTTPException)
     codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-    message = {404: "no such route: see docs/serve.md for the API",
-               405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
+    path = request.url.path.rstrip("/")
+    no_route = ("no such route: the API is under /v1 (an OpenAI client's base_url ends in /v1, e.g. "
+                "http://HOST:PORT/v1)" if path in _V1_ROUTES or path.startswith("/models/") else
+                "no such route: see docs/serve.md for the API")
+    message = {404: no_route, 405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
     resp = error_response(ApiError(e.status_code, message, code=codes.get(e.status_code)))
     if e.headers:
         resp.headers.update(e.headers)
