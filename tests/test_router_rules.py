@@ -156,3 +156,30 @@ def test_a_worker_in_the_wrong_pool_is_down_and_warned_at_once(caplog):
     assert pools.prefill[0].error == "it runs --role decode, not prefill: give it to --decode"
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and all("unknown -> down (it runs --role" in m for m in warned), warned
+
+
+def test_a_worker_never_reached_is_warned_of_once(caplog, monkeypatch):
+    """A typo in a worker's URL showed only in /health ("starting"): the router had printed
+    that it was ready and logged nothing."""
+    import asyncio
+
+    import httpx
+
+    import kvtier.router.workers as workers
+    from kvtier.router.workers import Pools, Worker
+
+    monkeypatch.setattr(workers, "UNREACHED_WARN_S", 0.0)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+    pools = Pools(decode=[Worker("http://127.0.0.1:8012", "decode")])
+
+    async def polls() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            for _ in range(3):
+                await pools.poll_once(client)
+    with caplog.at_level("WARNING", logger="kvtier.router"):
+        asyncio.run(polls())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "http://127.0.0.1:8012 (decode) has not been ready" in warned[0], warned
+    assert "ConnectError" in warned[0] and "check its URL" in warned[0]

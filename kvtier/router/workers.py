@@ -87,10 +87,17 @@ class Worker:
                 **({"error": self.error} if self.error and not self.ready else {})}
 
 
+# A worker not reached this long after the router started is warned of, once: a typo in its
+# URL showed only in /health ("starting"), the router having printed that it was ready.
+UNREACHED_WARN_S = 60.0
+
+
 @dataclass
 class Pools:
     prefill: list[Worker] = field(default_factory=list)
     decode: list[Worker] = field(default_factory=list)
+    since: float = field(default_factory=time.monotonic)     # when polling began
+    _unreached_warned: set[str] = field(default_factory=set)
 
     @property
     def all(self) -> list[Worker]:
@@ -111,6 +118,13 @@ class Pools:
                 (log.warning if loud or w.foreign > foreign or (w.miscast and w.status != status) else log.info)(
                     "worker %s (%s): %s%s", w.url, w.pool, change,
                     f" ({w.error})" if w.status == "down" and w.error else "")
+        waited = time.monotonic() - self.since
+        for w in self.all:
+            if (not w.was_ready and w.status == "down" and not (w.miscast or w.foreign)   # (warned of already)
+                    and waited >= UNREACHED_WARN_S and w.url not in self._unreached_warned):
+                self._unreached_warned.add(w.url)
+                log.warning("worker %s (%s) has not been ready in the %.0f s since the router started (%s): "
+                            "check its URL and that it runs", w.url, w.pool, waited, w.error or "no answer")
 
     def _check_secrets(self) -> None:
         """A prefill worker whose secret no ready decode worker shares is down: every hand-over
