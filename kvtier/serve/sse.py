@@ -127,7 +127,7 @@ class CrashGuard:
             if first:
                 self.sites.add(site)
             log.error("internal error on %s %s: %s: %s%s", scope.get("method"), scope.get("path"), type(e).__name__,
-                      e, "" if first else " (traceback logged before)", exc_info=e if first else None)
+                      e, "" if first else " (its traceback is logged once)", exc_info=e if first else None)
             if not started:
                 await error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
                                               code="internal_error"))(scope, receive, send)

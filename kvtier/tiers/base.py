@@ -25,8 +25,8 @@ from kvtier.units import format_bytes, parse_bytes
 @dataclass(frozen=True)
 class Demand:
     """What a tier will take once bound: `nbytes` of `where` (one name per pool that tiers
-    share: "memory" for the host's RAM, a GPU's name, a disk tier's directory), and how to tell
-    whether a total fits there (an error naming what is short, or None)."""
+    share: "CPU memory", "GPU memory of cuda:N", "disk space on device N" for a filesystem),
+    and how to tell whether a total fits there (an error naming what is short, or None)."""
 
     where: str
     nbytes: int

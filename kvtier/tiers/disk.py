@@ -109,6 +109,7 @@ class DiskTier(Tier):
         self._meta_lock = threading.Lock()
         self._fd = -1
         self._lock_fds: list[int] = []     # flocked: the directory and its `lock` file
+        self._kept: int | None = None      # the slots of the tier found in `path` (given no size)
         self._env: lmdb.Environment | None = None
         self._scratch: str | None = None       # read-only: where a short index was copied to be read
         self._db = None
@@ -124,7 +125,10 @@ class DiskTier(Tier):
         return super().bind(block_bytes)
 
     def _kept_slots(self, block_bytes: int) -> int:
-        n = present_blocks(self.path, block_bytes)
+        # Read once: the store asks for the size ahead (demand) and again when it binds.
+        if self._kept is None:
+            self._kept = present_blocks(self.path, block_bytes)
+        n = self._kept
         if n == 0:
             raise ConfigError(f"disk tier {self.path}: no tier there to reopen at its size: give a new one a "
                               "capacity (bytes, e.g. capacity='64GiB') or blocks=N")
