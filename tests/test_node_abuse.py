@@ -392,6 +392,61 @@ def test_strangers_in_a_loop_cannot_flood_the_log(caplog):
     store.close()
 
 
+def test_an_http_client_at_a_node_port_is_told_so(caplog):
+    """curl at a node's port read "bad frame prefix ... secret" in the node's log and got 36
+    zero bytes: it now gets a 400 that says what the port is, and the log names HTTP."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with caplog.at_level("WARNING", logger="kvtier.node"), kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        host, port = node.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"\0" * PREFIX_BYTES)                # a stranger still gets the constant refusal
+            assert s.recv(4096) == frames.REFUSAL
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer
+    assert b"kvtier node port" in body and f"Content-Length: {len(body)}".encode() in head
+    lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
+    assert "an HTTP request" in lines[0] and "secret" not in lines[0], lines
+    store.close()
+
+
+def test_a_client_dialling_an_http_server_is_told_so():
+    """A node address that names an HTTP server (serve's port given as a peer) is reported as
+    one, not as a secret mismatch."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 11\r\n\r\nInvalid HTTP")
+
+    import threading
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with PeerClient.for_store(store, f"127.0.0.1:{port}", SECRET, timeout=5) as c, \
+            pytest.raises(PeerError, match="HTTP server") as e:
+        c.ping()
+    assert "secret" not in str(e.value)
+    t.join(5)
+    server.close()
+    store.close()
+
+
+@pytest.mark.parametrize("first, named", [(b"\x16\x03\x01\x02\x00", "TLS handshake"), (b"SSH-2.0-OpenSSH_9", "SSH")])
+def test_other_protocols_are_named(first: bytes, named: str):
+    with pytest.raises(frames.ForeignProtocol, match=named):
+        read_prefix(first.ljust(PREFIX_BYTES, b"x"), SECRET)
+    with pytest.raises(frames.FrameError, match="secret"):
+        read_prefix(b"x" * PREFIX_BYTES, SECRET)
+
+
 def test_failed_tls_handshakes_cannot_flood_the_log(tmp_path, caplog):
     tls = throwaway_cert(str(tmp_path))
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)

@@ -41,6 +41,14 @@ MAC_BYTES = 32
 # it says "not this cluster" (read_prefix's error) and, being constant, cannot be sent back
 # as a frame (a MAC'd ERR could).
 REFUSAL = bytes(PREFIX_BYTES)
+# How other protocols' first bytes look, to name them when they reach a node (or a client
+# dials something that is not one): an operator's curl otherwise read "secret" in the log.
+_HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ",
+                 b"TRACE ", b"PRI * HTTP/2")
+# What a node answers an HTTP client instead of REFUSAL: a plain 400 its user can read.
+_HTTP_BODY = b"this is a kvtier node port: it speaks kvtier's frame protocol between nodes, not HTTP\n"
+HTTP_REFUSAL = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(_HTTP_BODY), _HTTP_BODY))
 MAX_HEADER = 4 << 20            # a 128k-token prompt at 16 tokens a block: ~200 KiB of keys
 MAX_KEYS = 1 << 16
 MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale
@@ -60,6 +68,32 @@ def request_seconds(timeout: float, op: str, keys: int, block_bytes: int) -> flo
 
 class FrameError(KvtierError):
     """A frame that is malformed, too large, unauthenticated, stale or replayed."""
+
+
+class ForeignProtocol(FrameError):
+    """Bytes of another protocol (HTTP, TLS, SSH) where a frame was due; `http` says the
+    peer spoke HTTP (a node answers it HTTP_REFUSAL)."""
+
+    def __init__(self, message: str, http: bool) -> None:
+        super().__init__(message)
+        self.http = http
+
+
+def foreign_protocol(prefix: bytes) -> ForeignProtocol | None:
+    """The protocol a failed prefix's bytes belong to, where they show one."""
+    if prefix.startswith(_HTTP_METHODS):
+        return ForeignProtocol("an HTTP request, not a kvtier frame: a node's port speaks kvtier's frame "
+                               "protocol between nodes (the OpenAI API is on `kvtier serve`'s or the "
+                               "router's port)", http=True)
+    if prefix.startswith(b"HTTP/"):
+        return ForeignProtocol("an HTTP response, not a kvtier frame: the address dialled is an HTTP "
+                               "server (`kvtier serve` or the router?), not a kvtier node", http=False)
+    if prefix[:1] == b"\x16" and prefix[1:2] == b"\x03":
+        return ForeignProtocol("a TLS handshake, not a kvtier frame: the peer speaks TLS to a plain node "
+                               "(give both ends the same --tls setting)", http=False)
+    if prefix.startswith(b"SSH-"):
+        return ForeignProtocol("an SSH greeting, not a kvtier frame: the address is an SSH server", http=False)
+    return None
 
 
 def check_secret(secret: object) -> bytes:
@@ -125,6 +159,9 @@ def read_prefix(prefix: bytes, secret: bytes, max_age: float = MAX_AGE_S) -> Pre
         raise FrameError(f"frame prefix of {len(prefix)} bytes, expected {PREFIX_BYTES}")
     want = hmac.new(_prefix_key(secret), prefix[:20], hashlib.sha256).digest()[:TAG_BYTES]
     if not hmac.compare_digest(want, prefix[20:]):
+        foreign = foreign_protocol(prefix)
+        if foreign is not None:
+            raise foreign
         raise FrameError("bad frame prefix: the peer does not share this cluster's secret "
                          "(or speaks another protocol version, or TLS to a plain node)")
     n, t_ns, _ = _HEAD.unpack(prefix[:20])

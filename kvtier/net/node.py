@@ -34,8 +34,8 @@ from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import format_address, is_unspecified, listen_infos, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import (MAX_KEYS, REFUSAL, REQUESTS, Frame, FrameError, Prefix, check_secret, decode, read_prefix,
-                               request_seconds)
+from kvtier.net.frames import (HTTP_REFUSAL, MAX_KEYS, REFUSAL, REQUESTS, ForeignProtocol, Frame, FrameError,
+                               Prefix, check_secret, decode, read_prefix, request_seconds)
 from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
 from kvtier.net.tls import Tls, check_tls
@@ -314,7 +314,11 @@ class Node:
                             _so_far(self.refused_frames, "frames refused"))
             try:
                 if not holds_secret:
-                    await asyncio.wait_for(conn.send(REFUSAL), self.request_timeout)
+                    if isinstance(e, ForeignProtocol) and e.http:     # curl: an answer it shows
+                        await asyncio.wait_for(conn.send(HTTP_REFUSAL), self.request_timeout)
+                        conn.discard_unread()
+                    else:
+                        await asyncio.wait_for(conn.send(REFUSAL), self.request_timeout)
                 elif not isinstance(e, _Answered):        # an _Answered one's ERR went out already
                     await asyncio.wait_for(conn.send(Frame("ERR", reply_ns, error=str(e)).encode(self.secret)),
                                            self.request_timeout)

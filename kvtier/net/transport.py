@@ -54,6 +54,10 @@ class ServerConn(Protocol):
     async def recv_rows(self, buf: np.ndarray) -> None:
         """Fill `buf` (n, block_bytes) with the payload that follows a PUT head."""
 
+    def discard_unread(self) -> None:
+        """Drop what the peer sent that is already here (at most 64 KiB), so the close that
+        follows is a FIN its client reads the answer before, not a reset."""
+
     def close(self) -> None: ...
 
 
@@ -133,6 +137,14 @@ class TcpServerConn:
     async def recv_rows(self, buf: np.ndarray) -> None:
         await self._fill(memoryview(buf).cast("B"))     # bounded by the node's deadline per request
 
+    def discard_unread(self) -> None:
+        for _ in range(16):
+            try:
+                if not self.sock.recv(4096, socket.MSG_DONTWAIT):
+                    return
+            except OSError:     # nothing more buffered (BlockingIOError), or gone
+                return
+
     def close(self) -> None:
         self.sock.close()
 
@@ -172,6 +184,9 @@ class TlsServerConn:
     async def recv_rows(self, buf: np.ndarray) -> None:
         for i in range(len(buf)):
             buf[i] = np.frombuffer(await self.reader.readexactly(buf.shape[1]), dtype=np.uint8)
+
+    def discard_unread(self) -> None:
+        pass        # close() aborts a TLS connection anyway
 
     def close(self) -> None:
         self.writer.transport.abort()
