@@ -42,7 +42,7 @@ class Router:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert line.startswith("kvtier router: ready on "), line
+        assert line.startswith("kvtier router: listening on "), line
         self.url = line.split(" on ", 1)[1].split()[0]
         self.lines: list[str] = []           # its log, drained as it comes
         threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout], daemon=True).start()

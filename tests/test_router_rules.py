@@ -183,3 +183,37 @@ def test_a_worker_never_reached_is_warned_of_once(caplog, monkeypatch):
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "http://127.0.0.1:8012 (decode) has not been ready" in warned[0], warned
     assert "ConnectError" in warned[0] and "check its URL" in warned[0]
+
+
+def test_the_router_says_when_it_starts_and_stops_answering():
+    """The router printed "ready" as it began to listen, before any worker was; it now says
+    so when a decode worker is ready, and again when none is any longer."""
+    import asyncio
+
+    import httpx
+
+    from kvtier.router.workers import Pools, Worker
+
+    up = {"decode": False, "prefill": True}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        role = "prefill" if request.url.port == 8001 else "decode"
+        if not up[role]:
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return httpx.Response(200, json={"status": "ready", "role": role, "node": "127.0.0.1:9000"})
+    said: list[str] = []
+    pools = Pools(prefill=[Worker("http://127.0.0.1:8001", "prefill")],
+                  decode=[Worker("http://127.0.0.1:8002", "decode"), Worker("http://127.0.0.1:8003", "decode")],
+                  announce=said.append)
+
+    async def polls(decode_up: list[bool]) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            for s in decode_up:
+                up["decode"] = s
+                await pools.poll_once(client)
+    asyncio.run(polls([False, False]))
+    assert said == []                                    # the prefill worker alone answers nothing
+    asyncio.run(polls([True, True, False, False, True]))
+    assert said == ["ready: 2 of 2 decode and 1 of 1 prefill workers are ready; answering",
+                    "no decode worker is ready: answering 503 until one is",
+                    "ready: 2 of 2 decode and 1 of 1 prefill workers are ready; answering"], said

@@ -60,7 +60,7 @@ def _cluster(children: Children, setup: str, handoff: str,
     urls = [x.url for x in procs]
     pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
     procs.append(KvtierProcess(children, ["router", "--port", "0", "--poll-interval", "0.2", "--handoff", handoff,
-                                          "--direct-below", str(args.direct_below), *pools], "kvtier router: ready"))
+                                          "--direct-below", str(args.direct_below), *pools], "kvtier router: listening on"))
     _wait_ready(procs[-1].url)
     return procs, procs[-1].url, urls
 

@@ -2,8 +2,9 @@
 
     kvtier router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 
-It may start before its workers: GET /health lists them and says 503 until a decode worker
-is ready. SIGTERM or Ctrl-C stops it: no new connections, answers in flight stream on for up
+It may start before its workers: it prints `listening on` at once and `ready: ...` when a
+decode worker is ready (and says when none is any longer); GET /health lists them and says
+503 until then. SIGTERM or Ctrl-C stops it: no new connections, answers in flight stream on for up
 to --shutdown-timeout seconds (5) and are then cut (the client sees a broken stream, never a
 second answer), exit 0. It keeps no state a restart needs: a new router reads the workers'
 load and KV events afresh. Colocated `kvtier serve` workers (--role both) are listed with --decode and no
@@ -135,7 +136,8 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
     from kvtier.serve.cli import _QuietSignals
     from kvtier.serve.http import uvicorn_config
 
-    pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode])
+    pools = Pools([Worker(u, "prefill") for u in args.prefill], [Worker(u, "decode") for u in args.decode],
+                  announce=lambda what: say(f"kvtier router: {what}"))
     router = Router(pools, RouterConfig(policy=args.policy, direct_below=args.direct_below,
                                         max_body_bytes=args.max_body_size, request_timeout=args.request_timeout,
                                         poll_interval=args.poll_interval, handoff=args.handoff,
@@ -158,7 +160,7 @@ def _serve(args: argparse.Namespace, sock: Any, has: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, on_signal)
         await router.start(max_connections=args.max_connections)
-        say(f"kvtier router: ready on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
+        say(f"kvtier router: listening on {url} ({len(args.prefill)} prefill, {len(args.decode)} decode workers, "
             f"policy {args.policy}, {args.handoff} hand-over; GET {url}/health lists them)")
         try:
             await server.serve(sockets=[sock])
