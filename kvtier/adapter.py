@@ -116,6 +116,8 @@ class PagesLoad:
 
     @property
     def loaded(self) -> int:
+        """Leading blocks whose pages hold their bytes (0 if the load failed): waits until the
+        loader knows how many it holds, not for the copies."""
         if self.handle is None:
             return 0
         try:
@@ -152,10 +154,13 @@ class PagesSave:
     _put: Transfer | None = None
 
     def wait_for_pages(self) -> None:
+        """Until the engine may overwrite the pages (their bytes are gathered)."""
         if self.saved is not None:
             self.saved.wait_for_pages()
 
     def wait(self) -> Transfer:
+        """The store's put of the gathered blocks (started on the first call): host rows are
+        put; device rows go by DMA straight into reserved host-tier slots."""
         if self._put is None:
             saved = self.saved
             assert saved is not None
@@ -180,16 +185,16 @@ class KVAdapter:
         self.block_tokens = store.layout.block_tokens
         self._pool_loader: LayerLoader | None = None     # lower-tier blocks -> device-tier pages
         self._paged: PagedKV | None = None        # the engine's pages load_into/save_from last moved,
-        self._loader: LayerLoader | None = None   # and their movers (made on first use)
+        self._loader: LayerLoader | None = None   # and their copiers (made on first use)
         self._saver: Saver | None = None
-        # Movers are chosen and handed work under this lock: a call with another PagedKV
+        # Copiers are chosen and handed work under this lock: a call with another PagedKV
         # closes the last one's loader, which must not happen between another thread
         # choosing it and queueing its load ("cannot schedule new futures after shutdown").
-        self._movers_lock = threading.Lock()
+        self._copiers_lock = threading.Lock()
         self._closed = False
 
     def _check_open(self) -> None:
-        """(With _movers_lock held.) A closed adapter starts no mover again: its threads
+        """(With _copiers_lock held.) A closed adapter starts no copier again: its threads
         would outlive close() and never be stopped."""
         if self._closed:
             raise ClosedError("this KVAdapter is closed; make a new KVAdapter(store) (the store stays open "
@@ -255,7 +260,7 @@ class KVAdapter:
             raise LayoutError(f"load() takes what lookup(tokens) returned (a PrefixMatch), not "
                               f"{type(match).__name__}: match = adapter.lookup(tokens); adapter.load(match)")
         st, tier = self.store, self.device_tier
-        with self._movers_lock:
+        with self._copiers_lock:
             self._check_open()
         plan = st.pages.plan(match.keys[:match.blocks])
         n, handle = len(plan.pages), None
@@ -289,7 +294,7 @@ class KVAdapter:
         beside the engine's compute); how many leading blocks arrive, and the copy.
         in_memory: every block is in a memory tier, so all of them arrive (nothing to verify)
         and this returns without waiting for the loader's thread to hold them."""
-        with self._movers_lock:
+        with self._copiers_lock:
             self._check_open()
             if self._pool_loader is None:
                 self._pool_loader = LayerLoader(PagedKV.of_pool(tier.tensor, self.layout), self.layout, threaded=True)
@@ -339,7 +344,7 @@ class KVAdapter:
     # -- the engine owns its pages -------------------------------------------------------
     def _engine_pages(self, paged: PagedKV, page_table: object, keys: Sequence[BlockKey],
                       unique: bool = False) -> torch.Tensor:
-        """Check the call; the table, checked (once: the movers are told so, so no second check
+        """Check the call; the table, checked (once: the copiers are told so, so no second check
         and no copy back from a GPU)."""
         if not isinstance(paged, PagedKV):
             raise LayoutError("paged must be a kvtier.transfer.PagedKV over the engine's per-layer pages")
@@ -355,7 +360,7 @@ class KVAdapter:
         return table
 
     def _use(self, paged: PagedKV) -> None:
-        """(With _movers_lock held.) Movers for `paged`: an adapter keeps one engine's (an
+        """(With _copiers_lock held.) Copiers for `paged`: an adapter keeps one engine's (an
         engine has one PagedKV); another PagedKV replaces them, the last loader's loads
         still finishing."""
         if self._paged is not paged:
@@ -379,7 +384,7 @@ class KVAdapter:
         # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
-        with self._movers_lock:
+        with self._copiers_lock:
             self._check_open()
             self._use(paged)
             if self._loader is None:
@@ -392,7 +397,7 @@ class KVAdapter:
         them; wait() on the result puts them into the store (from any thread)."""
         st = self.store
         st._check_open()
-        with self._movers_lock:
+        with self._copiers_lock:
             self._check_open()
         table = self._engine_pages(paged, page_table, keys)
         if paged.device.type == "cpu" and st.tiers[0].memory() is not None:
@@ -401,7 +406,7 @@ class KVAdapter:
             done = st.write_in_place(keys, lambda w: copy(paged.views, table[w.positions], w.memory,
                                                           to_blocks=True, rows=w.slots))
             return PagesSave(None, keys, st, done)
-        with self._movers_lock:
+        with self._copiers_lock:
             self._check_open()
             self._use(paged)
             if self._saver is None:
@@ -431,7 +436,7 @@ class KVAdapter:
     def close(self) -> None:
         """Stop the loader threads (after the loads in flight). Later loads and saves raise
         ClosedError; lookups, pins and free() still reach the store until it is closed."""
-        with self._movers_lock:
+        with self._copiers_lock:
             self._closed = True
             loaders = (self._pool_loader, self._loader)
             self._pool_loader = self._paged = self._loader = self._saver = None

@@ -160,12 +160,6 @@ class StoreConfig:
         return str(cls.default(name))
 
     @classmethod
-    def from_cli(cls, path: str | None, **flags: Any) -> StoreConfig:
-        """A command's config: the file `path` (or the defaults), with the flags the user gave
-        (those not None) on top."""
-        return cls.from_command(path, {name: (name, v) for name, v in flags.items()})[0]
-
-    @classmethod
     def from_command(cls, path: str | None,
                      flags: Mapping[str, tuple[str, Any]]) -> tuple[StoreConfig, SettingSources]:
         """A command's config and where each setting came from (for messages that name it as the

@@ -267,6 +267,8 @@ class BlockIndex:
         return [(e.tier, e.slot) for e in found]
 
     def release(self, keys: Sequence[Key]) -> None:
+        """End one hold on each block (a read, a load, a page's reference): at none it may be
+        evicted again."""
         entries = self.entries
         for k in keys:
             entries[k].refs -= 1

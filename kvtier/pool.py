@@ -8,10 +8,11 @@ has which page):
     owned    allocate()d to the caller: its bytes are the caller's, no key names it
     cached   a cached block the caller references (held: never evicted or moved)
 
-Four verbs, with the same names in KVAdapter and the reference engine:
+Four verbs; KVAdapter and the reference engine call them allocate, load, cache and free
+(the adapter's load is plan() and the copies it plans):
 
     allocate(n)          free -> owned (evicting, demoting as needed)
-    load(keys)           the cached prefix as pages: top-tier blocks -> cached (in place),
+    plan(keys)           the cached prefix as pages: top-tier blocks -> cached (in place),
                          lower-tier blocks -> owned pages their bytes are copied into
     cache(keys, pages)   owned -> cached, once the caller wrote (or a load copied) the bytes
     free(pages)          owned -> free; cached -> one reference fewer

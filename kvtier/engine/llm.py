@@ -311,6 +311,8 @@ class LLM:
 
     def _postprocess(self, scheduled: Sequence[Scheduled], logits: torch.Tensor, batch: StepBatch | None = None,
                      hidden: torch.Tensor | None = None) -> list[RequestOutput]:
+        """Step 4: sample (or verify a draft), append the tokens, cache the pages that became
+        full (Scheduler.save) and finish requests that stop."""
         sampling = [s for s in scheduled if s.samples]
         emitted = self._sample(sampling, logits) if sampling else []
         now = time.perf_counter()

@@ -18,6 +18,9 @@ from kvtier.engine.scheduler import Scheduled
 
 
 class ModelRunner:
+    """Steps 2 and 3 of the engine loop: a step's inputs as tensors (tokens, positions, page
+    tables; a captured decode graph's where one fits), and the model run over them."""
+
     def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool            # [slots, layers, block_tokens, width]: the device tier
@@ -25,6 +28,8 @@ class ModelRunner:
         self.graphs = graphs
 
     def prepare(self, scheduled: Sequence[Scheduled]) -> StepBatch | DecodeStep:
+        """The step's inputs: a DecodeStep for a captured graph when every request decodes
+        one token and the batch fits one, else a StepBatch (with each loading prefix's wait)."""
         if self.graphs is not None and self.graphs.usable and _decode_only(scheduled, self.graphs.max_batch):
             bt = self.kv_pool.shape[2]
             return DecodeStep([s.req.token_range(s.req.computed, s.req.computed + 1)[0] for s in scheduled],

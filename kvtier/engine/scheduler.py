@@ -35,6 +35,10 @@ class Scheduled:
 
 
 class Scheduler:
+    """Step 1 of the engine loop: which requests run this step and how many tokens each
+    (admitting waiting ones with their cached prefix, preempting when pages run out), and
+    what each finished step caches and frees. Holds pages only through the adapter."""
+
     def __init__(self, adapter: KVAdapter, *, max_batched_tokens: int = 1024, max_seqs: int = 64,
                  pin_ttl: float = 600.0, on_release: Callable[[Request], None] | None = None) -> None:
         if max_batched_tokens < 1 or max_seqs < 1:
@@ -55,6 +59,8 @@ class Scheduler:
 
     # -- step 1: schedule ------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
+        """This step's work: running requests first (a decode token each, or their next
+        prefill chunk), then waiting ones admitted while the token budget and pages last."""
         budget = self.max_batched_tokens
         out: list[Scheduled] = []
         i = 0

@@ -45,11 +45,6 @@ class HandoffDirectory(Directory):
             while len(self._hints) > self.max_hints:
                 self._hints.popitem(last=False)
 
-    def forget(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for k in keys:
-                self._hints.pop(bytes(k), None)
-
     def hinted(self, keys: Sequence[Key]) -> tuple[str | None, int]:
         """The holder of the leading hinted run of `keys`, and its length."""
         with self._lock:

@@ -125,9 +125,6 @@ class BlockMap:
             w.pending = {k: t for k, t in w.pending.items() if t > now}
         return n
 
-    def forget(self, worker: str) -> None:
-        self._workers.pop(worker, None)
-
     def view(self, worker: str) -> dict[str, Any] | None:
         w = self._workers.get(worker)
         if w is None:

@@ -20,27 +20,20 @@ import torch
 from kvtier.errors import ConfigError, TierSizeError
 from kvtier.ids import BlockKey, SlotId
 from kvtier.tiers.base import Demand, Tier, copy_runs, rows_into_slots, slots_into_rows
-from kvtier.tiers.memory import memory_demand, out_of_memory, prefault, too_large
+from kvtier.tiers.memory import cuda_ready, memory_demand, out_of_memory, prefault, too_large
 from kvtier.units import format_bytes
-
-
-def _cuda_ready() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:   # a broken driver is the same as no GPU
-        return False
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """device=None -> cuda:0 when CUDA is here, else cpu; a CUDA device without CUDA is an error."""
     if device is None:
-        return torch.device("cuda:0" if _cuda_ready() else "cpu")
+        return torch.device("cuda:0" if cuda_ready() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device must be like 'cuda:0' or 'cpu', got {device!r}") from e
     if dev.type == "cuda":
-        if not _cuda_ready():
+        if not cuda_ready():
             raise ConfigError(f"device {device!r} asked for CUDA but torch sees no CUDA device here: "
                               "leave the device unset (CUDA when present, else the CPU) or give 'cpu'")
         if dev.index is None:
@@ -198,7 +191,7 @@ class DeviceTier(Tier):
         if self.tensor is None:
             return {"memory": "unallocated", "device": str(self.device)}
         note = (f"GPU memory on {self.device}" if self.on_gpu else
-                "CPU tensor: " + ("no CUDA on this machine" if not _cuda_ready() else "device='cpu' was asked for"))
+                "CPU tensor: " + ("no CUDA on this machine" if not cuda_ready() else "device='cpu' was asked for"))
         info = {"memory": "device" if self.on_gpu else "cpu", "device": str(self.device),
                 "memory_note": note, "allocated_bytes": self.tensor.numel()}
         if not self.on_gpu:

@@ -526,6 +526,8 @@ class DiskTier(Tier):
     # -- moving bytes ----------------------------------------------------------------
     def write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
               keys: Sequence[BlockKey] | None = None) -> None:
+        """Write rows (idx picks them) into slots as the blocks `keys`, checksummed and
+        recorded: readable (and verifiable) once this returns."""
         self._start_write(slots, rows, idx, keys, until_started=False).wait()
 
     def begin_write(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,

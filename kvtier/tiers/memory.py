@@ -55,10 +55,11 @@ class HostBuffer:
             self._mmap = None
 
 
-def _cuda_ready() -> bool:
+def cuda_ready() -> bool:
+    """Whether CUDA can be used here (pinning a host tier, a device tier on the GPU)."""
     try:
         return torch.cuda.is_available()
-    except Exception:  # a broken driver is the same as no GPU for a host buffer
+    except Exception:  # a broken driver is the same as no GPU
         return False
 
 
@@ -172,8 +173,8 @@ def allocate_host(nbytes: int, pin: bool | None = None, what: str = "host memory
     err = too_large(what, nbytes)
     if err is not None:
         raise err
-    want_pin = _cuda_ready() if pin is None else pin
-    if want_pin and _cuda_ready():
+    want_pin = cuda_ready() if pin is None else pin
+    if want_pin and cuda_ready():
         try:
             t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except (RuntimeError, MemoryError):   # cudaHostAlloc refused: not enough lockable memory
@@ -192,5 +193,5 @@ def allocate_host(nbytes: int, pin: bool | None = None, what: str = "host memory
     arr = np.frombuffer(m, dtype=np.uint8)
     took = prefault(arr, what)
     note = "page-aligned mmap; not pinned: " + (
-        "no CUDA on this machine" if not _cuda_ready() else "pinning was turned off")
+        "no CUDA on this machine" if not cuda_ready() else "pinning was turned off")
     return HostBuffer(torch.from_numpy(arr), arr, nbytes, "pageable", note, m, took)

@@ -23,12 +23,6 @@ class Request:
     session: str | None = None      # conversation/agent session, when the trace has one
     last_tokens: int | None = None  # tokens in the last keyed block when it is partial
 
-    def block_tokens_at(self, i: int, block_tokens: int) -> int:
-        """Tokens in block i of this request."""
-        if i == len(self.keys) - 1 and self.last_tokens is not None:
-            return self.last_tokens
-        return block_tokens
-
     def hit_tokens(self, hit_blocks: int, block_tokens: int) -> int:
         """Prompt tokens in the first `hit_blocks` blocks: what a prefix hit of that many
         blocks saves. Tokens after the last keyed block (a token-level trace's partial

@@ -1,4 +1,4 @@
-"""Movers between memories: engine pages <-> kvtier blocks, host <-> GPU.
+"""Copiers between memories: engine pages <-> kvtier blocks, host <-> GPU.
 
 - gather / scatter (pages.py): an engine's paged KV (vLLM, FlashInfer or MLA page
   layouts, one tensor per layer) <-> contiguous layer-major blocks, one CUDA launch per

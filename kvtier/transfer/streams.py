@@ -1,4 +1,4 @@
-"""Host <-> GPU movers that overlap with the engine: LayerLoader and Saver.
+"""Host <-> GPU copiers that overlap with the engine: LayerLoader and Saver.
 
     handle = loader.load(host_blocks, block_table)    # returns at once on a GPU
     for i in range(num_layers):
@@ -9,7 +9,7 @@
     saved.wait_for_pages()                            # before the engine overwrites those pages
     store.put(keys, saved.wait())                     # pinned host blocks
 
-On a GPU each mover has its own CUDA stream; a load's thread queues, group of layers after
+On a GPU each copier has its own CUDA stream; a load's thread queues, group of layers after
 group (consecutive layers whose bytes in a block make rows of at least MIN_DMA_ROW), one
 2D DMA of that group of every block (a strided range of the host rows, on a copy stream
 of its own), the scatter of those bytes into the engine's pages and an event, so the
@@ -21,11 +21,10 @@ to pinned host memory without blocking the engine. On a CPU a save copies synchr
 once) unless the loader is `threaded`: then a thread copies layer after layer and flags
 each, exactly as the GPU staging thread does, and wait_for_layer(i) waits for layer i only.
 
-A load's blocks may be a function that returns them (a store read): it runs on the
-loader's thread before layer 0, and may return fewer rows than the table has; only those
-rows' pages are written (`handle.wait_rows()` says how many). Host pages can also load
-straight from where the store holds the blocks (load_held: a Store.reading()), with no
-copy in between.
+`load` takes host rows ([n, block_bytes]); `load_held` loads straight from where a store
+holds the blocks (a Store.reading(), entered on the loader's thread before layer 0), with no
+copy in between. A held read may yield fewer rows than the table has (blocks evicted or
+unreadable below): only those rows' pages are written (`handle.wait_rows()` says how many).
 """
 from __future__ import annotations
 
@@ -215,7 +214,7 @@ class SaveHandle:
         self._keep = ()
 
 
-class _Mover:
+class _LayerCopier:
     """pages_per_layer may also be a ready PagedKV (e.g. PagedKV.of_pool: pages in kvtier's device tier)."""
 
     def __init__(self, pages_per_layer: Sequence[torch.Tensor] | PagedKV, layout: KVLayout,
@@ -231,7 +230,7 @@ class _Mover:
 
 
 
-class LayerLoader(_Mover):
+class LayerLoader(_LayerCopier):
     """Host blocks -> engine pages, layer by layer, off the caller's thread.
 
     On a GPU a thread queues each layer's DMA and scatter (see the module's docstring), so
@@ -401,7 +400,7 @@ class LayerLoader(_Mover):
             self._thread.shutdown(wait=wait)
 
 
-class Saver(_Mover):
+class Saver(_LayerCopier):
     """Engine pages -> host blocks without blocking the engine's stream (sync on a CPU)."""
 
     def gather(self, block_table: object, checked: bool = False) -> SaveHandle:

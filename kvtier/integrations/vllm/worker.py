@@ -61,7 +61,7 @@ class _StepLoad:
 
 
 class WorkerSide:
-    """Owns the store, its node and the movers of one vLLM worker."""
+    """Owns the store, its node and the copiers of one vLLM worker."""
 
     def __init__(self, cfg: ConnectorConfig, model: str, revision: str, rank: int, world: int,
                  sync_failures: Callable[[list[int]], list[int]] | None = None) -> None:
