@@ -31,9 +31,14 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["DeviceTier", "DiskTier", "HostTier", "Tier"], "kvtier.tiers"),
 }
 __all__ = sorted(_EXPORTS)
+# Subpackages the docs reach as attributes (`kvtier.adapter.KVAdapter`, `kvtier.engine.LLM`):
+# imported on first use like the names above.
+_SUBMODULES = frozenset({"adapter", "engine", "transfer"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kvtier.{name}")     # (the import binds it in globals)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
@@ -43,7 +48,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
 
 
 if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eagerly  # noqa: F401

@@ -227,6 +227,10 @@ class BlockKeys(list):
                              base=self._base, origin=origin)
         return list(self) + list(other)
 
+    def copy(self) -> BlockKeys:  # type: ignore[override]
+        """A copy that keeps the chain and origin, as keys[:] does (list.copy made a plain list)."""
+        return self[:]
+
     def __iadd__(self, other: Iterable[Key]) -> BlockKeys:  # type: ignore[override]
         if isinstance(other, BlockKeys):
             _joined(self.origin, other.origin)
@@ -317,7 +321,11 @@ def _not_integer_ids(arr: np.ndarray, tokens: object) -> str:
             i = int(bad[0])
             return (f"token ids must be integers, got {arr[i].item()!r} at position {i}: a fractional id "
                     "is not a token (it is never rounded into another token's id)")
-        return (f"token ids must be integers, got {arr.dtype} values: convert whole-number ids first "
+        where = ""
+        if isinstance(tokens, (list, tuple)):       # a list with a float among ints: name it
+            i = next((i for i, t in enumerate(tokens) if not isinstance(t, numbers.Integral)), None)
+            where = f" ({tokens[i]!r} at position {i})" if i is not None else ""
+        return (f"token ids must be integers, got {arr.dtype} values{where}: convert whole-number ids first "
                 "(np.asarray(ids, dtype=np.int64), tensor.long(), [int(t) for t in ids])")
     if kind == "b":
         return "token ids must be integers, got booleans (True/False)"

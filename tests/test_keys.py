@@ -138,7 +138,8 @@ def test_keys_carry_their_origin_through_slices_joins_and_copies():
     gap = keys[:2] + keys[5:]           # not one chain: a plain list, as list + list is
     assert type(gap) is list and gap == list(keys[:2]) + list(keys[5:])
     assert type(keys[::2]) is list
-    for copied in (pickle.loads(pickle.dumps(keys[3:])), copy.copy(keys[3:]), copy.deepcopy(keys[3:])):
+    for copied in (pickle.loads(pickle.dumps(keys[3:])), copy.copy(keys[3:]), copy.deepcopy(keys[3:]),
+                   keys[3:].copy()):
         assert copied == keys[3:] and copied.start == 3 and copied.origin.seed == k.seed
 
 
@@ -162,7 +163,8 @@ def test_keys_of_two_stores_are_never_joined_or_continued():
 @pytest.mark.parametrize("bad, match", [
     ([1.5, 2, 3, 4], r"got 1.5 at position 0: a fractional id"),
     ((1, 2, 3, 4.25), r"got 4.25 at position 3"),
-    ([1.0, 2.0, 3.0, 4.0], r"got float64 values: convert"),
+    ([1.0, 2.0, 3.0, 4.0], r"got float64 values \(1.0 at position 0\): convert"),
+    ([1, 2, 1.0, 4], r"got float64 values \(1.0 at position 2\): convert"),
     (np.array([1, 2, 3, 4.5]), r"got 4.5 at position 3"),
     (np.array([1, 2, 3, np.nan]), r"got nan at position 3"),
     (np.ones(4, dtype=np.float32), r"got float32 values"),
