@@ -676,7 +676,7 @@ class BlockIndex:
 
     def order_in(self, tier: TierId) -> list[SlotId]:
         """The slots of `tier`'s own blocks (its primary copies), least recently used first,
-        as its policy keeps them (LRU; [] for a policy keeping no such order). O(blocks):
+        as its policy keeps them ([] for a policy keeping no such order). O(blocks):
         for a persistent tier's record at close (BlockIndex.copies_above for the rest)."""
         entries = self.entries
         out = []
@@ -691,8 +691,9 @@ class BlockIndex:
         recently used first (a slower tier's before a faster one's; within a tier as its
         policy keeps them, else tails before roots). Their hits never reach `tier`: without
         this a restarted or shrunk tier kept old requests' tails and dropped the shared roots
-        they had been hit through. O(blocks above) with LRU, cheap enough for every flush; a
-        policy keeping no order (ARC, LFU, ...) has its blocks scanned and sorted by depth."""
+        they had been hit through. O(blocks above) (LRU, ARC, LFU; S3-FIFO and reuse sort
+        or merge theirs), cheap enough for every flush; a policy keeping no order has its
+        blocks scanned and sorted by depth."""
         entries = self.entries
         out: list[SlotId] = []
         for t in reversed(range(tier)):

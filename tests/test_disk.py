@@ -408,21 +408,24 @@ def test_a_ctrl_c_as_a_put_starts_its_first_writes_leaves_nothing_reserved(tmp_p
     store.close()
 
 
-def test_a_shrunk_or_restarted_tier_keeps_the_shared_roots_in_use(tmp_path):
+@pytest.mark.parametrize("policy", ["lru", "arc", "lfu", "s3fifo", "reuse"])
+def test_a_shrunk_or_restarted_tier_keeps_the_shared_roots_in_use(tmp_path, policy):
     """Hits above (and puts finding a block present) never reached a disk record's last
     access, so shared roots, written down first, looked oldest: a shrunk tier kept old tails
-    and no root (a helper's run: 0 of 400 requests kept their root at a quarter of the size)."""
+    and no root (a helper's run: 0 of 400 requests kept their root at a quarter of the size).
+    The order recorded is the policy's own (it was LRU's only: under ARC, LFU, S3-FIFO or
+    reuse a shrunk tier still kept no root)."""
     bt = LAYOUT.block_tokens
 
     def chain(store: kvtier.Store, i: int) -> kvtier.BlockKeys:
         return store.keys([90_000 + i % 5] * (2 * bt) + [i] * (3 * bt))    # 2 shared blocks, 3 own
 
-    store = open_store(tmp_path / "kv", host=8, disk=512)
+    store = open_store(tmp_path / "kv", host=8, disk=512, policy=policy)
     for i in range(100):
         keys = chain(store, i)
         store.put(keys, payload(keys, LAYOUT.block_bytes))
     store.close()
-    store = open_store(tmp_path / "kv", host=8, disk=64)              # shrunk: the 64 most recent stay
+    store = open_store(tmp_path / "kv", host=8, disk=64, policy=policy)   # shrunk: the 64 most recent stay
     assert all(store.lookup(chain(store, i)).blocks >= 2 for i in range(100))
     assert store.lookup(chain(store, 99)).blocks == 5
     store.close()

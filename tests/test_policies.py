@@ -164,3 +164,30 @@ def test_evicting_many_at_once_evicts_what_one_at_a_time_would(chains, want, pol
         state = {k: (e.tier, e.slot, e.refs, dict(e.copies or {})) for k, e in i.entries.items()}
         return slots, moves, state, order, [sorted(t.free) for t in i.tiers]
     assert run(True) == run(False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["lru", "lfu", "arc", "s3fifo", "reuse"]),
+       st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict"]), st.integers(0, 11)), max_size=80))
+def test_every_online_policy_keeps_an_order_of_exactly_its_blocks(name, ops):
+    """order() is what a disk tier records at a flush and at close, so a restart adopts its
+    blocks as they were used (it was LRU's only: ARC, LFU, S3-FIFO and reuse recorded none,
+    and a flush sorted every block by depth instead). It lists every tracked block once;
+    where eviction follows one order (LRU, LFU, reuse), the next victim comes first."""
+    p = make_policy(name, 6)
+    cached: set[int] = set()
+    for op, k in ops:
+        if op == "insert" and k not in cached and len(cached) < 6:
+            p.insert(info(k))
+            cached.add(k)
+        elif op == "touch" and k in cached:
+            p.touch([k])
+        elif op == "evict" and cached:
+            v = p.victim(ANY)
+            assert v in cached
+            p.remove(v)
+            cached.discard(v)
+        order = p.order()
+        assert sorted(order) == sorted(cached)
+        if order and name in ("lru", "lfu", "reuse"):
+            assert p.victim(ANY) == order[0]

@@ -94,5 +94,10 @@ class ARCPolicy(EvictionPolicy):
         self._victim = k
         return k
 
+    def order(self) -> list[Key]:
+        # T1 (seen once) before T2 (seen again), each least recent first: the order victim()
+        # follows while T1 is over its target p, which a restarted tier starts from.
+        return [*self._t1, *self._t2]
+
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

@@ -83,9 +83,10 @@ class EvictionPolicy(ABC):
         return None
 
     def order(self) -> list[Key] | None:
-        """The blocks it tracks, the next to evict first, where the policy keeps one such
-        order (LRU); None where it does not. A persistent tier records it at a flush, so a
-        restart adopts its blocks in the order they were used."""
+        """The blocks it tracks, the next to evict first (as near as its state says: ARC and
+        S3-FIFO decide between their lists at eviction time); None where it keeps no such
+        order (Belady's depends on the future). A persistent tier records it at a flush and at
+        close, so a restart adopts its blocks in the order they were used."""
         return None
 
     def __len__(self) -> int:  # pragma: no cover - optional

@@ -69,5 +69,9 @@ class LFUPolicy(EvictionPolicy):
                     return k
         return None
 
+    def order(self) -> list[Key]:
+        buckets = self._buckets
+        return [k for c in sorted(buckets) for k in buckets[c]]
+
     def __len__(self) -> int:
         return len(self._count)

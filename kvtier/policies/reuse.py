@@ -22,6 +22,7 @@ The store never calls begin_request(), and this policy doesn't need it.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -103,6 +104,12 @@ class ReusePolicy(EvictionPolicy):
             v = ka if self._a[ka] <= self._b[kb] + self.delta else kb
         self._victim = v
         return v
+
+    def order(self) -> list[Key]:
+        # victim()'s rule over both lists at once: A's blocks by their tick, B's by tick + delta.
+        a, b, delta = self._a, self._b, self.delta
+        return [k for _, k in heapq.merge(((t, k) for k, t in a.items()),
+                                          ((t + delta, k) for k, t in b.items()), key=lambda x: x[0])]
 
     def ghosts(self) -> int:
         return len(self._ga) + len(self._gb)

@@ -91,5 +91,12 @@ class S3FIFOPolicy(EvictionPolicy):
         k = self._from_main(evictable)
         return k if k is not None else self._from_small(evictable)
 
+    def order(self) -> list[Key]:
+        # The order eviction would reach them in: small's unused blocks (oldest first), then
+        # main's and those small would promote to main (used while there), fewer uses first.
+        f, small = self._freq, self._small
+        kept = [*self._main, *(k for k in small if f[k] > 0)]
+        return [*(k for k in small if f[k] == 0), *sorted(kept, key=f.__getitem__)]
+
     def __len__(self) -> int:
         return len(self._freq)
