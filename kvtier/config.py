@@ -201,7 +201,7 @@ class StoreConfig:
         pages. `subdir` is appended to disk_path (one store per namespace or rank)."""
         from kvtier.store import Store
         from kvtier.tiers import DeviceTier, DiskTier, HostTier, Tier
-        from kvtier.tiers.disk import present_blocks
+        from kvtier.tiers.disk_dir import present_blocks
 
         self.check_block_tokens(layout.block_tokens)
         tiers: list[Tier] = []

@@ -27,12 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
-    """kvtier.tiers.disk.read_directory with every failure as one clear error: ConfigError
+    """kvtier.tiers.disk_dir.read_directory with every failure as one clear error: ConfigError
     (exit 2) when `path` is not a disk tier directory, KvtierError (exit 1) when its index
     is damaged, saying what a store does with it and what to do."""
     import lmdb
 
-    from kvtier.tiers.disk import read_directory
+    from kvtier.tiers.disk_dir import read_directory
     from kvtier.tiers.lmdb_check import shortfall
 
     if not os.path.exists(path):

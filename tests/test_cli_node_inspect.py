@@ -21,7 +21,7 @@ import kvtier
 from kvtier.errors import ConfigError
 from kvtier.net.directory import check_redis_url
 from kvtier.shard import parse_shard
-from kvtier.tiers.disk import read_directory
+from kvtier.tiers.disk_dir import read_directory
 from tests.conftest import assert_one_line_error, payload, run_kvtier
 
 SECRET = "cluster-secret-0123456789abcdef"

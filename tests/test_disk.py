@@ -16,7 +16,7 @@ from hypothesis import strategies as hs
 import kvtier
 import kvtier.store
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.tiers.disk import read_directory
+from kvtier.tiers.disk_dir import read_directory
 from tests.conftest import REPO, payload
 
 # 8 KiB blocks: a multiple of 4 KiB, so O_DIRECT goes straight from/to page-aligned memory.

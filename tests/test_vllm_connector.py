@@ -201,7 +201,7 @@ def test_multiprocess_engine_loads_a_live_peers_prefix(models, baseline, tmp_pat
 
 def _corrupt(disk: Path, fraction: float, seed: int = 0) -> tuple[dict, set[bytes]]:
     """Flip bytes inside a seeded fraction of the stored blocks; returns the tier's meta and their keys."""
-    from kvtier.tiers.disk import read_directory
+    from kvtier.tiers.disk_dir import read_directory
 
     (sub,) = [p.parent for p in disk.glob("*/index.lmdb")]
     meta, records = read_directory(sub)

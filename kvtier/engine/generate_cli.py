@@ -153,7 +153,7 @@ def check_capacities(cache: StoreConfig, block_bytes: int, sources: SettingSourc
     key of their config file, a default."""
     from kvtier.config import SettingSources
     from kvtier.errors import ConfigError
-    from kvtier.tiers.disk import ALIGN, disk_slot_bytes
+    from kvtier.tiers.disk_dir import ALIGN, disk_slot_bytes
     from kvtier.units import format_bytes, parse_bytes
 
     sources = sources or SettingSources(CACHE_FLAGS, frozenset(CACHE_FLAGS))

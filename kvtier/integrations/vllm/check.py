@@ -127,7 +127,7 @@ def _check_disk(cfg: ConnectorConfig, tp: int) -> list[str]:
 
     from kvtier.config import DEFAULT_DISK_CAPACITY
     from kvtier.errors import TierSizeError
-    from kvtier.tiers.disk import check_room, nearest_existing
+    from kvtier.tiers.disk_dir import check_room, nearest_existing
     from kvtier.units import format_bytes, parse_bytes
 
     path = Path(cfg.store.disk_path)
