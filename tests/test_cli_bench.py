@@ -39,6 +39,7 @@ USAGE_ERRORS = [
     (["bench", "adapter", "--requests", "100000000"], ["--requests", "memory available"]),
     (["bench", "adapter", "--layers", "100000", "--requests", "1000"], ["--layers", "memory available"]),
     (["bench", "serve", "--model", "no-such-model", "--modes", "none"], ["kvtier serve: --model 'no-such-model'"]),
+    (["bench", "serve", "--route", "request"], ["--route and --no-links are for --servers 2"]),
     # options of another command or mode
     (["bench", "disagg", "--servers", "2"], ["--servers", "kvtier bench disagg --help"]),
     (["demo", "--bogus"], ["--bogus", "kvtier demo --help"]),
@@ -384,3 +385,19 @@ def test_sigterm_stops_a_bench_as_ctrl_c_does(tmp_path):
     _out, err = p.communicate(timeout=60)
     assert (p.returncode, err.splitlines()[-1:]) == (130, ["kvtier: interrupted"]), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_serve_table_fits_a_pipe(monkeypatch, capsys):
+    """With the route column, a cell per percentile was past a pipe's 100 characters: "request"
+    and "router" wrapped over two lines each."""
+    from kvtier.bench import common
+    from kvtier.bench.serve import table_columns
+    monkeypatch.setenv("KVTIER_STRICT_TABLES", "1")
+    monkeypatch.setenv("COLUMNS", "100")
+    row = dict(route="request", mode="affinity", completed=80, lost=0, duplicates=0, out_tok_per_s=58.1,
+               ttft_p50_ms=124.2, ttft_p90_ms=270.9, ttft_p99_ms=500.3, itl_p50_ms=15.3, itl_p90_ms=47.1,
+               itl_p99_ms=114.4, hit_ratio=0.581)
+    common.emit([row, dict(row, route="router")], False, "kvtier serve x2, 12 agents (think 1 s), 4 streams at most, "
+                "16 tokens each (kv 6 MiB, host 8 MiB)", table_columns(2), left=1)
+    out = capsys.readouterr().out
+    assert "request" in out and "router" in out and "80/0/0" in out and "124/271/500" in out, out

@@ -426,6 +426,46 @@ def test_bench_serve_replays_sessions_completely():
     assert row["mode"] == "affinity" and 0 <= row["hit_ratio"] <= 1 and row["ttft_p50_ms"] > 0
 
 
+def test_bench_serve_routes_two_servers_by_request_or_through_the_router():
+    """The affinity effect needs requests spread over servers with and without affinity:
+    --route request sends each request to the next server, router goes through `kvtier
+    router`; every request is answered once either way and the rows say how they went."""
+    r = run_kvtier("bench", "serve", "--servers", "2", "--no-links", "--route", "request,router", "--modes", "none",
+                   "--sessions", "2", "--max-requests", "4", "--clients", "2", "--max-tokens", "4",
+                   "--kv-cache", "4MiB", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["route"], x["links"], x["servers"]) for x in rows] == [("request", False, 2), ("router", False, 2)]
+    for row in rows:
+        assert (row["requests"], row["completed"], row["lost"], row["duplicates"], row["server_exit"]) == (4, 4, 0, 0, 0)
+        assert row["cached_remote"] == 0                      # no links: each server has only its own cache
+
+
+def test_bench_serve_sends_a_session_to_one_server_or_each_request_to_the_next(monkeypatch):
+    """What --route session and request mean, at the client: a session's turns all to one
+    server, or the servers taken in turn whatever the session."""
+    import argparse
+    import asyncio
+
+    import kvtier.bench.serve as bench
+
+    sent: list[tuple[str, str]] = []
+
+    async def one(client, model, turn, max_tokens, affinity):
+        sent.append((turn.session, str(client.base_url)))
+        return bench.Result(turn.session, turn.index, ok=True)
+    monkeypatch.setattr(bench, "_one", one)
+    sessions = [[bench.Turn(f"s{i}", k, [1, 2, 3]) for k in range(3)] for i in range(4)]
+    args = argparse.Namespace(clients=1, active=1, think=0.0, duration=60.0, max_tokens=1)
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    asyncio.run(bench._replay(urls, "m", sessions, args, False))
+    assert all(len({u for s, u in sent if s == f"s{i}"}) == 1 for i in range(4))
+    assert {u for _, u in sent} == {u + "/v1/" for u in urls}
+    sent.clear()
+    asyncio.run(bench._replay(urls, "m", sessions, args, False, by_request=True))
+    assert [u for _, u in sent] == [u + "/v1/" for u in urls] * 6
+
+
 def test_connections_past_the_cap_get_503_and_the_server_goes_on():
     srv = Server("--max-connections", "2").wait_ready()       # the asking connection counts too
     try:

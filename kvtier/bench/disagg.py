@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.bench.children import Children
@@ -51,30 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _cluster(children: Children, setup: str, handoff: str,
              args: argparse.Namespace) -> tuple[list[KvtierProcess], str, list[str]]:
     """The setup's workers and the router over them, started and ready (`children` owns them)."""
-    from kvtier.bench.serve import KvtierProcess
+    from kvtier.bench.serve import KvtierProcess, router_process
 
     serve = ["serve", "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--kv-cache", str(args.kv_cache),
              "--host-cache", str(args.host_cache)]
     roles = ("prefill", "decode") if setup == "pd" else ("both", "both")
     procs = [KvtierProcess(children, serve + ["--role", role]) for role in roles]
     urls = [x.url for x in procs]
-    pools = ["--prefill", urls[0], "--decode", urls[1]] if setup == "pd" else ["--decode", *urls]
-    procs.append(KvtierProcess(children, ["router", "--port", "0", "--poll-interval", "0.2", "--handoff", handoff,
-                                          "--direct-below", str(args.direct_below), *pools], "kvtier router: listening on"))
-    _wait_ready(procs[-1].url)
+    flags = ["--handoff", handoff, "--direct-below", str(args.direct_below)]
+    if setup == "pd":
+        procs.append(router_process(children, urls[1:], "--prefill", urls[0], *flags))
+    else:
+        procs.append(router_process(children, urls, *flags))
     return procs, procs[-1].url, urls
-
-
-def _wait_ready(router: str) -> None:
-    import httpx
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        h = httpx.get(router + "/health", timeout=10).json()
-        if h["status"] == "ready" and h.get("calibrated") and all(w["status"] == "ready" for w in h["workers"]):
-            return
-        time.sleep(0.2)
-    from kvtier.errors import KvtierError
-    raise KvtierError(f"the router's workers did not become ready: {h}")
 
 
 def _moved(urls: list[str]) -> dict[str, Any]:
@@ -123,21 +111,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def columns() -> list[Column]:
-    """The table's columns: p50/p90/p99 in one cell, and the counts in another (a column
-    each was 131 characters wide, past a pipe's 100; --json has every field apart)."""
+    """The table's columns (--json has every field apart)."""
     from kvtier.bench.common import Column, fmt_float, fmt_size
-    f1, f3 = fmt_float(1), fmt_float(3)
-
-    def ms(v: float) -> str:
-        return f"{v:.0f}" if v >= 10 else f"{v:.1f}"
-
-    def percentiles(what: str) -> Callable[[dict[str, Any]], str]:
-        return lambda r: "/".join(ms(r[f"{what}_{p}_ms"]) for p in ("p50", "p90", "p99"))
+    from kvtier.bench.serve import run_columns
+    done, tok, ttft, itl, hit = run_columns()
     return [Column("setup", "setup", of_row=lambda r: r["setup"] + (f"-{r['handoff']}" if r.get("handoff") else "")),
-            Column("completed", "done/lost/dup", of_row=lambda r: f"{r['completed']}/{r['lost']}/{r['duplicates']}"),
-            Column("out_tok_per_s", "tok/s", f1), Column("ttft_p50_ms", "TTFT p50/90/99", of_row=percentiles("ttft")),
-            Column("itl_p50_ms", "ITL p50/90/99", of_row=percentiles("itl")), Column("hit_ratio", "hit", f3),
-            Column("moved_bytes", "KV moved", fmt_size), Column("move_gb_per_s", "GB/s", f3)]
+            done, tok, ttft, itl, hit, Column("moved_bytes", "KV moved", fmt_size), Column("move_gb_per_s", "GB/s", fmt_float(3))]
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -7,7 +7,9 @@ flight at once, each plays its turns in order and waits --think seconds between 
 openai client, async); the run is bounded in requests and in time. While one session
 waits, the others' turns fill the cache, which is what a pin is for. Each mode runs on a
 fresh server (a cold cache): without x-session-affinity, then with it (the session's
-prefix pinned for --pin-ttl seconds after each turn). Reported per mode: throughput, TTFT
+prefix pinned for --pin-ttl seconds after each turn). With --servers 2, --route says how
+requests reach them: a session's turns to one server (affinity routing), each request to
+the next server (none), or through `kvtier router`. Reported per mode: throughput, TTFT
 and inter-token latency percentiles as the client sees them, the prompt-cache hit ratio
 (from usage.prompt_tokens_details) and where cached tokens came from, and whether every
 request got exactly one complete answer.
@@ -26,12 +28,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.bench.children import Children
 
+if TYPE_CHECKING:
+    from kvtier.bench.common import Column
+
 HELP = "load test of `kvtier serve`: concurrent streaming agent sessions, with and without x-session-affinity"
 MODES = ("none", "affinity")
+# How requests reach two servers: a session's turns to one server (session i to server i mod
+# 2: affinity routing), each request to the next server in turn (no affinity), or through
+# `kvtier router` (its cache-aware rule, from the servers' KV events).
+ROUTES = ("session", "request", "router")
 ERROR = "kvtier: error: "     # how a kvtier process says what went wrong, on one line
 
 
@@ -47,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=positive_int, default=1, choices=[1, 2], metavar="N",
                    help="1, or 2 servers sharing blocks over kvtier node links, sessions split between them "
                         "(default: 1)")
+    p.add_argument("--route", type=choice_list(ROUTES), default=["session"], metavar="LIST",
+                   help="--servers 2: how requests reach them: session (a session's turns to one server), "
+                        "request (each request to the next server: no affinity), router (through `kvtier "
+                        "router`), comma-separated (default: session)")
+    p.add_argument("--no-links", action="store_true",
+                   help="--servers 2: no node links between them (each server has only its own cache)")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -197,13 +212,17 @@ async def _one(client: Any, model: str, turn: Turn, max_tokens: int, affinity: b
 
 
 async def _replay(urls: list[str], model: str, sessions: list[list[Turn]], args: argparse.Namespace,
-                  affinity: bool) -> tuple[list[Result], float, int]:
+                  affinity: bool, by_request: bool = False) -> tuple[list[Result], float, int]:
     """--active sessions at a time, each turn after turn with --think between them, at most
-    --clients requests at once; (results, seconds, requests planned)."""
+    --clients requests at once; (results, seconds, requests planned). Session i is served by
+    server i % len(urls), or with `by_request` each request by the next server in turn."""
+    import itertools
+
     import openai
 
     clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=300) for u in urls]
-    queue = list(enumerate(sessions))       # session i is served by server i % len(urls)
+    queue = list(enumerate(sessions))
+    turn_by_turn = itertools.cycle(clients)
     results: list[Result] = []
     streams = asyncio.Semaphore(args.clients)
     t0 = time.perf_counter()
@@ -211,12 +230,12 @@ async def _replay(urls: list[str], model: str, sessions: list[list[Turn]], args:
     async def agent() -> None:
         while queue:
             i, turns = queue.pop(0)
-            client = clients[i % len(clients)]
             for k, turn in enumerate(turns):
                 if k:
                     await asyncio.sleep(args.think)
                 if time.perf_counter() - t0 > args.duration:
                     return
+                client = next(turn_by_turn) if by_request else clients[i % len(clients)]
                 async with streams:
                     results.append(await _one(client, model, turn, args.max_tokens, affinity))
 
@@ -265,7 +284,7 @@ def summarize(mode: str, results: list[Result], wall: float, started: int, exit_
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.common import Column, emit, fmt_float
+    from kvtier.bench.common import emit
     from kvtier.errors import ConfigError
     from kvtier.progress import progress
 
@@ -273,35 +292,68 @@ def run(args: argparse.Namespace) -> int:
         import openai  # noqa: F401
     except ImportError:
         raise ConfigError("kvtier bench serve needs the openai client: pip install openai") from None
+    if args.servers == 1 and (args.route != ["session"] or args.no_links):
+        raise ConfigError("--route and --no-links are for --servers 2 (one server serves every request)")
     sessions = sessions_of(args)
     if not sessions:
         raise ConfigError("the generated trace has no request that fits --max-prompt: raise it or lower --stride")
     rows = []
     with Children() as children:            # Ctrl-C, SIGTERM or an error: no server outlives the bench
-        for mode in args.modes:
-            with progress(f"{mode}: starting kvtier serve, replaying {args.sessions} sessions", enabled=not args.json):
-                servers = _start_servers(children, args)
-                results, wall, started = asyncio.run(_replay([x.url for x in servers], _served(args.model), sessions,
-                                                             args, mode == "affinity"))
-                code = children.stop([x.proc for x in servers], grace=120)     # each drains
-            rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers})
-    f1, f3 = fmt_float(1), fmt_float(3)      # the table leaves req/s and cached-by-tier to --json
-    emit(rows, args.json, f"kvtier serve x{args.servers}, {args.active} agents (think {args.think:g} s), {args.clients} streams "
+        for route in args.route:
+            for mode in args.modes:
+                what = f"{mode}" + (f", route {route}" if args.servers > 1 else "")
+                with progress(f"{what}: starting kvtier serve, replaying {args.sessions} sessions",
+                              enabled=not args.json):
+                    procs = _start_servers(children, args)
+                    urls = [x.url for x in procs]
+                    if route == "router":
+                        procs.append(router_process(children, urls))
+                        urls = [procs[-1].url]
+                    results, wall, started = asyncio.run(_replay(urls, _served(args.model), sessions, args,
+                                                                 mode == "affinity", by_request=route == "request"))
+                    code = children.stop([x.proc for x in procs], grace=120)     # each drains
+                rows.append({**summarize(mode, results, wall, started, code), "servers": args.servers,
+                             "route": route if args.servers > 1 else None,
+                             "links": args.servers > 1 and not args.no_links})
+    links = "" if args.servers == 1 else " (no node links)" if args.no_links else " (node links)"
+    emit(rows, args.json, f"kvtier serve x{args.servers}{links}, {args.active} agents (think {args.think:g} s), {args.clients} streams "
                           f"at most, {args.max_tokens} tokens each "
                           f"(kv {args.kv_cache >> 20} MiB, host {args.host_cache >> 20} MiB)",
-         [Column("mode", "affinity"), Column("completed", "done"), Column("lost", "lost"),
-          Column("duplicates", "dup"), Column("out_tok_per_s", "tok/s", f1),
-          Column("ttft_p50_ms", "TTFT p50"), Column("ttft_p90_ms", "p90"), Column("ttft_p99_ms", "p99"),
-          Column("itl_p50_ms", "ITL p50"), Column("itl_p90_ms", "p90"), Column("itl_p99_ms", "p99"),
-          Column("hit_ratio", "hit", f3)], left=1)
+         table_columns(args.servers), left=1)
     bad = [r for r in rows if r["lost"] or r["duplicates"] or r["server_exit"] != 0]
     return 1 if bad else 0
 
 
+def table_columns(servers: int) -> list[Column]:
+    """`bench serve`'s table: the route (two servers), the affinity mode, then run_columns()."""
+    from kvtier.bench.common import Column
+    return [*([Column("route", "route")] if servers > 1 else []), Column("mode", "affinity"), *run_columns()]
+
+
+def run_columns() -> list[Column]:
+    """A replay's columns for a table: answers (done/lost/dup), tokens/s, TTFT and ITL
+    p50/p90/p99 in one cell each (a column each was past a pipe's 100 characters), hit
+    ratio; req/s and cached-by-tier are left to --json."""
+    from kvtier.bench.common import Column, fmt_float
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+    def percentiles(what: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: "/".join(ms(r[f"{what}_{p}_ms"]) for p in ("p50", "p90", "p99"))
+    return [Column("completed", "done/lost/dup", of_row=lambda r: f"{r['completed']}/{r['lost']}/{r['duplicates']}"),
+            Column("out_tok_per_s", "tok/s", fmt_float(1)),
+            Column("ttft_p50_ms", "TTFT p50/90/99", of_row=percentiles("ttft")),
+            Column("itl_p50_ms", "ITL p50/90/99", of_row=percentiles("itl")), Column("hit_ratio", "hit", fmt_float(3))]
+
+
 def _start_servers(children: Children, args: argparse.Namespace) -> list[KvtierProcess]:
-    """One server, or two whose stores fetch each other's blocks over kvtier node links."""
+    """One server, or two whose stores fetch each other's blocks over kvtier node links
+    (--no-links: two that do not)."""
     if args.servers == 1:
         return [serve_process(children, args)]
+    if args.no_links:
+        return [serve_process(children, args) for _ in range(2)]
     import socket
     import tempfile
 
@@ -319,6 +371,24 @@ def _start_servers(children: Children, args: argparse.Namespace) -> list[KvtierP
                 for me, peer in ((0, 1), (1, 0))]
     finally:
         os.unlink(secret.name)              # read at start-up
+
+
+def router_process(children: Children, decode: list[str], *flags: str) -> KvtierProcess:
+    """`kvtier router` over workers (--decode, and any --prefill in `flags`), once it has
+    polled them all ready and learned their tokenizers (so its first routes are informed)."""
+    import httpx
+
+    from kvtier.errors import KvtierError
+
+    router = KvtierProcess(children, ["router", "--port", "0", "--poll-interval", "0.2", *flags,
+                                      *(a for u in decode for a in ("--decode", u))], "kvtier router: listening on")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        h = httpx.get(router.url + "/health", timeout=10).json()
+        if h["status"] == "ready" and h.get("calibrated") and all(w["status"] == "ready" for w in h["workers"]):
+            return router
+        time.sleep(0.2)
+    raise KvtierError(f"the router's workers did not become ready: {h}")
 
 
 def _served(model: str) -> str:
