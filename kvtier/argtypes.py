@@ -51,6 +51,8 @@ seed_arg = int_between(0, 2**64 - 1, "a seed")
 
 def size(text: str) -> int:
     """A byte count such as 8GiB, 512MB or 4096 (> 0)."""
+    if text.strip().startswith("-"):         # said as 0 is (a negative one said ">= 0", a 0 "> 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 bytes")
     try:
         n = parse_bytes(text)
     except ConfigError as e:

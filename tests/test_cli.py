@@ -46,7 +46,7 @@ def test_errors_are_one_line_with_a_hint():
     r = kvtier("demo", "--layout", "gpt-9")
     assert_one_line_error(r, 2, "--layout", "kimi-k2")
     r = kvtier("demo", "--capacity", "-5GiB")           # a value, not an unknown option
-    assert_one_line_error(r, 2, "--capacity", "size must be >= 0 bytes, got '-5GiB'")
+    assert_one_line_error(r, 2, "--capacity", "'-5GiB' is not a size > 0 bytes")
     r = kvtier()                                        # no command: the help, then the error line
     assert_one_line_error(r, 2, "give a command")
     assert "bench" in r.stderr and not r.stdout

@@ -106,6 +106,6 @@ def run(args: argparse.Namespace, spec_json: str) -> int:
           Column("tokens", "tokens", fmt_float(0)),
           Column("decode_tokens_per_s", "tokens/s", fmt_float(1)),
           Column("mean_acceptance_length", "mean acceptance length", lambda v: "-" if v is None else f"{v:.2f}"),
-          Column("draft_tokens", "drafted", lambda v: "-" if v is None else str(v)),
-          Column("accepted_tokens", "accepted", lambda v: "-" if v is None else str(v))])
+          Column("draft_tokens", "drafted", lambda v: "-" if v is None else f"{v:,}"),
+          Column("accepted_tokens", "accepted", lambda v: "-" if v is None else f"{v:,}")])
     return 0

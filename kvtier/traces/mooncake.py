@@ -37,6 +37,9 @@ def parse_mooncake_line(obj: Any, path: str, line: int, block_tokens: int = MOON
     ids = obj.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
         raise TraceError(path, line, "field 'hash_ids' must be a list of integer block ids")
+    bad = next((i for i, h in enumerate(ids) if not 0 <= h < 1 << 63), None)
+    if bad is not None:
+        raise TraceError(path, line, f"hash_ids[{bad}] is {ids[bad]}: block ids are integers in [0, 2**63)")
     n_in = _int_field(obj, "input_length", path, line)
     expect = -(-n_in // block_tokens)
     if len(ids) != expect:
