@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from kvtier.errors import ConfigError
 from kvtier.sim.disagg import GPU_KIMI_K2, Costs, Workload, compare, simulate
 
 LOAD = Workload(rate=4, prompt_tokens=8000, output_tokens=200, requests=150)
@@ -33,6 +34,28 @@ def test_the_kv_transfer_shows_in_ttft_only_when_disaggregated():
     moved = LOAD.prompt_tokens * GPU_KIMI_K2.kv_bytes_per_token / 1e9 * 1e3
     assert slowed["ttft_p50_ms"] - fast["ttft_p50_ms"] == pytest.approx(moved, rel=0.25)
     assert simulate(slow, LOAD, 0, 2, colocated=True) == simulate(GPU_KIMI_K2, LOAD, 0, 2, colocated=True)
+
+
+def test_token_aware_placement_matters_when_prompts_vary_and_only_then():
+    """Round robin and least-tokens placement are the same for prompts of one length; with
+    agents' varied prompts, round robin queues long ones behind each other and the TTFT
+    tail grows (ITL is disaggregation's effect, not placement's)."""
+    even = [compare(GPU_KIMI_K2, LOAD, workers=2, placement=p) for p in ("round-robin", "tokens")]
+    assert [r["itl_p90_ms"] for r in even[0]] == pytest.approx([r["itl_p90_ms"] for r in even[1]], rel=0.05)
+    varied = dataclasses.replace(LOAD, requests=300, prompt_spread=1.0)
+    rr, tokens = (simulate(GPU_KIMI_K2, varied, 0, 2, colocated=True, placement=p) for p in ("round-robin", "tokens"))
+    assert rr["ttft_p99_ms"] > 1.5 * tokens["ttft_p99_ms"]
+    assert rr["itl_p90_ms"] == pytest.approx(tokens["itl_p90_ms"], rel=0.1)
+    with pytest.raises(ConfigError, match="placement must be one of tokens, round-robin"):
+        simulate(GPU_KIMI_K2, LOAD, 1, 1, placement="random")
+
+
+def test_varied_prompts_spread_around_the_length():
+    varied = dataclasses.replace(LOAD, requests=2000, prompt_spread=1.0, rate=0.01)
+    # At a trickle nothing queues: TTFT is a prompt's own prefill, so its mean follows the prompts'.
+    one = simulate(GPU_KIMI_K2, dataclasses.replace(varied, prompt_spread=0.0), 0, 1, colocated=True)
+    many = simulate(GPU_KIMI_K2, varied, 0, 1, colocated=True)
+    assert many["ttft_p50_ms"] < one["ttft_p50_ms"] < many["ttft_p99_ms"]
 
 
 def test_the_model_is_deterministic_for_a_seed():

@@ -8,7 +8,12 @@ each) and up to `chunk` prompt tokens of the oldest waiting prefill; it lasts
 step that carries a chunk stretches every decode's gap: that is the ITL tail. A prefill
 worker runs only chunks; a finished prompt's KV then travels for `tokens * kv_bytes_per_token
 / link_bytes_per_s` and joins a decode worker, whose steps carry only decodes. Requests
-arrive as a Poisson process and go to the worker with the least work (round robin on ties).
+arrive as a Poisson process and go to the worker with the least work, counted in tokens
+(`placement="tokens"`: the prompt tokens it has still to prefill, and its decodes), or to
+the next worker in turn (`"round-robin"`); a finished prefill's KV goes to the decode
+worker running the fewest sequences, or to the next in turn. Prompts are all
+`prompt_tokens` long, or vary around it (`prompt_spread`, a lognormal's sigma) as agents'
+prompts do.
 
 Costs are inputs: measured on this machine by the reference engine (kvtier/sim/calibrate.py) or set
 to GPU-scale figures (`GPU_KIMI_K2`, derived in docs/disaggregation.md) to predict the
@@ -20,6 +25,9 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtier.errors import ConfigError
 
 
 @dataclass
@@ -39,6 +47,7 @@ class Workload:
     output_tokens: int
     requests: int = 400
     seed: int = 0
+    prompt_spread: float = 0.0           # 0: every prompt prompt_tokens long; else lognormal (sigma), same mean
 
 
 # GPU-scale costs for Kimi K2 on one 8 x H100-class node (derivation in docs/disaggregation.md):
@@ -76,15 +85,30 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
+PLACEMENTS = ("tokens", "round-robin")
+
+
 def simulate(costs: Costs, load: Workload, prefill_workers: int, decode_workers: int,
-             colocated: bool = False) -> dict:
+             colocated: bool = False, placement: str = "tokens") -> dict:
     """Colocated: `decode_workers` workers doing both (prefill_workers ignored). Returns TTFT
     and ITL percentiles (ms) and output tokens per second."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}")
     rng = random.Random(load.seed)
+    sigma = load.prompt_spread
     t, arrivals = 0.0, []
     for _ in range(load.requests):
         t += rng.expovariate(load.rate)
-        arrivals.append(_Req(t, load.prompt_tokens, load.prompt_tokens))
+        n = load.prompt_tokens if not sigma else max(1, round(load.prompt_tokens *
+                                                              rng.lognormvariate(-sigma * sigma / 2, sigma)))
+        arrivals.append(_Req(t, n, n))
+    turns = {"prefill": 0, "decode": 0}
+
+    def place(pool: list[_Worker], kind: str, load_of: Callable[[_Worker], int]) -> _Worker:
+        if placement == "tokens":
+            return min(pool, key=load_of)
+        turns[kind] += 1
+        return pool[(turns[kind] - 1) % len(pool)]
     P = [] if colocated else [_Worker() for _ in range(prefill_workers)]
     D = [_Worker() for _ in range(decode_workers)]
     events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
@@ -126,12 +150,12 @@ def simulate(costs: Costs, load: Workload, prefill_workers: int, decode_workers:
         if kind == "arrive":
             r = payload
             pool = D if colocated else P
-            w = min(pool, key=_Worker.work)
+            w = place(pool, "prefill", _Worker.work)
             w.waiting.append(r)                      # type: ignore[arg-type]
             kick(w, now, False)
         elif kind == "kv":
             r = payload
-            w = min(D, key=lambda x: len(x.running))
+            w = place(D, "decode", lambda x: len(x.running))
             r.last = None                            # type: ignore[union-attr]
             w.running.append(r)                      # type: ignore[arg-type]
             kick(w, now, True)
@@ -166,7 +190,8 @@ def simulate(costs: Costs, load: Workload, prefill_workers: int, decode_workers:
             **{f"itl_p{q}_ms": round(_pct(gaps, q) * 1e3, 1) for q in (50, 90, 99)}}
 
 
-def compare(costs: Costs, load: Workload, workers: int = 2) -> list[dict]:
+def compare(costs: Costs, load: Workload, workers: int = 2, placement: str = "tokens") -> list[dict]:
     """`workers` colocated workers vs the same count split into prefill and decode halves."""
     p = max(1, workers // 2)
-    return [simulate(costs, load, 0, workers, colocated=True), simulate(costs, load, p, workers - p)]
+    return [simulate(costs, load, 0, workers, colocated=True, placement=placement),
+            simulate(costs, load, p, workers - p, placement=placement)]
