@@ -98,7 +98,7 @@ class PageLoad:
 
 
 @dataclass
-class PagesLoad:
+class EnginePagesLoad:
     """A load into engine-owned pages, running on a loader thread: the store read (verified),
     then the scatter, layer by layer. Of the `requested` blocks the leading `loaded` ones
     arrive; the engine computes the rest (their pages are never written).
@@ -145,7 +145,7 @@ class PagesLoad:
 
 
 @dataclass
-class PagesSave:
+class EnginePagesSave:
     """A save from engine-owned pages: wait_for_pages() before overwriting them, wait() for the store."""
 
     saved: SaveHandle | None       # None: the pages were already copied into the store
@@ -368,7 +368,7 @@ class KVAdapter:
                 self._loader.close(wait=False)
             self._paged, self._loader, self._saver = paged, None, None
 
-    def load_into(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesLoad:
+    def load_into(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> EnginePagesLoad:
         """Load the cached blocks `keys` into the engine's pages named by `page_table`
         ([n, pages_per_block], one row per key). Returns at once: a loader thread reads the
         blocks (verified) and scatters them layer by layer; wait_for_layer(l) before layer l
@@ -380,7 +380,7 @@ class KVAdapter:
         st._check_keys(keys)
         table = self._engine_pages(paged, page_table, keys, unique=True)
         if not len(keys):
-            return PagesLoad(0, None)
+            return EnginePagesLoad(0, None)
         # Straight from the slots holding the blocks (blocks on disk or on a peer: read and
         # verified into the store's reused buffer first): one copy into host pages; into
         # pages on a GPU, one DMA per run of rows, then the scatter. Nothing staged per call.
@@ -389,9 +389,9 @@ class KVAdapter:
             self._use(paged)
             if self._loader is None:
                 self._loader = LayerLoader(paged, self.layout, threaded=True)
-            return PagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table, checked=True))
+            return EnginePagesLoad(len(keys), self._loader.load_held(lambda: st.reading(keys), table, checked=True))
 
-    def save_from(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> PagesSave:
+    def save_from(self, keys: Sequence[BlockKey], paged: PagedKV, page_table: object) -> EnginePagesSave:
         """Gather the engine's pages of full blocks `keys` into host memory without blocking
         the engine's stream (a memcpy on a CPU); wait_for_pages() before the engine reuses
         them; wait() on the result puts them into the store (from any thread)."""
@@ -405,7 +405,7 @@ class KVAdapter:
             # become cached blocks when the copy is done.
             done = st.write_in_place(keys, lambda w: copy(paged.views, table[w.positions], w.memory,
                                                           to_blocks=True, rows=w.slots))
-            return PagesSave(None, keys, st, done)
+            return EnginePagesSave(None, keys, st, done)
         with self._copiers_lock:
             self._check_open()
             self._use(paged)
@@ -415,8 +415,8 @@ class KVAdapter:
         if paged.device.type == "cuda" and st.tiers[0].memory() is not None:
             # Pages on a GPU: gathered on the device now, layer by layer; wait() reserves host-tier
             # slots and DMAs each layer straight into them (the pinned tier is the DMA target).
-            return PagesSave(saver.gather(table, checked=True), keys, st)
-        return PagesSave(saver.save(table, checked=True), keys, st)   # type: ignore[arg-type]
+            return EnginePagesSave(saver.gather(table, checked=True), keys, st)
+        return EnginePagesSave(saver.save(table, checked=True), keys, st)   # type: ignore[arg-type]
 
     # -- sessions ----------------------------------------------------------------------
     def pin(self, session: str, keys: Sequence[BlockKey], ttl: float, tier: int | str | None = None) -> int:

@@ -31,7 +31,7 @@ def test_copy_rows_moves_each_row_to_its_slot(perm, k):
 
 
 def test_rows_from_a_device_are_written_in_place_into_reserved_slots():
-    """The GPU save path after its gather (PagesSave.wait with device rows: Store.write_in_place
+    """The GPU save path after its gather (EnginePagesSave.wait with device rows: Store.write_in_place
     with SaveHandle.copy_to into reserved slots), run here with CPU rows, so by its
     one-copy-per-run fallback: blocks land in reserved host-tier slots, readable after,
     cached ones skipped."""

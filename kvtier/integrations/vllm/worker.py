@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from kvtier.adapter import KVAdapter, PagesLoad, PagesSave
+from kvtier.adapter import KVAdapter, EnginePagesLoad, EnginePagesSave
 from kvtier.errors import ConfigError, KvtierError, TierInUseError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import KVSpec, VllmPages, describe_caches
@@ -51,7 +51,7 @@ LOCAL: dict[str, "WorkerSide"] = {}
 class _StepLoad:
     """One step's loads (None: the request's keys were unknown), and what failed."""
 
-    loads: list[tuple[BlockRange, PagesLoad | None]]
+    loads: list[tuple[BlockRange, EnginePagesLoad | None]]
     failed: dict[str, int] = field(default_factory=dict)       # req_id -> first block that did not load
     failed_pages: set[int] = field(default_factory=set)
 
@@ -177,7 +177,7 @@ class WorkerSide:
             return
         if self._load is not None:           # a previous step's load that nobody finished
             self._finish_load()
-        loads: list[tuple[BlockRange, PagesLoad | None]] = []
+        loads: list[tuple[BlockRange, EnginePagesLoad | None]] = []
         for r in plan.loads:
             chain, load = self._chains.get(r.req_id), None
             if chain is not None and len(chain) >= r.end:
@@ -260,7 +260,7 @@ class WorkerSide:
             save.wait_for_pages()                # vLLM may reuse the pages after this
             self._saver_thread.submit(self._put, r, save, n * bb)
 
-    def _put(self, r: BlockRange, save: PagesSave, nbytes: int) -> None:
+    def _put(self, r: BlockRange, save: EnginePagesSave, nbytes: int) -> None:
         try:
             t = save.wait()                      # into the store
             self.counters["save_blocks"] += r.end - r.start
