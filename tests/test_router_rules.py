@@ -217,3 +217,14 @@ def test_the_router_says_when_it_starts_and_stops_answering():
     assert said == ["ready: 2 of 2 decode and 1 of 1 prefill workers are ready; answering",
                     "no decode worker is ready: answering 503 until one is",
                     "ready: 2 of 2 decode and 1 of 1 prefill workers are ready; answering"], said
+    # Calls that fail mark workers down between polls: a blip the next poll undoes says
+    # nothing, and the loss a failed call found first is still said at the next poll.
+    said.clear()
+    for w in pools.decode:
+        w.failed("ReadTimeout")
+    asyncio.run(polls([True]))
+    assert said == [], said
+    for w in pools.decode:
+        w.failed("ConnectError")
+    asyncio.run(polls([False]))
+    assert said == ["no decode worker is ready: answering 503 until one is"], said

@@ -248,8 +248,9 @@ class Node:
         # the cluster secret but another tenant's salt would build this tenant's keys from it).
         reply_ns = b""
         # Whether the peer's prefix tag verified (it holds the secret, or replays a frame of one
-        # who does): a peer whose prefix fails gets frames.REFUSAL, not an ERR it could send
-        # back as a frame of its own (and a reply sent back is refused before the replay table).
+        # who does): a peer whose prefix fails gets frames.REFUSAL (an HTTP client: HTTP_REFUSAL),
+        # not an ERR it could send back as a frame of its own (and a reply sent back is refused
+        # before the replay table).
         holds_secret = False
         fresh: Prefix | None = None
 

@@ -127,6 +127,9 @@ class UcxServerConn:
         # bytes), as over TCP; a fixed request timeout here cut off PUTs of over ~1 GB.
         await asyncio.gather(*(_io(self.ep.recv(buf[i])) for i in range(len(buf))))
 
+    def discard_unread(self) -> None:
+        pass        # messages, not a byte stream: nothing unread makes close() a reset
+
     def close(self) -> None:
         _abort(self.ep)
 

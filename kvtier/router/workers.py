@@ -100,6 +100,7 @@ class Pools:
     # Told when the router starts or stops being able to answer (a decode worker ready or
     # none): `kvtier router` prints it, as serve prints that it is ready.
     announce: Callable[[str], None] = log.info
+    _announced: bool = False       # whether it last said it answers (polls and failed calls both move workers)
     _unreached_warned: set[str] = field(default_factory=set)
 
     @property
@@ -112,15 +113,14 @@ class Pools:
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
         was = {w.url: (w.status, w.foreign, w.was_ready) for w in self.all}
-        answering = self.answering
         await asyncio.gather(*(_poll(client, w) for w in self.all))
         self._check_secrets()
-        if self.answering and not answering:
+        if self.answering != self._announced:
+            self._announced = self.answering
             ready = lambda pool: f"{sum(w.ready for w in pool)} of {len(pool)}"   # noqa: E731
             self.announce(f"ready: {ready(self.decode)} decode and {ready(self.prefill)} prefill workers are "
-                          "ready; answering")
-        elif answering and not self.answering:
-            self.announce("no decode worker is ready: answering 503 until one is")
+                          "ready; answering" if self._announced else
+                          "no decode worker is ready: answering 503 until one is")
         for w in self.all:
             status, foreign, had_been_ready = was[w.url]
             if w.status != status or w.foreign > foreign:     # down, and now we know why
