@@ -662,8 +662,12 @@ class Store:
                 keys = self.index.without_copy(i)
             # In parts: a copy holds its blocks until their bytes are in, and a host tier
             # full of blocks held by one long write refused every put meanwhile (a node's
-            # periodic flush: `stored 0 rejected 4` while it wrote).
-            step = max(1, FLUSH_PART_BYTES // self.layout.block_bytes)
+            # periodic flush: `stored 0 rejected 4` while it wrote). A part is also at most a
+            # quarter of the smallest tier above, so a small one is never all held by it.
+            step = FLUSH_PART_BYTES // self.layout.block_bytes
+            if i:
+                step = min(step, min(t.capacity_blocks for t in self.tiers[:i]) // 4)
+            step = max(1, step)
             for at in range(0, len(keys), step):
                 self._mover.copy_into(i, keys[at:at + step])
             with self._lock:

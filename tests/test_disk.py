@@ -636,6 +636,35 @@ def test_flush_while_other_threads_put(tmp_path):
     assert len(records) <= 64                              # no delete was lost
 
 
+def test_a_flush_never_holds_all_of_a_small_tier(tmp_path, monkeypatch):
+    """A flush writes down in parts and holds a part's blocks while it is written: a part
+    of 64 MiB was the whole of an 8-block host tier, so a put meanwhile stored nothing
+    (`stored 0 rejected 4`). A part is at most a quarter of the smallest tier above."""
+    import threading
+
+    import kvtier.tiers.disk as disk
+
+    store = open_store(tmp_path / "kv", host=8, disk=64)
+    a = store.keys(list(range(8 * LAYOUT.block_tokens)))
+    assert store.put(a, payload(a, LAYOUT.block_bytes)).blocks == 8
+    real, writing, go = disk._pwritev_all, threading.Event(), threading.Event()
+
+    def slow(fd, bufs, off):                 # the flush's first part is on its way meanwhile
+        writing.set()
+        go.wait(10)
+        return real(fd, bufs, off)
+    monkeypatch.setattr(disk, "_pwritev_all", slow)
+    flush = threading.Thread(target=store.flush)
+    flush.start()
+    assert writing.wait(10)
+    b = store.keys([7] * (4 * LAYOUT.block_tokens))
+    threading.Timer(0.3, go.set).start()     # the disk goes on (the put's evictions write down too)
+    done = store.put(b, payload(b, LAYOUT.block_bytes))
+    flush.join(30)
+    assert (done.blocks, done.rejected) == (4, 0)
+    store.close()
+
+
 def test_a_damaged_index_is_forgotten_not_trusted(tmp_path):
     import lmdb
     store = open_store(tmp_path / "kv")
