@@ -168,6 +168,12 @@ def test_bad_tool_fields_are_400s_naming_them(plain, message, param):
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("suffix", "def f():"), ("min_tokens", 8), ("repetition_penalty", 1.2),
+    # logprobs 0 asks a completion for the sampled tokens' logprobs (it was answered without them)
+    ("logprobs", 0), ("top_logprobs", 2), ("function_call", {"name": "f"}), ("modalities", ["text", "audio"]),
+    # vLLM's own fields that shape the output were answered as if absent
+    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("structured_outputs", {"choice": ["a"]}), ("allowed_token_ids", [65]), ("bad_words", ["x"]),
+    ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 8), ("logits_processors", ["p"]),
 ])
 def test_fields_the_engine_cannot_honour_are_refused(plain, field, value):
     for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": AGENT[:1]})):
@@ -181,6 +187,38 @@ def test_fields_the_engine_cannot_honour_are_refused(plain, field, value):
 ])
 def test_their_neutral_values_are_accepted(field, value):
     assert P.parse_completion({"model": MODEL, "prompt": "hi", field: value}).prompt == "hi"
+
+
+@pytest.mark.parametrize("route,field,value,neutral", [
+    ("/v1/completions", "add_special_tokens", False, True),
+    ("/v1/chat/completions", "add_special_tokens", True, False),
+    ("/v1/chat/completions", "chat_template", "{{ 'zzz' }}", None),
+    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}, {}),
+    ("/v1/chat/completions", "add_generation_prompt", False, True),
+    ("/v1/chat/completions", "continue_final_message", True, False),
+])
+def test_vllm_prompt_fields_are_refused_unless_they_ask_for_what_is_done(plain, route, field, value, neutral):
+    """A completion's text gets a BOS and a chat's template places its own, as vLLM's
+    defaults do: asking otherwise (or for another template) was answered as if not asked."""
+    body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": AGENT[:1]}
+    _error(plain.post(route, json={"model": MODEL, **body, field: value}), 400, field, "unsupported")
+    if neutral is not None:
+        parse = P.parse_completion if route == "/v1/completions" else P.parse_chat
+        parse({"model": MODEL, **body, field: neutral})
+
+
+def test_n_is_an_integer_and_text_parts_join_as_vllm_joins_them(plain):
+    for v in (True, "2"):
+        _error(plain.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "n": v}), 400, "n", "invalid_value")
+    msgs = P.parse_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert msgs[0]["content"] == "a\nb"
+
+
+def test_a_refused_session_id_is_not_echoed(plain):
+    r = plain.get("/v1/models", headers={"x-session-affinity": "s" * 257})
+    assert "x-session-affinity" not in r.headers
+    r = plain.get("/v1/models", headers={"x-session-affinity": "s1"})
+    assert r.headers["x-session-affinity"] == "s1"
 
 
 def test_any_int64_seed_is_accepted_and_maps_as_torch_maps_it():

@@ -188,7 +188,7 @@ class Service:
                                   top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         except ConfigError as e:
-            raise P.bad(str(e)) from None
+            raise P.bad(str(e), P.sampling_param(str(e))) from None
 
 
 # -- generation ------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class _Answer:
                 elif isinstance(ev, Failed):
                     self.over = True
                     s.metrics.outcome("error")
-                    yield sse_event(ApiError(ev.status, ev.message, code=ev.code).body())
+                    yield sse_event(ApiError(ev.status, ev.message, param=ev.param, code=ev.code).body())
                     yield SSE_DONE
                     return
 
@@ -322,7 +322,7 @@ class _Answer:
                 elif isinstance(ev, Failed):
                     self.over = True
                     s.metrics.outcome("error")
-                    return error_response(ApiError(ev.status, ev.message, code=ev.code))
+                    return error_response(ApiError(ev.status, ev.message, param=ev.param, code=ev.code))
 
 
 # -- the other routes ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Protocol, Union
 from kvtier.engine.request import Status
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
+from kvtier.serve.protocol import sampling_param
 
 log = logging.getLogger("kvtier.serve")
 
@@ -48,6 +49,7 @@ class Failed:
     status: int
     message: str
     code: str
+    param: str | None = None           # the request's field it blames, where one is to blame
 
 
 Event = Union[Tokens, Finished, Failed]
@@ -203,8 +205,8 @@ class EngineLoop:
             return
         try:
             engine_id = self.llm.add_request(sub.prompt, sub.params, sub.session)
-        except ConfigError as e:
-            sub.deliver([Failed(400, str(e), "invalid_value")])
+        except ConfigError as e:           # (the prompt was checked before: a sampling setting)
+            sub.deliver([Failed(400, str(e), "invalid_value", sampling_param(str(e)))])
             return
         self._live[sub.id] = _Live(sub, engine_id)
 

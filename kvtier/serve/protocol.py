@@ -119,17 +119,30 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _unsupported(body: dict) -> None:
+# The request's fields that become SamplingParams, as the engine names them in its errors.
+SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos"})
+
+
+def sampling_param(message: str) -> str | None:
+    """The field an engine's refusal of a sampling setting names first (its messages start
+    with it: "stop_token_ids must be ..."), for the error's `param`."""
+    name = message.split(" ", 1)[0]
+    return name if name in SAMPLING_FIELDS else None
+
+
+def _unsupported(body: dict, chat: bool) -> None:
     """Refuse what the engine cannot do, instead of answering something else."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad(f"n must be 1 (one choice per request), got {short_repr(n)}", "n", "unsupported")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad(f"best_of must be 1, got {short_repr(best_of)}", "best_of", "unsupported")
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
-            raise bad(f"{name} is not supported by this server", name, "unsupported")
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if v is not None and not _is_int(v):
+            raise bad(f"{name} must be an integer, got {short_repr(v)}", name)
+        if v is not None and v != 1:
+            raise bad(f"{name} must be 1 (one choice per request), got {short_repr(v)}", name, "unsupported")
+    # logprobs 0 asks a completion for the sampled tokens' logprobs (a chat's is true/false)
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if (logprobs is not None and logprobs is not False) or (top is not None and (top != 0 or isinstance(top, bool))):
+        name = "logprobs" if logprobs is not None and logprobs is not False else "top_logprobs"
+        raise bad(f"{name} is not supported by this server", name, "unsupported")
     if body.get("echo") not in (None, False):
         raise bad("echo is not supported by this server", "echo", "unsupported")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -141,9 +154,9 @@ def _unsupported(body: dict) -> None:
     if body.get("tools") or body.get("functions"):
         raise bad("tools are not supported by this server", "tools", "unsupported")
     # what would change the answer if honoured: sent with its no-op value it is fine
-    for name, neutral, fix in _NEUTRAL:
+    for name, neutral, fix in _NEUTRAL + (_NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION):
         v = body.get(name)
-        if v is not None and (isinstance(v, bool) or v not in neutral):
+        if v is not None and (isinstance(v, bool) != any(isinstance(x, bool) for x in neutral) or v not in neutral):
             raise bad(f"{name} is not supported by this server ({fix}), got {short_repr(v)}", name, "unsupported")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
@@ -158,16 +171,44 @@ _NEUTRAL: tuple[tuple[str, tuple, str], ...] = (
     ("suffix", ("",), "leave it out: no insertion"),
     ("min_tokens", (0,), "leave it out or 0"),
     ("repetition_penalty", (1,), "leave it out or 1"),
+    ("function_call", ("auto", "none"), "functions are not supported: leave it out, or \"auto\" or \"none\""),
+    ("modalities", (["text"],), "text only: leave it out or [\"text\"]"),
+    # vLLM's own fields: an output they would shape is refused, not answered without them
+    ("guided_json", (), "no guided decoding"),
+    ("guided_regex", (), "no guided decoding"),
+    ("guided_choice", (), "no guided decoding"),
+    ("guided_grammar", (), "no guided decoding"),
+    ("structured_outputs", (), "no guided decoding"),
+    ("allowed_token_ids", (), "no restricted vocabulary"),
+    ("bad_words", ([],), "leave it out or empty"),
+    ("logits_processors", ([],), "leave it out or empty"),
+    ("prompt_logprobs", (), "no logprobs"),
+    ("use_beam_search", (False,), "no beam search: leave it out or false"),
+    ("length_penalty", (1,), "no beam search: leave it out or 1"),
+    ("truncate_prompt_tokens", (), "prompts are never truncated: shorten the prompt"),
+)
+# The same, where completions and chats differ: a text prompt gets a BOS (vLLM's
+# add_special_tokens, true for completions), a chat's template places its own (false).
+_NEUTRAL_COMPLETION: tuple[tuple[str, tuple, str], ...] = (
+    ("add_special_tokens", (True,), "a text prompt always gets the BOS: leave it out or true"),
+)
+_NEUTRAL_CHAT: tuple[tuple[str, tuple, str], ...] = (
+    ("add_special_tokens", (False,), "the chat template places the special tokens: leave it out or false"),
+    ("chat_template", (), "the model's own template is used"),
+    ("chat_template_kwargs", ({},), "the model's own template is used as it is: leave it out or empty"),
+    ("add_generation_prompt", (True,), "the assistant's turn is always opened: leave it out or true"),
+    ("continue_final_message", (False,), "a final assistant message is not continued: leave it out or false"),
+    ("documents", ([],), "leave it out or empty"),
 )
 
 
-def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
+def _common(body: Any, max_tokens_names: tuple[str, ...], chat: bool) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required: the name GET /v1/models lists", "model")
-    _unsupported(body)
+    _unsupported(body, chat)
     max_tokens, field = None, "max_tokens"
     for name in max_tokens_names:
         v = _int(body, name, 1)
@@ -212,7 +253,7 @@ def _common(body: Any, max_tokens_names: tuple[str, ...]) -> GenerationRequest:
 
 def parse_completion(body: Any) -> GenerationRequest:
     """A /v1/completions body: one prompt, as text or token ids (or a list holding one)."""
-    req = _common(body, ("max_tokens",))
+    req = _common(body, ("max_tokens",), chat=False)
     if "max_tokens" not in body or body.get("max_tokens") is None:
         req.max_tokens = 16                      # OpenAI's and vLLM's default for completions
     prompt = body.get("prompt")
@@ -235,7 +276,7 @@ def parse_completion(body: Any) -> GenerationRequest:
 
 def parse_chat(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body: messages with a role and text content."""
-    req = _common(body, ("max_completion_tokens", "max_tokens"))
+    req = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
     req.messages = parse_messages(body.get("messages"))
     return req
 
@@ -263,7 +304,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
                     raise bad(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}} (text only)",
                               f"{where}.content", "unsupported")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)          # as vLLM joins text parts
         elif content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):

@@ -277,7 +277,7 @@ class EchoAffinity:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         value = next((v for k, v in scope.get("headers", []) if k == _AFFINITY_B), None)
-        if value is None:
+        if value is None or not valid_session(value.decode("latin-1").strip()):   # (a refused one is not echoed)
             return await self.app(scope, receive, send)
 
         async def send_echo(message: dict) -> None:
@@ -289,6 +289,11 @@ class EchoAffinity:
         await self.app(scope, receive, send_echo)
 
 
+def valid_session(value: str) -> bool:
+    """Whether a (stripped) x-session-affinity value is an id this server takes."""
+    return bool(value) and len(value) <= MAX_SESSION_ID and value.isprintable()
+
+
 def session_of(request: Request) -> str | None:
     """The request's x-session-affinity id, None without one; a 400 unless it is printable and
     1 to MAX_SESSION_ID characters (servers and the router keep one entry per id)."""
@@ -296,7 +301,7 @@ def session_of(request: Request) -> str | None:
     if value is None:
         return None
     value = value.strip()
-    if not value or len(value) > MAX_SESSION_ID or not value.isprintable():
+    if not valid_session(value):
         raise ApiError(400, f"{AFFINITY} must be a printable id of 1 to {MAX_SESSION_ID} characters",
                        param=AFFINITY, code="invalid_value")
     return value
