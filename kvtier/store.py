@@ -201,6 +201,13 @@ class Store:
         if not valid_backup(backup):
             raise ConfigError(f"backup must be True, False or 'auto' (where the tier below holds "
                               f"{AUTO_MIN_RATIO:g}x the top tier's blocks), got {backup!r}")
+        # Asked for with nothing to do it on: a setting silently doing nothing is a mistake's sign.
+        if write_through and not any(t.persistent for t in tiers):
+            raise ConfigError("write_through=True writes new blocks to a disk tier at once, and this store has "
+                              "none: add a DiskTier (StoreConfig(disk_path=...)) or leave write_through off")
+        if backup is True and len(tiers) < 2:
+            raise ConfigError("backup=True copies the top tier's blocks one tier down, and this store has one "
+                              "tier: add a tier below it or leave backup at 'auto'")
         self.layout = layout
         self.namespace = namespace
         self.tiers = tiers                  # local tiers; self.remote is consulted after them

@@ -352,3 +352,23 @@ def test_serve_pin_ttl_flag_must_be_finite():
     pytest.importorskip("starlette")
     r = run_kvtier("serve", "--port", "0", "--pin-ttl", "inf", timeout=120)   # refused before the model loads
     assert_one_line_error(r, 2, "--pin-ttl", "finite")
+
+
+def test_settings_with_nothing_to_act_on_are_refused_not_ignored(tmp_path):
+    """Write-through with no disk and a backup with no tier below were taken and did nothing.
+    (A disk_capacity without disk_path stays allowed: one config may size a disk that only
+    some runs turn on by giving the path, as `kvtier bench engine` does.)"""
+    with pytest.raises(kvtier.ConfigError, match="write_through=True .* this store has none"):
+        StoreConfig(write_through=True).build(LAYOUT, NS)
+    with pytest.raises(kvtier.ConfigError, match="backup=True .* this store has one tier"):
+        kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=4)], NS, backup=True)
+    with StoreConfig(write_through=True, disk_path=str(tmp_path / "kv"), disk_capacity="4MiB").build(LAYOUT, NS) as s:
+        assert s.write_through
+
+
+def test_an_engine_given_a_store_refuses_a_cache_that_would_size_another():
+    from kvtier.engine import LLM
+    with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None)) as llm:
+        with pytest.raises(kvtier.ConfigError, match="cache= sets host_capacity, disk_path, which store= decides"):
+            LLM("kimi-tiny", store=llm.store, cache=StoreConfig(host_capacity=None, disk_path="/tmp/never"))
+        assert not os.path.exists("/tmp/never")

@@ -124,6 +124,36 @@ def test_text_prompts_sampling_and_sessions():
         assert sum(spent.values()) <= time.perf_counter() - t0
 
 
+def test_two_threads_share_one_engine_one_call_at_a_time(reference):
+    """Two threads calling generate() on one LLM failed with unrelated errors (an empty
+    deque, a bare AssertionError, "cache: 0 keys but 1 pages") and lost pages for good:
+    their calls now run one after the other and each gets its own prompt's tokens."""
+    import threading
+
+    prompts = [tokens(40, 48), tokens(41, 48)]
+    got: dict[int, list[list[int]]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+    with LLM("kimi-tiny", cache=StoreConfig(host_capacity=None)) as llm:
+        def run(i: int) -> None:
+            try:
+                for _ in range(3):
+                    got[i].append(llm.generate([prompts[i]], GREEDY)[0].token_ids)
+            except BaseException as e:       # noqa: BLE001 - any error is the failure
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == [] and llm.pages_in_use == 0
+        assert all(out == reference["get"](prompts[i]) for i in range(2) for out in got[i])
+        rid = llm.add_request(prompts[0], GREEDY)       # a request generate() would finish and drop
+        with pytest.raises(ConfigError, match="queued with add_request"):
+            llm.generate([prompts[1]], GREEDY)
+        while llm.request(rid) is not None:
+            llm.step()
+
+
 def test_bad_requests_say_what_to_do(block_bytes):
     with LLM("kimi-tiny", cache=StoreConfig(device_capacity=8 * block_bytes, host_capacity=None)) as llm:
         with pytest.raises(ConfigError, match="larger KV cache"):

@@ -224,3 +224,22 @@ def test_stop_ids_are_checked_before_they_are_made_unique(stops):
     a TypeError (unhashable), not a ConfigError."""
     with pytest.raises(ConfigError, match="stop_token_ids must be token ids"):
         SamplingParams(stop_token_ids=stops)
+
+
+def test_vllm_fields_it_lacks_and_misspellings_are_config_errors():
+    """SamplingParams(n=2) or (stop=[...]) was a bare TypeError ("unexpected keyword")."""
+    import dataclasses
+    import pickle
+
+    import pytest
+
+    from kvtier.engine import SamplingParams
+    from kvtier.errors import ConfigError
+    with pytest.raises(ConfigError, match="no 'n': one sequence per request"):
+        SamplingParams(n=2)
+    with pytest.raises(ConfigError, match="no 'stop': .* give stop_token_ids"):
+        SamplingParams(stop=["</tool>"])
+    with pytest.raises(ConfigError, match="did you mean 'max_tokens'"):
+        SamplingParams(max_token=3)
+    p = SamplingParams(max_tokens=3, seed=1, stop_token_ids=(5,))
+    assert dataclasses.replace(p, max_tokens=4).max_tokens == 4 and pickle.loads(pickle.dumps(p)) == p

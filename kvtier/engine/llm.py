@@ -19,13 +19,15 @@ for the next request that shares the prefix.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -63,6 +65,20 @@ class RequestOutput:
     preemptions: int = 0
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(method: F) -> F:
+    """The engine's calls from several threads run one after another (its scheduler, pages
+    and requests are one loop's state: two threads' steps interleaved failed with unrelated
+    errors and lost pages for good). Reentrant: generate() calls add_request() and step()."""
+    @functools.wraps(method)
+    def locked(self: LLM, *args: Any, **kw: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kw)
+    return locked  # type: ignore[return-value]
+
+
 class LLM:
     """A DeepSeek-V3 / Kimi K2 engine whose KV cache is a kvtier store.
 
@@ -76,6 +92,8 @@ class LLM:
     graphs (kvtier.engine.graphs; None: on when the model is on a GPU, except with MTP
     speculation, whose steps need every token's hidden state).
     """
+
+    _calls: threading.RLock
 
     def __init__(self, model: str = "kimi-tiny", *, seed: int = 0, dtype: str | torch.dtype | None = None,
                  device: str | None = None, cache: StoreConfig | None = None, store: Store | None = None,
@@ -110,6 +128,13 @@ class LLM:
         layout = self.model.kv_layout(cache.block_tokens)
         if store is not None and remote is not None:
             raise ConfigError("give remote= to the store you pass (StoreConfig.build(..., remote=...)), not to LLM")
+        if store is not None and cache is not None:   # its tiers' settings would be ignored without a word
+            default = StoreConfig()
+            ignored = [f for f in StoreConfig.fields()
+                       if f not in ("block_tokens", "pin_ttl") and getattr(cache, f) != getattr(default, f)]
+            if ignored:
+                raise ConfigError(f"cache= sets {', '.join(ignored)}, which store= decides: build the store you pass "
+                                  "with them (with store=, cache= gives only block_tokens and pin_ttl)")
         self.store = store if store is not None else cache.build(layout, self.info.namespace(),
                                                                  device=self.model.device, remote=remote)
         self._own_store = store is None
@@ -149,6 +174,7 @@ class LLM:
                                            getattr(self.proposer, "close", None), self._lent)
         self._finalizer.atexit = False
         self._closed = False
+        self._calls = threading.RLock()           # see _one_at_a_time
         # Host seconds spent in each step of the loop since the engine started (benchmarks take
         # differences): "schedule" holds admission (pages, evicting or demoting other blocks,
         # the prefix lookup, starting a load); on a GPU the model's time shows in "postprocess",
@@ -183,6 +209,7 @@ class LLM:
         pool = self.store.pages
         return len(pool.owned()) + len(pool.referenced()) - len(self._lent)
 
+    @_one_at_a_time
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     session: str | None = None) -> str:
         """Queue one request (text, or token ids); returns its id."""
@@ -221,6 +248,7 @@ class LLM:
         self._requests[req.id] = req
         return req.id
 
+    @_one_at_a_time
     def abort(self, request_id: str) -> None:
         """Drop a queued or running request; its pages go back to the store."""
         req = self._requests.pop(request_id, None)
@@ -232,10 +260,15 @@ class LLM:
         or was aborted: what a server streams from between steps."""
         return self._requests.get(request_id)
 
+    @_one_at_a_time
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  sessions: Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Run prompts (text or token-id lists) to completion; outputs in prompt order."""
+        """Run prompts (text or token-id lists) to completion; outputs in prompt order. Calls
+        from other threads wait for it (one engine runs one loop)."""
+        if self._requests:      # their outputs would come out of this call's steps and be lost
+            raise ConfigError(f"generate() runs its own prompts only, and {len(self._requests)} request(s) queued "
+                              "with add_request() are unfinished: step() them to the end first")
         prompts = _prompt_list(prompts)
         if isinstance(sessions, str):
             raise ConfigError("sessions is a list with one session id (or None) per prompt, e.g. [\"agent-1\"]")
@@ -260,6 +293,7 @@ class LLM:
         return out                                                # type: ignore[return-value]
 
     # -- the loop ----------------------------------------------------------------------
+    @_one_at_a_time
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
         if self._closed:
@@ -404,6 +438,7 @@ class LLM:
             out["spec"] = self.spec_stats.as_dict()
         return out
 
+    @_one_at_a_time
     def close(self) -> None:
         """Finish, flush the cache's blocks down to its persistent tiers, release everything."""
         self._closed = True

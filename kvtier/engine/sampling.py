@@ -10,7 +10,8 @@ docs/engine.md). Greedy rows take the argmax (ties go to the lowest id) and use 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import inspect
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -29,6 +30,18 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# vLLM's SamplingParams fields this engine does not have, and what to do instead.
+_NOT_HERE = {
+    "n": "one sequence per request: generate the prompt n times (with different seeds)",
+    "best_of": "one sequence per request",
+    "stop": "stop strings are not supported: give stop_token_ids",
+    "logprobs": "log-probabilities are not returned",
+    "prompt_logprobs": "log-probabilities are not returned",
+    "presence_penalty": "no penalties", "frequency_penalty": "no penalties", "repetition_penalty": "no penalties",
+    "min_tokens": "give ignore_eos=True and max_tokens for a fixed length",
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops."""
@@ -43,6 +56,16 @@ class SamplingParams:
     top_k: int = 0                         # sample from the k most likely tokens (ties at the k-th kept); 0 or -1: all
     min_p: float = 0.0                     # drop tokens less likely than min_p x the top token's; 0: none
     stop_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())   # stop_token_ids
+
+    def __new__(cls, *args: object, **kw: object) -> SamplingParams:
+        # Before the dataclass's __init__, whose TypeError names no close match (or, for
+        # vLLM's n and stop, nothing of what to do instead).
+        from kvtier.config import check_names
+        for name in kw:
+            if name in _NOT_HERE:
+                raise ConfigError(f"SamplingParams has no {name!r}: {_NOT_HERE[name]}")
+        check_names(kw, [f.name for f in fields(cls) if f.init], "SamplingParams")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -81,6 +104,11 @@ class SamplingParams:
         """Temperatures below SAMPLING_EPS are greedy too: dividing float32 logits by them
         overflows (1e-45 gave inf/nan probabilities), and they are argmax in all but name."""
         return self.temperature < SAMPLING_EPS
+
+
+# help() and IDEs show the fields, not __new__'s (*args, **kw)
+SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:])
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
