@@ -711,12 +711,48 @@ class BlockIndex:
     def without_copy(self, tier: TierId) -> list[Key]:
         """Readable blocks with no copy in `tier` or below it (what a flush must write down),
         newest first: a chain's blocks are indexed tail-first (reserve, cache), so each chain
-        comes root first and its copies take ascending slots (one run to write and read)."""
+        comes root first and its copies take ascending slots (one run to write and read).
+        Only those that rank within `tier`'s capacity among the blocks above it (below)."""
         out = []
+        copies = 0                                  # blocks above with a copy here already
         for k, e in reversed(self.entries.items()):
-            if e.ready and e.tier < tier and not (e.copies and max(e.copies) >= tier):
+            if e.copies:
+                copies += tier in e.copies
+                if max(e.copies) >= tier:
+                    continue
+            if e.ready and e.tier < tier:
                 out.append(k)
-        return out
+        if len(out) + copies <= self.tiers[tier].capacity:
+            return out
+        worth = self._worth_writing(tier)
+        return out if worth is None else [k for k in out if k in worth]
+
+    def _worth_writing(self, tier: TierId) -> set[Key] | None:
+        """Of the blocks above `tier` that lack a copy in it, those among the `capacity` most
+        valuable of all blocks above that have one there or would (the tiers' policy orders,
+        a faster tier's first); None: all of them (a policy keeps no order).
+        Writing the rest down would only evict more valuable copies: a disk tier smaller than
+        one prompt's prefix had the prefix's tail written over the roots it had just been hit
+        through, and hit and missed on alternate restarts. O(blocks above), like
+        copies_above, and only where the blocks do not fit."""
+        entries = self.entries
+        worth: set[Key] = set()
+        room = self.tiers[tier].capacity
+        for t in range(tier):
+            order = self.tiers[t].policy.order()
+            if order is None:
+                return None
+            for k in reversed(order):                       # most valuable first
+                e = entries.get(k)
+                if e is None or e.tier != t or not e.ready or (e.copies and max(e.copies) > tier
+                                                                and tier not in e.copies):
+                    continue                                # (a copy only below needs no room here)
+                if room <= 0:
+                    return worth
+                room -= 1
+                if not (e.copies and tier in e.copies):
+                    worth.add(k)
+        return worth
 
     def _evictable(self, key: Key, tier: TierId) -> bool:
         return self._eviction(key, tier) != NOT_EVICTABLE

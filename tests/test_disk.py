@@ -665,6 +665,25 @@ def test_a_flush_never_holds_all_of_a_small_tier(tmp_path, monkeypatch):
     store.close()
 
 
+def test_a_disk_tier_smaller_than_a_prefix_keeps_its_roots_run_after_run(tmp_path):
+    """A 5-block disk under a 14-block prompt: each close wrote the prompt's uncached tail
+    over the roots it had just been hit through, so restarts hit and missed in turn (an
+    engine's cached tokens 0, 80, 0, 80). A flush writes down only what ranks within the
+    tier's capacity among the blocks above (before: no restart hit at all here)."""
+    hits = []
+    for _ in range(4):
+        store = open_store(tmp_path / "kv", host=16, disk=5)
+        keys = store.keys(list(range(14 * LAYOUT.block_tokens)))
+        n = store.lookup(keys).blocks
+        hits.append(n)
+        if n:
+            out = torch.empty(n, LAYOUT.block_bytes, dtype=torch.uint8)
+            assert store.get(keys[:n], out).loaded == n and torch.equal(out, payload(keys[:n], LAYOUT.block_bytes))
+        store.put(keys[n:], payload(keys, LAYOUT.block_bytes)[n:])
+        store.close()
+    assert hits == [0, 5, 5, 5], hits
+
+
 def test_a_damaged_index_is_forgotten_not_trusted(tmp_path):
     import lmdb
     store = open_store(tmp_path / "kv")
