@@ -216,6 +216,9 @@ def test_bad_engine_arguments_and_prompt_shapes(tmp_path, block_bytes, reference
         assert [o.token_ids for o in llm.generate((p for p in [ids, ids]), GREEDY)] == [want, want]
     with pytest.raises(ClosedError):
         llm.add_request(ids, GREEDY)
+    for after_close in (llm.stats, llm.__enter__):            # stale counters, a closed engine handed back
+        with pytest.raises(ClosedError):
+            after_close()
 
 
 def test_kvtier_generate_cli(capsys, tmp_path):

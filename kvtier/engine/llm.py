@@ -431,6 +431,8 @@ class LLM:
         """The store's counters and tiers, the scheduler's preemptions, and speculation's counters
         (drafts, draft_tokens, accepted_tokens, accepted_per_position, mean_acceptance_length)
         when it is on."""
+        if self._closed:
+            raise ClosedError("this LLM is closed; create a new one")
         out = {"store": self.store.stats(), "preemptions": self.scheduler.preemptions}
         if self.runner.graphs is not None:
             out["cuda_graphs"] = self.runner.graphs.info()
@@ -447,6 +449,8 @@ class LLM:
         self._finalizer()
 
     def __enter__(self) -> LLM:
+        if self._closed:
+            raise ClosedError("this LLM is closed; create a new one")
         return self
 
     def __exit__(self, *exc: object) -> None:
