@@ -144,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch from peers over TLS, verifying their certificates against this PEM CA file "
                         "(with --peers or --directory; default: plain TCP to peers)")
     p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
-                   help="open connections at most; more are closed at once (default 1024)")
+                   help="open connections at most (default 1024); past it a new one closes the longest-waiting connection "
+                        "that has not authenticated, or is closed itself")
     p.add_argument("--idle-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="close a peer's connection after this long without a request (default 300; "
                         "kvtier clients reconnect by themselves)")

@@ -414,6 +414,24 @@ def test_an_http_client_at_a_node_port_is_told_so(caplog):
     store.close()
 
 
+def test_a_refused_put_says_why_not_broken_pipe():
+    """A node refuses a PUT of another namespace or secret without reading its payload and
+    closes: the client's send broke ("broken pipe", "connection reset", refused=False: a
+    prefill worker took the misconfigured node for a dead one) in 13 of 18 tries."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64)], NS)
+    other = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=64)], kvtier.Namespace("another-model"))
+    keys = other.keys(list(range(40 * LAYOUT.block_tokens)))
+    with kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        for secret, why in ((SECRET, "another namespace"), (b"y" * 32, "secret")):
+            for _ in range(3):
+                with PeerClient.for_store(other, node.address, secret, timeout=5) as c, \
+                        pytest.raises(PeerError, match=why) as e:
+                    c.put(keys, np.zeros((40, LAYOUT.block_bytes), np.uint8))
+                assert e.value.refused, e.value
+    store.close()
+    other.close()
+
+
 def test_a_client_dialling_an_http_server_is_told_so():
     """A node address that names an HTTP server (serve's port given as a peer) is reported as
     one, not as a secret mismatch."""

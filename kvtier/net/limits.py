@@ -29,7 +29,7 @@ class NodeLimits:
     """Bounds of a node (`Node(..., limits=NodeLimits(...))`); the defaults suit a cluster of
     up to several hundred peers."""
 
-    max_connections: int = 1024          # open connections in all; more are closed at once
+    max_connections: int = 1024          # open connections in all; past it a new one evicts the longest-waiting unauthenticated one, or is closed
     max_unauthenticated: int = 128       # of them, not yet authenticated
     pre_auth_bytes: int = 16 << 20       # header bytes buffered for unauthenticated connections, in all
     replay_entries: int = 1 << 18        # nonces remembered for replay protection (~40 MiB at most)

@@ -99,7 +99,9 @@ class Node:
             try:
                 self._ucx = UcxServer(self, self._host, self._port)
             except Exception as e:     # ucxx raises its own types for a busy port and the like
-                raise ConfigError(f"cannot listen (UCX) on {self._host}:{self._port}: {e}") from None
+                busy = ": the port is in use, or still held after a node on it was killed (up to a minute): " \
+                       "wait, or give another port" if "busy" in str(e).lower() else ""
+                raise ConfigError(f"cannot listen (UCX) on {self._host}:{self._port}: {e}{busy}") from None
             self.address = self._ucx.address
             return self._start_publisher()
         self._thread = threading.Thread(target=self._run, name=f"kvtier-node-{self._port}", daemon=True)

@@ -220,16 +220,25 @@ class TcpChannel:
         if self.sock is None:
             self.sock = self._connect(deadline)
         sock = self.sock
-        sock.settimeout(_left(deadline))
-        sock.sendall(head)
-        for r in (rows if rows is not None else ()):
-            sock.settimeout(_left(deadline))
-            sock.sendall(memoryview(r).cast("B"))
         try:
-            prefix = _recv_exact(sock, PREFIX_BYTES, deadline)
-        except EOFError:
-            raise EOFError("the peer closed the connection without answering (a node with another cluster "
-                           "secret, one that wants TLS, or another protocol version?)") from None
+            sock.settimeout(_left(deadline))
+            sock.sendall(head)
+            for r in (rows if rows is not None else ()):
+                sock.settimeout(_left(deadline))
+                sock.sendall(memoryview(r).cast("B"))
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # A node refuses a PUT (another namespace or secret) without reading its payload and
+            # closes: the send breaks, but the refusal that says why is here to read.
+            try:
+                prefix = _recv_exact(sock, PREFIX_BYTES, min(deadline, time.monotonic() + 1.0))
+            except (OSError, EOFError):
+                raise e from None
+        else:
+            try:
+                prefix = _recv_exact(sock, PREFIX_BYTES, deadline)
+            except EOFError:
+                raise EOFError("the peer closed the connection without answering (a node with another cluster "
+                               "secret, one that wants TLS, or another protocol version?)") from None
         body = _recv_exact(sock, check(prefix), deadline)
         return prefix, body, _recv_exact(sock, MAC_BYTES, deadline)
 
