@@ -388,8 +388,23 @@ def test_strangers_in_a_loop_cannot_flood_the_log(caplog):
             c.ping()                                      # and it serves its peers meanwhile
     lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
     assert len(lines) == 3, lines
-    assert "bad frame prefix" in lines[0] and "(100 frames refused so far" in lines[2], lines
+    assert "bad frame prefix" in lines[0] and "(100 frames refused from peers without the secret so far" in lines[2]
     store.close()
+
+
+def test_a_misconfigured_peer_is_logged_whatever_strangers_sent_before(caplog):
+    """Refusals shared one 1st/10th/100th counter: after a stranger's 150 frames, a peer with
+    the secret but another namespace (its 1st refusal, the node's 151st) was never logged."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    other = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], kvtier.Namespace("another-model"))
+    with caplog.at_level("WARNING", logger="kvtier.node"), kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        hammer(node, 150, b"\0" * PREFIX_BYTES)
+        with PeerClient.for_store(other, node.address, SECRET, timeout=5) as c, pytest.raises(PeerError):
+            c.has(other.keys(list(range(LAYOUT.block_tokens))))
+    lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
+    assert any("another namespace" in m for m in lines), lines
+    store.close()
+    other.close()
 
 
 def test_an_http_client_at_a_node_port_is_told_so(caplog):

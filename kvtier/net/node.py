@@ -78,6 +78,9 @@ class Node:
         self.address = ""
         self.refused = 0          # frames refused (bad MAC, stale, replayed, malformed, other namespace)
         self.refused_frames = 0   # of them, frames (logged sparsely: a stranger's loop must not flood the log)
+        # ... counted apart for peers without the secret and with it, so a stranger's flood
+        # cannot hide a misconfigured peer's refusals from the log, nor the other way round
+        self._refused_by_kind = {"without the secret": 0, "with the secret": 0}
         self.failed_handshakes = 0    # TLS handshakes that failed (logged sparsely too)
         self.served = 0           # requests answered
         self._finds = asyncio.Semaphore(MAX_FINDS)    # (bound to the node's loop at first use)
@@ -312,9 +315,12 @@ class Node:
         except FrameError as e:
             self.refused += 1
             self.refused_frames += 1
-            if _sparse(self.refused_frames):
+            kind = "with the secret" if holds_secret else "without the secret"
+            self._refused_by_kind[kind] += 1
+            n = self._refused_by_kind[kind]
+            if _sparse(n):
                 log.warning("node %s: refused a frame: %s%s", self.address, e,
-                            _so_far(self.refused_frames, "frames refused"))
+                            _so_far(n, f"frames refused from peers {kind}"))
             try:
                 if not holds_secret:
                     if isinstance(e, ForeignProtocol) and e.http:     # curl: an answer it shows
