@@ -77,9 +77,9 @@ class Node:
         check_advertised(self._host, directory is not None and directory.publishes, advertise)
         self.address = ""
         self.refused = 0          # frames refused (bad MAC, stale, replayed, malformed, other namespace)
-        self.refused_frames = 0   # of them, frames (logged sparsely: a stranger's loop must not flood the log)
-        # ... counted apart for peers without the secret and with it, so a stranger's flood
-        # cannot hide a misconfigured peer's refusals from the log, nor the other way round
+        # Of them, frames, logged sparsely (a stranger's loop must not flood the log) and
+        # counted apart for peers without the secret and with it, so a stranger's flood
+        # cannot hide a misconfigured peer's refusals from the log, nor the other way round.
         self._refused_by_kind = {"without the secret": 0, "with the secret": 0}
         self.failed_handshakes = 0    # TLS handshakes that failed (logged sparsely too)
         self.served = 0           # requests answered
@@ -314,7 +314,6 @@ class Node:
                 self.served += 1
         except FrameError as e:
             self.refused += 1
-            self.refused_frames += 1
             kind = "with the secret" if holds_secret else "without the secret"
             self._refused_by_kind[kind] += 1
             n = self._refused_by_kind[kind]

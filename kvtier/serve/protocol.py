@@ -154,9 +154,9 @@ def _unsupported(body: dict, chat: bool) -> None:
     if body.get("tools") or body.get("functions"):
         raise bad("tools are not supported by this server", "tools", "unsupported")
     # what would change the answer if honoured: sent with its no-op value it is fine
-    for name, neutral, fix in _NEUTRAL + (_NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION):
+    for name, neutral, boolean, fix in _NEUTRAL_BY_ROUTE[chat]:
         v = body.get(name)
-        if v is not None and (isinstance(v, bool) != any(isinstance(x, bool) for x in neutral) or v not in neutral):
+        if v is not None and (isinstance(v, bool) != boolean or v not in neutral):
             raise bad(f"{name} is not supported by this server ({fix}), got {short_repr(v)}", name, "unsupported")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
@@ -200,6 +200,11 @@ _NEUTRAL_CHAT: tuple[tuple[str, tuple, str], ...] = (
     ("continue_final_message", (False,), "a final assistant message is not continued: leave it out or false"),
     ("documents", ([],), "leave it out or empty"),
 )
+# Per route (chat or not), each field with whether its neutral values are booleans (a bool
+# is never taken for 0 or 1, nor 0 or 1 for a bool): built once, not per request.
+_NEUTRAL_BY_ROUTE = {chat: tuple((name, neutral, any(isinstance(x, bool) for x in neutral), fix)
+                                 for name, neutral, fix in _NEUTRAL + extra)
+                     for chat, extra in ((False, _NEUTRAL_COMPLETION), (True, _NEUTRAL_CHAT))}
 
 
 def _common(body: Any, max_tokens_names: tuple[str, ...], chat: bool) -> GenerationRequest:
