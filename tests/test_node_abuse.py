@@ -23,6 +23,7 @@ import torch
 
 import kvtier
 from kvtier.net import NodeLimits, PeerClient, PeerError, Tls
+from kvtier.errors import ConfigError
 from kvtier.net import frames
 from kvtier.net.frames import MAX_HEADER, PREFIX_BYTES, Frame, decode, read_prefix
 from kvtier.net.tls import throwaway_cert as _throwaway_cert
@@ -426,6 +427,21 @@ def test_an_http_client_at_a_node_port_is_told_so(caplog):
     assert b"kvtier node port" in body and f"Content-Length: {len(body)}".encode() in head
     lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
     assert "an HTTP request" in lines[0] and "secret" not in lines[0], lines
+    store.close()
+
+
+def test_a_redis_directory_pointed_at_a_node_port_is_told_so(caplog):
+    """`--directory redis://NODE` read "Redis unreachable (timeout)": the node answers a Redis
+    command with a RESP error, and the directory calls it a setting to fix at once."""
+    pytest.importorskip("redis")
+    from kvtier.net.directory import RedisDirectory
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    with caplog.at_level("WARNING", logger="kvtier.node"), kvtier.Node(store, "127.0.0.1:0", SECRET) as node:
+        with pytest.raises(ConfigError, match="kvtier node's port, not Redis") as e:
+            RedisDirectory(f"redis://{node.address}", timeout=5)
+    assert "--peers" in str(e.value)
+    lines = [r.getMessage() for r in caplog.records if "refused a frame" in r.getMessage()]
+    assert "a Redis command" in lines[0], lines
     store.close()
 
 

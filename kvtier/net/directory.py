@@ -23,6 +23,7 @@ from kvtier.ids import BlockKey as Key
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.throttle import Throttle
 from kvtier.net.address import parse_address
+from kvtier.net.frames import RESP_NODE_PORT
 from kvtier.net.health import Health
 
 log = logging.getLogger("kvtier.directory")
@@ -314,8 +315,12 @@ class RedisDirectory(Directory):
         except self._auth as e:
             self.r.close()
             raise ConfigError(f"{self.health.what} refused the credentials: {self._why(e)}") from None
-        except self._errors:
-            pass  # not answering yet: calls retry with backoff (logged at the first)
+        except self._errors as e:
+            if RESP_NODE_PORT in str(e):        # a node's answer to a Redis command (kvtier.net.frames)
+                self.r.close()
+                raise ConfigError(f"{self.url} is a kvtier node's port, not Redis: give --directory the Redis "
+                                  "server's URL (a node's address goes in --peers)") from None
+            # otherwise not answering yet: calls retry with backoff (logged at the first)
         self._lookup = self.r.register_script(_LOOKUP)
         self._add = self.r.register_script(_ADD)
         self._forget = self.r.register_script(_FORGET)

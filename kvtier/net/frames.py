@@ -20,6 +20,7 @@ import functools
 import hashlib
 import hmac
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ _HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", 
 _HTTP_BODY = b"this is a kvtier node port: it speaks kvtier's frame protocol between nodes, not HTTP\n"
 HTTP_REFUSAL = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(_HTTP_BODY), _HTTP_BODY))
+# What a node answers a Redis client (a --directory URL pointed at a node's port): a RESP
+# error, so redis-py raises it as the server's message instead of waiting out its timeout.
+RESP_NODE_PORT = "this is a kvtier node port, not Redis"
+RESP_REFUSAL = b"-ERR " + RESP_NODE_PORT.encode() + b": point --directory at the Redis server\r\n"
+_RESP_COMMAND = re.compile(rb"\*[0-9]{1,9}\r\n\$")       # a RESP array of bulk strings: a Redis command
 MAX_HEADER = 4 << 20            # a 128k-token prompt at 16 tokens a block: ~200 KiB of keys
 MAX_KEYS = 1 << 16
 MAX_AGE_S = 30.0                # a frame older (or further ahead) than this is stale
@@ -71,12 +77,13 @@ class FrameError(KvtierError):
 
 
 class ForeignProtocol(FrameError):
-    """Bytes of another protocol (HTTP, TLS, SSH) where a frame was due; `http` says the
-    peer spoke HTTP (a node answers it HTTP_REFUSAL)."""
+    """Bytes of another protocol (HTTP, TLS, SSH, Redis) where a frame was due; `reply` is
+    what a node answers such a client in its own protocol (HTTP_REFUSAL, RESP_REFUSAL), or
+    None for the plain REFUSAL."""
 
-    def __init__(self, message: str, http: bool) -> None:
+    def __init__(self, message: str, reply: bytes | None = None) -> None:
         super().__init__(message)
-        self.http = http
+        self.reply = reply
 
 
 def foreign_protocol(prefix: bytes) -> ForeignProtocol | None:
@@ -84,16 +91,31 @@ def foreign_protocol(prefix: bytes) -> ForeignProtocol | None:
     if prefix.startswith(_HTTP_METHODS):
         return ForeignProtocol("an HTTP request, not a kvtier frame: a node's port speaks kvtier's frame "
                                "protocol between nodes (the OpenAI API is on `kvtier serve`'s or the "
-                               "router's port)", http=True)
+                               "router's port)", reply=HTTP_REFUSAL)
     if prefix.startswith(b"HTTP/"):
         return ForeignProtocol("an HTTP response, not a kvtier frame: the address dialled is an HTTP "
-                               "server (`kvtier serve` or the router?), not a kvtier node", http=False)
+                               "server (`kvtier serve` or the router?), not a kvtier node")
     if prefix[:1] == b"\x16" and prefix[1:2] == b"\x03":
         return ForeignProtocol("a TLS handshake, not a kvtier frame: the peer speaks TLS to a plain node "
-                               "(give both ends the same --tls setting)", http=False)
+                               "(give both ends the same --tls setting)")
     if prefix.startswith(b"SSH-"):
-        return ForeignProtocol("an SSH greeting, not a kvtier frame: the address is an SSH server", http=False)
+        return ForeignProtocol("an SSH greeting, not a kvtier frame: the address is an SSH server")
+    if _RESP_COMMAND.match(prefix):
+        return ForeignProtocol("a Redis command, not a kvtier frame: a --directory URL points at this node's "
+                               "port instead of the Redis server", reply=RESP_REFUSAL)
+    if prefix.startswith((b"-ERR", b"-WRONGPASS", b"-NOAUTH", b"+OK", b"+PONG")):
+        return ForeignProtocol("a Redis reply, not a kvtier frame: the address dialled is a Redis server "
+                               "(the directory?), not a kvtier node")
     return None
+
+
+def foreign_start(start: bytes) -> ForeignProtocol | None:
+    """foreign_protocol of a prefix's first bytes, before all have come: only where they
+    cannot begin a frame (whose first byte is 0: its header length is below 2**24)."""
+    return foreign_protocol(start) if start[:1] not in (b"", b"\0") else None
+
+
+assert MAX_HEADER < 1 << 24, "foreign_start takes a prefix whose first byte is not 0 for another protocol"
 
 
 def check_secret(secret: object) -> bytes:

@@ -34,7 +34,7 @@ from kvtier.net.accept import accept_forever, raise_open_files_limit
 from kvtier.net.address import format_address, is_unspecified, listen_infos, parse_address
 from kvtier.net.directory import Directory
 from kvtier.net.publisher import Publisher
-from kvtier.net.frames import (HTTP_REFUSAL, MAX_KEYS, REFUSAL, REQUESTS, ForeignProtocol, Frame, FrameError,
+from kvtier.net.frames import (MAX_KEYS, REFUSAL, REQUESTS, ForeignProtocol, Frame, FrameError,
                                Prefix, check_secret, decode, read_prefix, request_seconds)
 from kvtier.net.limits import Gate, NodeLimits, Waiting
 from kvtier.net.replay import ReplayGuard
@@ -253,7 +253,7 @@ class Node:
         # the cluster secret but another tenant's salt would build this tenant's keys from it).
         reply_ns = b""
         # Whether the peer's prefix tag verified (it holds the secret, or replays a frame of one
-        # who does): a peer whose prefix fails gets frames.REFUSAL (an HTTP client: HTTP_REFUSAL),
+        # who does): a peer whose prefix fails gets frames.REFUSAL (an HTTP or Redis client: an answer in its protocol),
         # not an ERR it could send back as a frame of its own (and a reply sent back is refused
         # before the replay table).
         holds_secret = False
@@ -322,8 +322,8 @@ class Node:
                             _so_far(n, f"frames refused from peers {kind}"))
             try:
                 if not holds_secret:
-                    if isinstance(e, ForeignProtocol) and e.http:     # curl: an answer it shows
-                        await asyncio.wait_for(conn.send(HTTP_REFUSAL), self.request_timeout)
+                    if isinstance(e, ForeignProtocol) and e.reply:    # curl, redis-py: an answer they show
+                        await asyncio.wait_for(conn.send(e.reply), self.request_timeout)
                         conn.discard_unread()
                     else:
                         await asyncio.wait_for(conn.send(REFUSAL), self.request_timeout)

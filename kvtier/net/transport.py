@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.net.frames import MAC_BYTES, PREFIX_BYTES
+from kvtier.net.frames import MAC_BYTES, PREFIX_BYTES, foreign_start
 
 T = TypeVar("T")
 
@@ -111,7 +111,17 @@ class TcpServerConn:
         return await within(self._head(prefix, got, check), max(0.0, deadline - self.loop.time()))
 
     async def _head(self, prefix: bytearray, got: int, check: Check) -> tuple[bytes, bytes, bytes]:
-        await self._fill(memoryview(prefix)[got:])
+        view = memoryview(prefix)
+        while got < PREFIX_BYTES:
+            # A Redis client's first command (HELLO 3: 23 bytes) is shorter than a prefix: name
+            # it as soon as its bytes show it, instead of waiting out the client's timeout.
+            foreign = foreign_start(bytes(prefix[:got]))
+            if foreign is not None:
+                raise foreign
+            k = await self.loop.sock_recv_into(self.sock, view[got:])
+            if k == 0:
+                raise EOFError
+            got += k
         head = bytes(prefix)
         body = bytearray(check(head))       # allocated only once the prefix's tag verified
         await self._fill(memoryview(body))
