@@ -1,6 +1,10 @@
 """The UCX transport (ucxx): blocks cross node processes byte-exact; faults cost misses, never hangs."""
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -8,6 +12,7 @@ import torch
 
 import kvtier
 from tests.conftest import REPO, payload
+from kvtier.net import PeerClient, PeerError
 from tests.test_node import LAYOUT, NODE, NS, SECRET, assert_each_fetched, fetch
 
 pytest.importorskip("ucxx", reason="ucxx is not installed: pip install 'kvtier[ucx]' to test the UCX transport")
@@ -103,3 +108,120 @@ def test_stalled_ucx_peer_costs_a_miss_within_the_timeout(spawn):
     finally:
         proc.send_signal(signal.SIGCONT)
     store.close()
+
+
+# A fresh process (no UCX state from other tests) that opens, uses and closes UCX stores one
+# after another, and prints its descriptors and threads before and after each.
+STORES_OPENED_AND_CLOSED = r"""
+import json, os, sys, threading, time, torch, kvtier
+sys.path.insert(0, {repo!r})
+from tests.test_node import LAYOUT, NS, SECRET
+
+def counts():
+    deadline = time.monotonic() + 5     # a store's pool threads take a moment to end
+    while True:
+        c = dict(fds=len(os.listdir("/proc/self/fd")), tasks=len(os.listdir("/proc/self/task")),
+                 threads=sorted(t.name for t in threading.enumerate()))
+        if len(c["threads"]) == 1 or time.monotonic() > deadline:
+            return c
+        time.sleep(0.05)
+
+rows = [counts()]
+for _ in range(3):
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS,
+                         remote=kvtier.Remote([{addr!r}], SECRET, timeout=5.0, transport="ucx"))
+    keys = store.keys([1] * 32)
+    out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    assert store.lookup(keys).blocks == 4 and store.get(keys, out).loaded == 4
+    store.close()
+    rows.append(counts())
+print(json.dumps(rows))
+"""
+
+
+def test_closing_the_last_ucx_store_gives_back_its_threads_and_descriptors(spawn):
+    """ucxx's context and worker (19 descriptors, a `kvtier-ucx` thread and ucxx's own threads
+    here) stayed for the process's life after its stores closed; now the last close frees
+    them, every time: nothing is left, and nothing builds up store after store."""
+    _, addr = spawn(seeds=[1])
+    r = subprocess.run([sys.executable, "-c", STORES_OPENED_AND_CLOSED.format(repo=str(REPO), addr=addr)],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    before, *after = json.loads(r.stdout.splitlines()[-1])
+    for row in after:
+        assert row == before, (before, after)      # descriptors, OS threads, Python threads (no kvtier-ucx)
+
+
+def test_a_killed_ucx_node_is_unreachable_at_once_not_a_timeout(spawn):
+    """A node killed with SIGKILL: each call to it fails as over TCP, at once and naming the
+    refused connection, rather than waiting out its deadline (ucxx's connect missed the
+    refusal when it came as its handshake was posted, and every call then took the deadline)."""
+    proc, addr = spawn(seeds=[1])
+    seed = kvtier.keys.Keyer(NS, LAYOUT).seed
+    keys = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS).keys([1] * 32)
+    out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8).numpy()
+    warm = PeerClient(addr, SECRET, seed, LAYOUT.block_bytes, 5.0, transport="ucx")
+    assert warm.get(keys, out) == 4
+    proc.kill()
+    proc.wait()
+    clients = [warm] + [PeerClient(addr, SECRET, seed, LAYOUT.block_bytes, 5.0, transport="ucx") for _ in range(4)]
+    for c in clients:                      # a kept connection, then fresh ones
+        t = time.monotonic()
+        with pytest.raises(PeerError) as e:
+            c.get(keys, out)
+        assert "connection refused" in e.value.reason or "reset" in e.value.reason, e.value.reason
+        assert not e.value.refused          # unreachable, not "refusing requests"
+        assert time.monotonic() - t < 2.5   # generous: half the 5 s deadline it used to take
+        c.close()
+
+
+def test_a_request_that_timed_out_does_not_break_later_ucx_connections(spawn):
+    """ucxx queues an active-message receive by its endpoint's UCP handle and keeps a
+    cancelled one; once that endpoint was freed, UCX gave its handle to the next endpoint, whose
+    first reply the stale receive took: after one request to a frozen node timed out, every
+    later request of the process, to healthy nodes on fresh connections, timed out too."""
+    frozen, a = spawn(seeds=[1])
+    _, b = spawn(seeds=[1])
+    seed = kvtier.keys.Keyer(NS, LAYOUT).seed
+    keys = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS).keys([1] * 32)
+    c = PeerClient(a, SECRET, seed, LAYOUT.block_bytes, 1.0, transport="ucx")
+    assert c.has(keys) == 4
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        wait_stopped(frozen.pid)
+        with pytest.raises(PeerError):
+            c.has(keys)                     # times out, its receive left waiting
+        c.close()
+        for _ in range(3):
+            healthy = PeerClient(b, SECRET, seed, LAYOUT.block_bytes, 2.0, transport="ucx")
+            assert healthy.has(keys) == 4
+            healthy.close()
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+
+
+def wait_stopped(pid: int) -> None:
+    """Until process `pid` is stopped (SIGSTOP takes effect when the kernel next schedules it)."""
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the node did not stop"
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ucx_error_lines_for_a_dead_peer_stay_off_stdout():
+    """UCX logs to stdout: each failed connect printed a `UCXX ERROR ... endpoint error
+    callback` line there, into machine-readable output. They go to stderr now."""
+    code = (f"import kvtier\nfrom kvtier.net import PeerClient, PeerError\n"
+            f"c = PeerClient('127.0.0.1:{free_port()}', {SECRET!r}, bytes(16), 64, 2.0, transport='ucx')\n"
+            "for _ in range(3):\n    try:\n        c.has([b'k' * 32])\n    except PeerError:\n        pass\n"
+            "c.close()\nprint('done')\n")
+    env = {k: v for k, v in ENV.items() if k != "UCX_LOG_FILE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "done\n", r.stdout

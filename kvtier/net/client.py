@@ -28,6 +28,7 @@ from kvtier.net.tls import Tls, check_tls
 from kvtier.net.transport import Channel, TcpChannel, check_transport
 
 if TYPE_CHECKING:
+    from kvtier.net.ucx import Lease
     from kvtier.store import Store
 
 _VERIFY = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
@@ -77,6 +78,13 @@ class PeerClient:
         self._ssl = self.tls.client_context() if self.tls is not None else None
         self.secret, self.ns, self.block_bytes, self.timeout = bytes(secret), bytes(ns), block_bytes, timeout
         self._chan: Channel | None = None
+        # UCX: a hold on the process's UCX runtime until close() (ucx.Lease), taken now so its
+        # start is not in a call's deadline, and so a connection dropped after a failure does
+        # not stop and restart it.
+        self._ucx: Lease | None = None
+        if self.transport == "ucx":
+            from kvtier.net.ucx import Lease
+            self._ucx = Lease()
         self._lock = threading.Lock()
         # A request waits its turn behind this client's earlier one (pushes and fetches queue);
         # with wait_busy=False (lookups) it waits only until its own deadline, then is a
@@ -89,8 +97,13 @@ class PeerClient:
         return cls(address, secret, store.keyer.seed, store.layout.block_bytes, **kw)   # type: ignore[arg-type]
 
     def close(self) -> None:
+        """Close the connection (a later call opens another); over UCX, let go of the UCX
+        runtime too: the last holder's close gives its threads and descriptors back."""
         with self._lock:
             self._drop()
+            if self._ucx is not None:
+                self._ucx.release()
+                self._ucx = None
 
     def __enter__(self) -> PeerClient:
         return self
@@ -106,7 +119,9 @@ class PeerClient:
     def _channel(self) -> Channel:
         if self._chan is None:
             if self.transport == "ucx":
-                from kvtier.net.ucx import UcxChannel
+                from kvtier.net.ucx import Lease, UcxChannel
+                if self._ucx is None:
+                    self._ucx = Lease()
                 self._chan = UcxChannel(self._addr)
             else:
                 self._chan = TcpChannel(self._addr, self._ssl)

@@ -6,15 +6,28 @@ active message (so the receiver learns its size without a length round trip), an
 block row as one tagged message, sent straight from slot memory and received straight
 into the destination row. Tagged messages on one endpoint arrive in order, so rows match
 the header's order; a failed or timed-out call aborts the endpoint (its pending receives
-are cancelled before the caller gets its miss) and the next call connects afresh.
+are cancelled before the caller gets its miss) and the next call connects afresh. An
+endpoint whose reply never came is kept open instead, never freed (_quarantine: ucxx cannot
+cancel an active-message receive, and a freed endpoint's stale receive took a later
+endpoint's first reply).
 
 ucxx keeps one worker per process whose progress is tied to one asyncio loop, so all UCX
 work of a process (a node's listener and every client channel) runs on one loop thread
-here; blocking callers wait on it with a deadline, never longer.
+here; blocking callers wait on it with a deadline, never longer. That runtime (ucxx's
+context and worker: 19 file descriptors and three threads here) runs while something holds
+a Lease on it (a PeerClient, a channel with an endpoint, a node's listener) and is given
+back when the last lets go, so closing the last UCX store leaves nothing behind; except
+where ucxx itself can no longer free its worker (a receive left waiting: _left_waiting),
+then it stays, once, for the process's life.
+
+A dead peer fails a call at once, as over TCP: a request in flight is cancelled by ucxx when
+its endpoint fails, and a connection is watched through its endpoint's close callback (ucxx's
+own connect waited out its whole timeout when the refusal came as it posted its handshake).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
@@ -37,6 +50,9 @@ def require_ucxx() -> Any:
     # ucxx sets UCX variables its UCX build does not use, and UCX warns about them on
     # stdout, which corrupts machine-readable output: silence that one warning by default.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # UCX (and ucxx, through it) logs to stdout: a dead peer's "UCXX ERROR ... endpoint
+    # error callback" line landed in `--json` output. Its log goes to stderr instead.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     try:
         import ucxx
     except ImportError as e:
@@ -44,27 +60,171 @@ def require_ucxx() -> Any:
     return ucxx
 
 
-class _Loop:
-    """The process's UCX event loop, on a daemon thread of its own (started on first use)."""
+class _Runtime:
+    """The process's UCX runtime: an event loop on a daemon thread of its own, and ucxx's
+    context and worker, which live on that loop. Counted (Lease): started by the first
+    holder, given back (ucxx reset, the loop and its thread stopped) when the last lets go,
+    unless it is kept (`kept` says why) for the process's life, because ucxx cannot free its
+    worker any more (keep()), or `run()` was called from outside this module (the caller may
+    hold ucxx objects of its own, e.g. the transport benchmark's raw endpoints)."""
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _holders = 0
+    kept: str | None = None
 
     @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
+    def loop(cls, pin: bool = False) -> asyncio.AbstractEventLoop:
+        """The running loop, started if need be; `pin`: keep it for the process's life."""
         with cls._lock:
-            if cls._loop is None:
-                require_ucxx()
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="kvtier-ucx", daemon=True).start()
-                cls._loop = loop
-            return cls._loop
+            if pin:
+                cls.keep("ucx.run() was called from outside kvtier.net.ucx")
+            return cls._start()
+
+    @classmethod
+    def keep(cls, why: str) -> None:
+        """Never give the runtime back (no lock: called on the UCX loop, also while
+        release() waits on it). Starting another context after it would add one per cycle."""
+        if cls.kept is None:
+            cls.kept = why
+            log.debug("UCX runtime kept for the process: %s", why)
+
+    @classmethod
+    def acquire(cls) -> None:
+        with cls._lock:
+            cls._start()
+            cls._holders += 1
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._holders -= 1
+            if cls._holders == 0 and cls.kept is None and threading.current_thread() is not cls._thread:
+                cls._stop()
+
+    @classmethod
+    def _start(cls) -> asyncio.AbstractEventLoop:
+        if cls._loop is None:
+            require_ucxx()
+            loop = asyncio.new_event_loop()
+            cls._thread = threading.Thread(target=loop.run_forever, name="kvtier-ucx", daemon=True)
+            cls._thread.start()
+            cls._loop = loop
+            # ucxx's context and worker now (0.1-0.4 s here), not in the first call's deadline.
+            asyncio.run_coroutine_threadsafe(_create_context(), loop).result(STOP_SECONDS)
+        return cls._loop
+
+    @classmethod
+    def _stop(cls) -> None:
+        loop, thread = cls._loop, cls._thread
+        if loop is None or thread is None:
+            return
+        cls._loop = cls._thread = None
+        _settle(loop, _reset())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(STOP_SECONDS)
+        if not thread.is_alive():
+            loop.close()
+        # ucxx's progress task and the loop reference each other (it patches loop.close with a
+        # partial bound to the task): the worker, its progress thread and its descriptors would
+        # wait for a garbage collection (0.1 s here, with torch loaded). Undone, they go now.
+        vars(loop).pop("close", None)
+        del loop
+
+
+STOP_SECONDS = 5.0
+
+
+def _settle(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro` on `loop` for at most STOP_SECONDS; its failure is logged, not raised."""
+    try:
+        asyncio.run_coroutine_threadsafe(coro, loop).result(STOP_SECONDS)
+    except Exception as e:
+        log.debug("stopping the UCX runtime: %s", e)
+
+
+async def _create_context() -> None:
+    """Have ucxx make its context and worker, bound to this (the running) loop."""
+    require_ucxx().get_ucp_worker()
+
+
+async def _reset() -> None:
+    """Have ucxx drop its context and worker (it raises if endpoints still reference them:
+    then they live as long as those do, and the next start makes new ones)."""
+    require_ucxx().reset()
+
+
+async def _am_recv(conn: Any) -> Any:
+    """The next active message on `conn.ep`; `conn.receiving` says whether one is awaited
+    (it stays True when the receive failed), for its close() to call _left_waiting()."""
+    ep = conn.ep
+    raw = getattr(ep, "_ep", ep)        # ucxx's low-level endpoint (None once aborted)
+    if raw is None or (not raw.alive and not raw.am_probe()):
+        # Closed and nothing arrived: ucxx raises as well, but fail here, sure that nothing
+        # is queued (a message that did arrive before the close is still received).
+        raise _endpoint_error(ep) or ConnectionResetError(
+            errno.ECONNRESET, "Connection reset by peer (UCX: the endpoint closed)")
+    conn.receiving = True
+    msg = await _io(ep.am_recv(), ep)
+    conn.receiving = False
+    return msg
+
+
+# Client endpoints closed while a reply was awaited, kept open for the process's life (see
+# _quarantine); their count bounds what that costs.
+_QUARANTINED: list[Any] = []
+
+
+def _quarantine(ep: Any) -> None:
+    """Keep `ep` (whose reply never came) from ever being closed or freed. ucxx queues an
+    active-message receive by the endpoint's UCP handle and a cancelled one stays queued;
+    once the endpoint is freed UCX hands that handle to the next endpoint, whose first reply
+    the stale receive then takes and drops: that endpoint's request times out, leaves a stale
+    receive of its own, and so on. Measured: after one request to a frozen node timed out,
+    every later request of the process, to healthy nodes too, timed out. A peer that
+    answers late answers into the stale receive; a dead one leaves a failed endpoint."""
+    _QUARANTINED.append(ep)
+    if len(_QUARANTINED) in (1, 10, 100, 1000) or len(_QUARANTINED) % 10_000 == 0:
+        log.info("%d UCX endpoint(s) kept open after a peer failed mid-request (ucxx cannot cancel an "
+                 "active-message receive; freeing the endpoint would lose a later reply)", len(_QUARANTINED))
+
+
+def _left_waiting() -> None:
+    """An endpoint closes with an active-message receive it never got. ucxx keeps that
+    receive in its worker's queue of receives waiting for a message, and the queued request
+    holds the worker (ucxx 0.52, Worker::getAmRecv: only a message arriving for that endpoint
+    takes it out), so that worker can never be freed: keep the runtime for the process then,
+    rather than start another beside it on the next use."""
+    _Runtime.keep("an endpoint closed with an active-message receive pending (a peer failed or timed out "
+                  "mid-request, or a node stopped with peers connected): ucxx's worker cannot be freed")
+
+
+class Lease:
+    """A hold on the process's UCX runtime: it runs while any lease is held. `release()`
+    once done (later calls do nothing)."""
+
+    def __init__(self) -> None:
+        _Runtime.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            _Runtime.release()
 
 
 def run(coro: Coroutine[Any, Any, T], deadline: float | None) -> T:
     """Run `coro` on the UCX loop and wait for it until `deadline` (time.monotonic());
-    past it the coroutine is cancelled and TimeoutError (an OSError) raised."""
-    fut = asyncio.run_coroutine_threadsafe(coro, _Loop.get())
+    past it the coroutine is cancelled and TimeoutError (an OSError) raised. For callers
+    outside this module: the runtime then stays up for the process (see _Runtime)."""
+    return _run(coro, deadline, _Runtime.loop(pin=True))
+
+
+def _run(coro: Coroutine[Any, Any, T], deadline: float | None,
+         loop: asyncio.AbstractEventLoop | None = None) -> T:
+    """run() for this module's own calls, made under a Lease: they do not pin the runtime."""
+    fut = asyncio.run_coroutine_threadsafe(coro, loop or _Runtime.loop())
     try:
         return fut.result(None if deadline is None else max(1e-3, deadline - time.monotonic()))
     except FutureTimeout:
@@ -72,14 +232,55 @@ def run(coro: Coroutine[Any, Any, T], deadline: float | None) -> T:
         raise TimeoutError("the UCX peer did not answer in time") from None
 
 
-async def _io(aw: Awaitable[T]) -> T:
-    """Await a ucxx operation, its errors (own exception types) turned into OSError."""
+# ucxx's errors for a peer that went away, as the OSError a socket raises for the same
+# event, so a client's reason reads as over TCP ("connection refused") and the remote tier
+# marks the peer unreachable: errno and message by ucxx's exception name.
+_PEER_GONE = {
+    "UCXXConnectionResetError": (errno.ECONNRESET, "Connection reset by peer"),
+    "UCXXNotConnectedError": (errno.ECONNREFUSED, "Connection refused (UCX: endpoint not connected)"),
+    "UCXXRejectedError": (errno.ECONNREFUSED, "Connection refused (UCX: rejected)"),
+    "UCXXUnreachableError": (errno.EHOSTUNREACH, "No route to host (UCX: unreachable)"),
+    "UCXXEndpointTimeoutError": (errno.ETIMEDOUT, "Connection timed out (UCX: endpoint timeout)"),
+}
+
+
+def _as_oserror(e: Exception) -> OSError:
+    """A ucxx exception as an OSError (its errno where it says the peer went away)."""
+    known = _PEER_GONE.get(type(e).__name__)
+    if known is not None:
+        return OSError(*known)      # ConnectionResetError, ConnectionRefusedError, ...
+    return OSError(f"UCX: {type(e).__name__}: {e}")
+
+
+def _refused(e: Exception) -> OSError:
+    """A connection whose handshake failed (not timed out): the node did not take it."""
+    return ConnectionRefusedError(errno.ECONNREFUSED, f"Connection refused (UCX: {e})")
+
+
+def _endpoint_error(ep: Any) -> OSError | None:
+    """Why `ep` (a ucxx Endpoint or its low-level UCXEndpoint) failed, if it did: ucxx
+    reports a request cancelled by its endpoint's failure only as "Request canceled"."""
+    raw = getattr(ep, "_ep", ep)
+    if raw is None:
+        return None
+    try:
+        raw.raise_on_error()
+    except Exception as e:
+        return _as_oserror(e)
+    if not raw.alive:       # closed by its error callback before the error was recorded
+        return ConnectionResetError(errno.ECONNRESET, "Connection reset by peer (UCX: the endpoint closed)")
+    return None
+
+
+async def _io(aw: Awaitable[T], ep: Any = None) -> T:
+    """Await a ucxx operation on endpoint `ep`, its errors (own exception types) turned into
+    OSError: the endpoint's own error where it has one (the peer went away)."""
     try:
         return await aw
     except (FrameError, OSError, EOFError, asyncio.CancelledError):
         raise
     except Exception as e:      # UCXXError and its subclasses, RuntimeError from ucxx's handshake
-        raise OSError(f"UCX: {type(e).__name__}: {e}") from None
+        raise (_endpoint_error(ep) if ep is not None else None) or _as_oserror(e) from None
 
 
 def _split_head(msg: Any, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
@@ -102,13 +303,14 @@ class UcxServerConn:
 
     def __init__(self, ep: Any) -> None:
         self.ep = ep
+        self.receiving = False      # an active-message receive is posted (see _am_recv)
 
     async def recv_head(self, deadline: float | None, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         # A head is one message: its deadline (if any) bounds all of it.
         loop = asyncio.get_running_loop()
         try:
-            msg = await _io(self.ep.am_recv()) if deadline is None else \
-                await asyncio.wait_for(_io(self.ep.am_recv()), max(0.0, deadline - loop.time()))
+            msg = await _am_recv(self) if deadline is None else \
+                await asyncio.wait_for(_am_recv(self), max(0.0, deadline - loop.time()))
         except OSError:
             if deadline is None:
                 raise EOFError from None     # the peer closed between requests
@@ -116,21 +318,23 @@ class UcxServerConn:
         return _split_head(msg, check)
 
     async def send(self, head: bytes) -> None:
-        await _io(self.ep.am_send(head))
+        await _io(self.ep.am_send(head), self.ep)
 
     async def send_rows(self, rows: Sequence[np.ndarray]) -> None:
         # Speed: every row is posted at once (straight from slot memory) so UCX pipelines them.
-        await asyncio.gather(*(_io(self.ep.send(r)) for r in rows))
+        await asyncio.gather(*(_io(self.ep.send(r), self.ep) for r in rows))
 
     async def recv_rows(self, buf: np.ndarray) -> None:
         # Bounded by the node's deadline per request (frames.request_seconds: it grows with the
         # bytes), as over TCP; a fixed request timeout here cut off PUTs of over ~1 GB.
-        await asyncio.gather(*(_io(self.ep.recv(buf[i])) for i in range(len(buf))))
+        await asyncio.gather(*(_io(self.ep.recv(buf[i]), self.ep) for i in range(len(buf))))
 
     def discard_unread(self) -> None:
         pass        # messages, not a byte stream: nothing unread makes close() a reset
 
     def close(self) -> None:
+        if self.receiving:
+            _left_waiting()
         _abort(self.ep)
 
 
@@ -146,11 +350,17 @@ def every_interface_warning(host: str, port: int) -> str | None:
 class UcxServer:
     """A UCX listener that hands each connecting peer to `node.serve` (on the UCX loop).
     UCX listens on every interface at `port` (logged as a warning); `host` is only the
-    advertised address."""
+    advertised address. Holds the UCX runtime until closed."""
 
     def __init__(self, node: Any, host: str, port: int) -> None:
         self.node = node
-        self.listener = run(self._listen(port), time.monotonic() + 30)
+        self.conns: set[UcxServerConn] = set()     # being served; touched on the UCX loop only
+        self._lease = Lease()
+        try:
+            self.listener = _run(self._listen(port), time.monotonic() + 30)
+        except BaseException:
+            self._lease.release()
+            raise
         self.address = format_address(host, self.listener.port)
         warning = every_interface_warning(host, self.listener.port)
         if warning:
@@ -160,61 +370,175 @@ class UcxServer:
         ucxx = require_ucxx()
 
         async def handler(ep: Any) -> None:
-            await self.node.serve(UcxServerConn(ep))
+            conn = UcxServerConn(ep)
+            self.conns.add(conn)
+            try:
+                await self.node.serve(conn)
+            finally:
+                self.conns.discard(conn)
 
         return ucxx.create_listener(handler, port=port)
 
     def close(self) -> None:
         async def stop() -> None:
             self.listener.close()
-        run(stop(), time.monotonic() + 5)
+            if self.conns:      # still served on the UCX loop (each waits for its peer's next frame)
+                _left_waiting()
+        try:
+            _run(stop(), time.monotonic() + 5)
+        finally:
+            self._lease.release()
 
 
 # -- calling side -----------------------------------------------------------------------
 class UcxChannel:
-    """The calling side over one UCX endpoint, connected on first use."""
+    """The calling side over one UCX endpoint, connected on first use (holding the UCX
+    runtime from then until closed)."""
 
     def __init__(self, addr: tuple[str, int]) -> None:
         self.addr = addr
         self.ep: Any = None
+        self.receiving = False      # an active-message receive is posted (see _am_recv)
+        self._lease: Lease | None = None
 
     def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
                 check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
-        return run(self._request(head, rows, deadline, check), deadline)
+        if self._lease is None:
+            self._lease = Lease()
+        return _run(self._request(head, rows, deadline, check), deadline)
 
     async def _request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
                        check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         if self.ep is None:
-            ucxx = require_ucxx()
-            self.ep = await _io(ucxx.create_endpoint(
-                self.addr[0], self.addr[1], connect_timeout=max(1e-3, deadline - time.monotonic())))
+            self.ep = await _io(_connect(self.addr, max(1e-3, deadline - time.monotonic())))
         ep = self.ep
-        await _io(ep.am_send(head))
+        await _io(ep.am_send(head), ep)
         if rows is not None:
-            await asyncio.gather(*(_io(ep.send(r)) for r in rows))
-        return _split_head(await _io(ep.am_recv()), check)
+            await asyncio.gather(*(_io(ep.send(r), ep) for r in rows))
+        return _split_head(await _am_recv(self), check)
 
     def recv_rows(self, rows: Sequence[np.ndarray], deadline: float, on_row: Callable[[int], None]) -> None:
-        run(self._recv_rows(rows, on_row), deadline)
+        _run(self._recv_rows(rows, on_row), deadline)
 
     async def _recv_rows(self, rows: Sequence[np.ndarray], on_row: Callable[[int], None]) -> None:
         # Speed: every receive is posted at once, straight into the destination rows;
         # each row is handed to verification as it lands.
+        ep = self.ep
+
         async def one(i: int) -> None:
-            await _io(self.ep.recv(rows[i]))
+            await _io(ep.recv(rows[i]), ep)
             on_row(i)
         await asyncio.gather(*(one(i) for i in range(len(rows))))
 
     def close(self) -> None:
         if self.ep is not None:
             ep, self.ep = self.ep, None
+            if self.receiving:      # its reply never came: never free this endpoint (_left_waiting)
+                _left_waiting()
+                _quarantine(ep)
+                self._release()
+                return
 
             async def stop() -> None:
                 _abort(ep)
             try:
-                run(stop(), time.monotonic() + 5)
+                _run(stop(), time.monotonic() + 5)
             except TimeoutError:
                 pass
+        self._release()
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+async def _connect(addr: tuple[str, int], seconds: float) -> Any:
+    """An endpoint to the node at `addr` (ucxx's Endpoint), made as ucxx.create_endpoint makes
+    it, but failing as soon as UCX reports the connection failed. ucxx's own waited out its
+    whole `connect_timeout` whenever the refusal came as it posted its handshake receive (2 to
+    6 of 8 connects to a dead port, here): every call to a dead node cost its deadline.
+    ucxx's connect itself where its internals are not the ones this was written against."""
+    parts = _ucxx_internals()
+    if parts is None:
+        return await require_ucxx().create_endpoint(addr[0], addr[1], connect_timeout=seconds)
+    api, endpoint_class, exchange_peer_info, hash64bits, get_ctx = parts
+    ctx = get_ctx()
+    ctx.continuous_ucx_progress()
+    raw = api.UCXEndpoint.create(ctx.worker, addr[0], addr[1], True)
+    tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
+    handshake: asyncio.Future[Any] | None = None
+    try:
+        gone = _closed(raw)
+        handshake = asyncio.ensure_future(exchange_peer_info(endpoint=raw, msg_tag=tag, listener=False,
+                                                             connect_timeout=seconds))
+        await asyncio.wait([handshake, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not handshake.done():
+            raise ConnectionError("the endpoint closed")
+        info = handshake.result()
+    except BaseException as e:
+        if handshake is not None:
+            handshake.cancel()
+            handshake.add_done_callback(_retrieve)
+        error = _endpoint_error(raw)
+        _abort_raw(raw)
+        if isinstance(e, asyncio.TimeoutError):
+            raise TimeoutError("the UCX peer did not complete its handshake in time") from None
+        if not isinstance(e, Exception):     # cancelled (the caller's deadline)
+            raise
+        raise error or _refused(e) from None     # the endpoint closed under the handshake
+    raw.remove_close_callback()
+    return endpoint_class(endpoint=raw, ctx=ctx, tags={"msg_send": info["msg_tag"], "msg_recv": tag})
+
+
+def _ucxx_internals() -> tuple[Any, ...] | None:
+    """The ucxx pieces its create_endpoint is made of (ucxx 0.52), or None where they moved."""
+    try:
+        from ucxx._lib import libucxx as api
+        from ucxx._lib_async.endpoint import Endpoint
+        from ucxx._lib_async.exchange_peer_info import exchange_peer_info
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.core import _get_ctx
+    except ImportError:
+        return None
+    return api, Endpoint, exchange_peer_info, hash64bits, _get_ctx
+
+
+def _closed(raw: Any) -> asyncio.Future[None]:
+    """A future done when UCX closes endpoint `raw` (its error callback: the peer refused,
+    reset or is unreachable). ucxx calls the callback on its progress thread."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def closed() -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:        # the loop is closed: nobody waits any more
+            pass
+
+    raw.set_close_callback(closed, None, None)
+    if not raw.alive:       # it failed before the callback was set
+        settle()
+    return fut
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Read a dropped handshake's outcome, so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _abort_raw(raw: Any) -> None:
+    """Close a low-level endpoint (one not yet wrapped in ucxx's Endpoint) at once."""
+    try:
+        raw.close_blocking(period=200_000_000, max_attempts=1)
+        raw.remove_close_callback()
+    except Exception:   # already closed: nothing left to cancel
+        pass
 
 
 def _abort(ep: Any) -> None:
