@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\') vs without, '
                         "on each --spec-prompts kind, at each --batch; --repeat timed runs, interleaved")
     p.add_argument("--spec-prompts", type=choice_list(("tool", "text")), default=None, metavar="LIST",
-                   help="with --speculative: tool (tool lists and earlier JSON calls, then a new call) and/or "
+                   help="with --speculative: tool (tool schemas and a request, then the assistant's call) and/or "
                         "text (free prose) prompts (default tool,text)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
     p.add_argument("--compare-vllm", action="store_true",

@@ -1,56 +1,28 @@
 """`kvtier bench engine --speculative JSON`: decode tokens/s and mean acceptance length with
-speculative decoding vs the same engine without it, in the same run, on tool-call-like
-prompts (JSON calls that repeat names from the prompt, the text prompt lookup is for) and on
-free prose.
+speculative decoding vs the same engine without it, in the same run, on an agent's tool-call
+prompts (a tool list, a request, then the assistant's first call: JSON that copies names and
+values from the prompt) and on free prose (kvtier/bench/spec_text.py).
 
 Both engines are built first and their timed runs alternate (off, on, on, off, ...), so
 load on a shared machine falls on both alike; tokens/s are medians over --repeat runs.
 With a preset's random weights the output never copies the prompt, so n-gram acceptance
 comes only from repetition the model falls into by chance (the figures show speculation's
 cost, not its gain), and a draft model is only meaningful as the target itself (an upper
-bound on acceptance that checks the machinery). A real checkpoint is needed for the gain.
+bound on acceptance that checks the machinery). The gain needs trained weights:
+bench/spec_pair.py trains a target and a draft on the same kinds of text.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import time
-
-TOOLS = ("get_weather", "search_flights", "book_hotel", "send_email", "create_calendar_event",
-         "lookup_customer", "refund_order", "translate_text")
-
-SENTENCES = ("The river ran high after the spring rains, and the ferry waited on the far bank.",
-             "Nobody in the village remembered who had planted the orchard on the hill.",
-             "She read the letter twice before folding it into the pocket of her coat.",
-             "By noon the market square was loud with carts, gulls and arguing traders.",
-             "The old clock in the station had been five minutes slow for thirty years.",
-             "He promised himself that this winter he would finally learn to sail.",
-             "Rain tapped at the window while the kettle began, slowly, to sing.",
-             "The map was wrong about the bridge, but right about almost everything else.")
-
-
-def tool_prompt(i: int) -> str:
-    """A system prompt listing tools and a few earlier calls, then the start of a new call."""
-    tools = "\n".join(f'{{"name": "{t}", "parameters": {{"type": "object", "properties": '
-                      f'{{"id": {{"type": "string"}}, "query": {{"type": "string"}}}}}}}}' for t in TOOLS)
-    calls = "\n".join(json.dumps({"name": TOOLS[(i + j) % len(TOOLS)], "arguments": {"id": f"c{i}-{j}", "query": "x"}})
-                      for j in range(3))
-    return f"Tools:\n{tools}\nEarlier calls:\n{calls}\nNext call:\n{{\"name\": \"{TOOLS[i % len(TOOLS)]}\", "
-
-
-def text_prompt(i: int) -> str:
-    """Free prose: the sentences in an order that depends on i, then the start of a new one."""
-    n = len(SENTENCES)
-    return " ".join(SENTENCES[(i * 3 + j * 5) % n] for j in range(n)) + " Later that evening,"
-
-
-PROMPTS = {"tool": tool_prompt, "text": text_prompt}
 
 
 def run(args: argparse.Namespace, spec_json: str) -> int:
     from kvtier import StoreConfig
     from kvtier.bench.common import Column, emit, fmt_float, quiet_threads
+    from kvtier.bench.spec_text import prompt as spec_prompt
     from kvtier.engine import LLM, SamplingParams
     from kvtier.engine.spec import SpeculativeConfig
     from kvtier.progress import progress
@@ -63,7 +35,7 @@ def run(args: argparse.Namespace, spec_json: str) -> int:
     with progress("engine, speculative", len(kinds) * len(args.batch) * (2 + 2 * args.repeat),
                   enabled=not args.json) as bar:
         for kind in kinds:
-            prompt = PROMPTS[kind]
+            prompt = functools.partial(spec_prompt, kind)
             for b in args.batch:
                 engines = {}
                 try:
