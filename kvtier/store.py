@@ -20,9 +20,9 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from kvtier.handles import Transfer
 from kvtier.ids import BlockKey, SlotId, TierId
 from kvtier.index import BlockIndex, ChangeLog, Reservation
 from kvtier.inplace import HeldBlocks, ReadGroup, WriteSlots
+from kvtier.interrupts import deferred
 from kvtier.keys import HASHES, KEY_BYTES, BlockKeys, Keyer, Namespace
 from kvtier.layout import KVLayout
 from kvtier.moves import Mover, group_by_tier
@@ -223,6 +224,7 @@ class Store:
                 raise ConfigError(f"tier {t.name!r} is read-only: a store writes to its tiers "
                                   "(use `kvtier inspect PATH` to look inside a disk tier)")
         check_fit(self.tiers, layout.block_bytes)     # all of them, before any is allocated
+        self._persistent = any(t.persistent for t in self.tiers)
         bound: list[Tier] = []
         try:
             with _gc_paused():
@@ -345,7 +347,13 @@ class Store:
         """
         self._check_keys(keys)
         rows = as_rows(blocks, len(keys), self.layout, "blocks")
-        return self._store(keys, rows, blocking)
+        with self._uninterrupted():
+            return self._store(keys, rows, blocking)
+
+    def _uninterrupted(self) -> ContextManager[None]:
+        """Where a persistent tier is: a Ctrl-C waits until the operation is done, so it never
+        lands between the index and the bytes of a demotion (kvtier.interrupts.deferred)."""
+        return deferred() if self._persistent else nullcontext()
 
     def _store(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], blocking: bool = True) -> Transfer:
         """put() after validation: `rows` are checked one-block uint8 rows."""
@@ -405,7 +413,7 @@ class Store:
     def _reserve(self, keys: Sequence[BlockKey], part: tuple[int, int] | None = None) -> Reservation:
         """Top-tier slots for a save's new blocks, evictions carried out. A put counts once:
         a put reserved in parts (tail part first) counts with the part that reaches its root."""
-        with self._lock:
+        with self._uninterrupted(), self._lock:
             self._check_open()
             res = self.index.reserve(keys, part=part)
             self._mover.apply(res)
@@ -653,7 +661,8 @@ class Store:
     def flush(self) -> None:
         """Make every completed put durable in the persistent tiers (write-back blocks that
         have no copy there yet, then sync). Without a persistent tier this does nothing."""
-        self._flush(whole_order=False)
+        with self._uninterrupted():
+            self._flush(whole_order=False)
 
     def _flush(self, whole_order: bool) -> None:
         """flush(); `whole_order` (at close) also records the order of every block of each
@@ -785,7 +794,8 @@ class Store:
         self._executor = self._ahead = None
         try:
             if not self._closed:
-                self._flush(whole_order=True)
+                with self._uninterrupted():
+                    self._flush(whole_order=True)
         finally:
             with self._lock:
                 if self._closed:
