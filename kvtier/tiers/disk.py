@@ -9,7 +9,9 @@ Crash safety: a block's record is committed only after its bytes are written, an
 read is verified against the record's checksum, so a torn write, a slot reused before a
 deletion was committed, a flipped byte or a truncated file reads as a miss, never as
 wrong KV. Records are committed per write batch without fsync (a killed process loses
-nothing committed); flush() makes everything durable against power loss too.
+nothing committed); flush() makes everything durable against power loss too, and so does a
+checkpoint started a few seconds or commits after any write (kvtier.tiers.index_checkpoint:
+a power loss costs the commits after the last one, never the index).
 """
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ from kvtier.errors import (ClosedError, ConfigError, KvtierError, TierInUseError
                            WriteInterrupted)
 from kvtier.ids import BlockKey, SlotId
 from kvtier.submit import submit
+from kvtier.tiers import index_checkpoint
 from kvtier.tiers.base import Demand, PendingWrite, Tier
 from kvtier.tiers.disk_dir import (ALIGN, META, check_room, disk_slot_bytes, nearest_existing, present_blocks,
                                    refuse_foreign, refuse_occupied, slab_held)
-from kvtier.tiers.lmdb_check import extend, readable_copy
+from kvtier.tiers.lmdb_check import extend
 
 log = logging.getLogger("kvtier.disk")
 
@@ -103,6 +106,7 @@ class DiskTier(Tier):
         self._env: lmdb.Environment | None = None
         self._scratch: str | None = None       # read-only: where a short index was copied to be read
         self._db = None
+        self._checkpoints: index_checkpoint.Checkpointer | None = None   # (writable, once open)
         self._pool: ThreadPoolExecutor | None = None
         self._staging: list[mmap.mmap] = []
         self._busy = 0            # runs on the I/O threads now (begin_write waits for idle ones to start)
@@ -186,6 +190,10 @@ class DiskTier(Tier):
                 self._check_meta(slots, block_bytes)
                 self._open_slab(slots)
                 self._load_records(slots)
+            if not self.read_only:
+                self._checkpoints = index_checkpoint.Checkpointer(self._env, self.path / "index.lmdb", self._fd,
+                                                                  self._meta_lock, str(self.path))
+                self._checkpoints.now()   # the checkpoint of an earlier process names pages now reusable
             chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
             self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
         except lmdb.Error as e:       # writing the index at open: a full disk, an I/O error
@@ -249,7 +257,7 @@ class DiskTier(Tier):
             # transaction that took them unwritten; or the file was cut) would be mapped and
             # kill the process with SIGBUS on a read past its end (kvtier.tiers.lmdb_check).
             if self.read_only:
-                copy = readable_copy(where)
+                copy = index_checkpoint.readable(where)
                 self._scratch = str(copy) if copy is not None else None
                 self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
@@ -260,6 +268,11 @@ class DiskTier(Tier):
                     # a word, every block in the slab unreachable
                     self._set_aside(where, "its data.mdb is empty (0 bytes)")
                     return
+                rolled = index_checkpoint.roll_back(where)   # before anything reads the snapshot
+                if rolled is not None:
+                    log.warning("disk tier %s: the machine restarted since this index was last synced: its %d "
+                                "commits after that may be only partly on disk; rolled back to the synced one "
+                                "(blocks written since may be missing)", self.path, rolled[0] - rolled[1])
                 refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
                 self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
@@ -322,6 +335,13 @@ class DiskTier(Tier):
         fresh.mkdir()
         assert self._env is not None
         self._env.copy(str(fresh), compact=True)
+        self._swap_in(where, fresh)
+        log.info("disk tier %s: index was %d bytes, its newest transaction uses %d; rewritten compact",
+                 self.path, *grown)
+
+    def _swap_in(self, where: Path, fresh: Path) -> None:
+        """Put the index rewritten in `fresh` in the place of `where` and open it (killed
+        between the two renames: _open_index takes the old one back, whole)."""
         self._env.close()
         self._env = None
         old = where.with_name("index.lmdb.short")
@@ -329,9 +349,28 @@ class DiskTier(Tier):
         where.rename(old)
         fresh.rename(where)
         shutil.rmtree(old, ignore_errors=True)
-        log.info("disk tier %s: index was %d bytes, its newest transaction uses %d; rewritten compact",
-                 self.path, *grown)
         self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+
+    def _rewrite_without(self, drop: set[bytes]) -> None:
+        """Rewrite the index without the records `drop` (damaged among them), record by
+        record: deleting a damaged record in place let LMDB trust its damaged size, and the
+        page it sat in was corrupted for good (every later open died with SIGBUS)."""
+        where = self.path / "index.lmdb"
+        fresh = where.with_name("index.lmdb.compact")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        new = lmdb.open(str(fresh), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+        try:
+            meta_db, blocks_db = new.open_db(META), new.open_db(b"blocks")
+            with self._env.begin() as old, new.begin(write=True) as txn:
+                txn.cursor(db=meta_db).putmulti((bytes(k), bytes(v)) for k, v in old.cursor(db=self._meta_db))
+                txn.cursor(db=blocks_db).putmulti((bytes(k), bytes(v)) for k, v in old.cursor(db=self._db)
+                                                  if bytes(k) not in drop)
+            new.sync(True)
+        finally:
+            new.close()
+        self._swap_in(where, fresh)
+        self._open_dbs()
 
     def _check_meta(self, slots: int, block_bytes: int) -> None:
         with self._env.begin(db=self._meta_db) as txn:
@@ -499,9 +538,12 @@ class DiskTier(Tier):
                 [f"{past} records that point past the slab (resized or truncated)"] * bool(past)
                 + [f"{damaged} damaged records (undecodable, or a second record for one slot)"]
                 * bool(damaged)))
-            with self._env.begin(db=self._db, write=True) as txn:
-                for k in stale:
-                    txn.delete(k)
+            if damaged:
+                self._rewrite_without({bytes(k) for k in stale})
+            else:
+                with self._env.begin(db=self._db, write=True) as txn:
+                    for k in stale:
+                        txn.delete(k)
 
     def recover(self) -> list[tuple[BlockKey, SlotId]]:
         """(key, slot) of every block the directory holds, least recently used first."""
@@ -593,6 +635,11 @@ class DiskTier(Tier):
             for s, k, c in zip(slots, keys, sums):   # memory follows only a committed index
                 self._records[s] = (k, c)
                 self._access[s] = now
+        if self._checkpoints.due():
+            try:
+                self._checkpoints.soon()
+            except KeyboardInterrupt as e:      # the write is recorded: raised as one below
+                interrupt = interrupt or e
         if interrupt is not None:
             raise WriteInterrupted(f"interrupted while writing {len(slots)} blocks to {self.path} "
                                    "(written and recorded first)") from interrupt
@@ -610,6 +657,8 @@ class DiskTier(Tier):
         except lmdb.Error as e:     # aborted: nothing of it is recorded, the deletes stay pending
             raise self._index_error(e, f"record {len(puts)} blocks") from None
         del self._deleted[:n_pending]
+        if self._checkpoints is not None:
+            self._checkpoints.commits += 1
 
     def read(self, slots: Sequence[SlotId], rows: Sequence[np.ndarray], idx: Sequence[int] | None = None,
              keys: Sequence[BlockKey] | None = None) -> list[int]:
@@ -804,9 +853,12 @@ class DiskTier(Tier):
             self._commit(puts, list(self._deleted))
             self._touched.clear()
         try:
-            self._env.sync(True)
+            self._checkpoints.now()
         except lmdb.Error as e:
             raise self._index_error(e, "sync its index") from None
+        except OSError as e:
+            raise TransferError(f"disk tier {self.path}: cannot sync its index or save its checkpoint "
+                                f"({e.strerror or e}): check the disk (dmesg)") from None
 
     def info(self) -> dict[str, Any]:
         return {"path": str(self.path), "io": self.io_note, "slot_bytes": self.slot_bytes,
@@ -824,6 +876,9 @@ class DiskTier(Tier):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
         if self._env is not None:
             self._env.close()
             self._env = None

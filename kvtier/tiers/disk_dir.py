@@ -15,7 +15,8 @@ import lmdb
 import msgpack
 
 from kvtier.errors import ConfigError, KvtierError, TierSizeError
-from kvtier.tiers.lmdb_check import readable_copy, shortfall
+from kvtier.tiers.index_checkpoint import readable, rollback_due
+from kvtier.tiers.lmdb_check import shortfall
 from kvtier.units import format_bytes
 
 ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers aligned to this
@@ -57,8 +58,9 @@ def _recorded_capacity(where: Path) -> int | None:
 def _peek(where: Path) -> tuple[list[bytes], Any]:
     """(the names of an index's databases, its meta record decoded or None), read-only and
     without a lock, before a store opens it; ([], None) where it cannot be read so (no data
-    file, one too short to map safely: lmdb_check, damage: the usual open deals with those)."""
-    if not (where / "data.mdb").is_file() or shortfall(where) is not None:
+    file, one too short to map safely: lmdb_check, one to be rolled back: index_checkpoint,
+    damage: the usual open deals with those)."""
+    if not (where / "data.mdb").is_file() or shortfall(where) is not None or rollback_due(where):
         return [], None
     try:
         env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=4, subdir=True)
@@ -86,7 +88,7 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
         what = "its index.lmdb is a file, not LMDB's directory" if (path / "index.lmdb").exists() else \
             "no index.lmdb there"
         raise ConfigError(f"{path} holds no kvtier disk tier ({what})")
-    copy = readable_copy(path / "index.lmdb")
+    copy = readable(path / "index.lmdb")
     try:
         return _read_index(path, copy or path / "index.lmdb")
     finally:

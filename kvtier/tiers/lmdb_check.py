@@ -45,13 +45,13 @@ def shortfall(index_dir: Path) -> tuple[int, int] | None:
             size = os.fstat(f.fileno()).st_size
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
         return None
-    first = _meta(head, 0)
+    first = meta_of(head, 0)
     if first is None:
         return None
     psize = first[0]
     if psize < 512 or psize > 65536 or psize & (psize - 1):
         return None
-    metas = [first] + [m for m in (_meta(head, psize),) if m is not None]
+    metas = [first] + [m for m in (meta_of(head, psize),) if m is not None]
     _, last_pg, _txnid = max(metas, key=lambda m: m[2])
     need = (last_pg + 1) * psize
     return (size, need) if size < need else None
@@ -79,7 +79,7 @@ def readable_copy(index_dir: Path) -> Path | None:
     return scratch
 
 
-def _meta(head: bytes, at: int) -> tuple[int, int, int] | None:
+def meta_of(head: bytes, at: int) -> tuple[int, int, int] | None:
     """(page size, last page, txnid) of the meta page at byte `at`, or None if it is not one."""
     if len(head) < at + _META_BYTES or struct.unpack_from("<I", head, at + _MAGIC_AT)[0] != MAGIC:
         return None
