@@ -41,7 +41,7 @@ from kvtier.tiers import index_checkpoint
 from kvtier.tiers.base import Demand, PendingWrite, Tier
 from kvtier.tiers.disk_dir import (ALIGN, META, check_room, disk_slot_bytes, nearest_existing, present_blocks,
                                    refuse_foreign, refuse_occupied, slab_held)
-from kvtier.tiers.lmdb_check import extend
+from kvtier.tiers.lmdb_check import extend, tree_damage
 
 log = logging.getLogger("kvtier.disk")
 
@@ -259,6 +259,7 @@ class DiskTier(Tier):
             if self.read_only:
                 copy = index_checkpoint.readable(where)
                 self._scratch = str(copy) if copy is not None else None
+                _check_tree(copy or where)
                 self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
             else:
@@ -275,6 +276,7 @@ class DiskTier(Tier):
                                 "(blocks written since may be missing)", self.path, rolled[0] - rolled[1])
                 refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
+                _check_tree(where)         # before LMDB walks it: a damaged page aborted the process
                 self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
                                       metasync=False)
                 if grown is not None:
@@ -892,6 +894,14 @@ class DiskTier(Tier):
         if self._scratch is not None:            # a read-only tier's copy of a short index
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+
+
+def _check_tree(index_dir: Path) -> None:
+    """Raise MDB_CORRUPTED (damage: the index is set aside) for a page of the index's trees
+    that LMDB would abort the process on (kvtier.tiers.lmdb_check.tree_damage)."""
+    damage = tree_damage(index_dir)
+    if damage is not None:
+        raise lmdb.CorruptedError(damage)
 
 
 def _runs_by_slot(slots: Sequence[SlotId], positions: Sequence[int]) -> list[tuple[int, list[int]]]:
