@@ -192,7 +192,7 @@ class DiskTier(Tier):
                 self._load_records(slots)
             if not self.read_only:
                 self._checkpoints = index_checkpoint.Checkpointer(self._env, self.path / "index.lmdb", self._fd,
-                                                                  self._meta_lock, str(self.path))
+                                                                  self._meta_lock)
                 self._checkpoints.now()   # the checkpoint of an earlier process names pages now reusable
             chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
             self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]

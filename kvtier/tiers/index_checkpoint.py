@@ -240,10 +240,9 @@ class Checkpointer:
     tier counts its commits here (under its lock) and asks for one when `due()`: `soon()`
     starts it on a thread of its own, `now()` (open, flush) waits for it."""
 
-    def __init__(self, env: lmdb.Environment, index_dir: Path, slab_fd: int, lock: threading.Lock,
-                 name: str) -> None:
+    def __init__(self, env: lmdb.Environment, index_dir: Path, slab_fd: int, lock: threading.Lock) -> None:
         self._env, self._dir, self._slab_fd, self._lock = env, index_dir, slab_fd, lock
-        self._name = name
+        self._name = str(index_dir.parent)          # the tier's directory, in warnings
         self._pin: lmdb.Transaction | None = None    # a read of the last checkpoint's snapshot
         self._busy = threading.Lock()      # one at a time: taken by its starter, released when done
         self._thread: ThreadPoolExecutor | None = None
@@ -276,7 +275,7 @@ class Checkpointer:
             started = self._start()
             if started is not None:
                 if self._thread is None:
-                    self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{self._name}-sync")
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-checkpoint")
                 self._thread.submit(self._finish_in_background, *started)
                 submitted = True
         except (OSError, lmdb.Error) as e:
