@@ -413,10 +413,12 @@ def test_a_damaged_index_page_is_set_aside_by_a_store_as_inspect_says(tier):
     """A damaged data page is found only while reading: a store raised lmdb's BadTxnError
     ("Transaction must abort"; `kvtier node`: "unexpected BadTxnError ... please report
     it") and would not open until someone moved the index by hand. A cache may forget: it
-    sets the index aside and starts empty, as for a damaged header, and inspect says so."""
+    keeps what it can still read (here nothing: the page was the only one of the records),
+    sets the damaged index aside, and inspect says so."""
     damage_index(tier, blocks_root(tier))   # a data page: found only while reading
     r = run_kvtier("inspect", str(tier))
-    assert_one_line_error(r, 1, "damaged", "opening a store on", "moves it aside", "starts the tier empty")
+    assert_one_line_error(r, 1, "damaged", "opening a store on", "rebuilds it from the 0 records still readable",
+                          "moves the damaged one aside")
     store = open_store(tier)
     assert store.stats().recovered_blocks == 0
     keys = store.keys(list(range(16)))
@@ -492,8 +494,9 @@ def test_a_zeroed_page_in_the_index_is_damage_not_an_abort(tmp_path, which):
     """A zeroed page in the tree of records (a lost write, a bad sector): LMDB aborted the
     process (SIGABRT, `Assertion 'IS_LEAF(mp)' failed`) while a store read the records, at
     every open, and in `kvtier inspect` (session-25 trial, 16 of 40 zeroed pages). The pages
-    are checked before LMDB walks them: inspect says the index is damaged, and a store sets
-    it aside and starts empty, as for any damaged index."""
+    are checked before LMDB walks them: inspect says the index is damaged, and a store
+    rebuilds it from the records it can still read (none when the page lost was the tree's
+    root), keeping the damaged one aside."""
     path = four_hundred_blocks(tmp_path)
     data = path / "index.lmdb" / "data.mdb"
     raw = data.read_bytes()
@@ -503,17 +506,23 @@ def test_a_zeroed_page_in_the_index_is_damage_not_an_abort(tmp_path, which):
     with open(data, "r+b") as f:
         f.seek(page * 4096)
         f.write(bytes(4096))
+    on_page = (struct.unpack_from("<H", raw, page * 4096 + 12)[0] - 16) // 2   # the records it held
+    kept = 400 - on_page if which == "leaf" else 0
     r = run_kvtier("inspect", str(path))
-    assert_one_line_error(r, 1, "damaged", f"page {page} is not the {which} page", "moves it aside")
+    assert_one_line_error(r, 1, "damaged", f"page {page} is not the {which} page",
+                          f"rebuilds it from the {kept} records still readable", "moves the damaged one aside")
     code = ("import sys, kvtier; from pathlib import Path; from tests.test_cli_node_inspect import LAYOUT; "
             "s = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8), kvtier.DiskTier(Path(sys.argv[1]))], "
             "kvtier.Namespace('m')); print(s.stats().recovered_blocks); s.close()")
-    for _ in range(2):
+    for attempt in range(2):
         r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
                            cwd=Path(__file__).resolve().parents[1])
         assert r.returncode == 0, (r.returncode, r.stderr[-1500:])
-        assert r.stdout.split() == ["0"]
+        assert r.stdout.split() == [str(kept)]
+        assert ("rebuilt from its readable pages" in r.stderr) == (attempt == 0), r.stderr
     assert len(list(path.glob("index.lmdb.damaged-*"))) == 1
+    r = run_kvtier("inspect", str(path), "--verify")
+    assert r.returncode == 0 and f"{kept} good, 0 corrupt" in r.stdout, r.stdout
 
 
 def test_a_record_with_a_damaged_size_is_dropped_without_damaging_the_index(tmp_path):

@@ -41,7 +41,7 @@ from kvtier.tiers import index_checkpoint
 from kvtier.tiers.base import Demand, PendingWrite, Tier
 from kvtier.tiers.disk_dir import (ALIGN, META, check_room, disk_slot_bytes, nearest_existing, present_blocks,
                                    refuse_foreign, refuse_occupied, slab_held)
-from kvtier.tiers.lmdb_check import extend, tree_damage
+from kvtier.tiers.lmdb_check import TreeDamage, check_tree, extend, salvage, tree_damage
 
 log = logging.getLogger("kvtier.disk")
 
@@ -259,7 +259,7 @@ class DiskTier(Tier):
             if self.read_only:
                 copy = index_checkpoint.readable(where)
                 self._scratch = str(copy) if copy is not None else None
-                _check_tree(copy or where)
+                check_tree(copy or where)
                 self._env = lmdb.open(str(copy or where), map_size=1 << 36, max_dbs=4, subdir=True, readonly=True,
                                       lock=False)
             else:
@@ -276,7 +276,7 @@ class DiskTier(Tier):
                                 "(blocks written since may be missing)", self.path, rolled[0] - rolled[1])
                 refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
-                _check_tree(where)         # before LMDB walks it: a damaged page aborted the process
+                self._salvage_damaged(where)   # before LMDB walks it: a damaged page aborted the process
                 self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
                                       metasync=False)
                 if grown is not None:
@@ -303,15 +303,44 @@ class DiskTier(Tier):
         if self._env is not None:
             self._env.close()
             self._env = None
-        aside = where.with_name(f"index.lmdb.damaged-{int(time.time())}")
-        n = 1
-        while aside.exists():                 # damaged twice within a second: keep both
-            aside = where.with_name(f"index.lmdb.damaged-{int(time.time())}.{n}")
-            n += 1
+        aside = _aside(where)
         log.warning("disk tier %s: index damaged (%s); moved to %s, starting empty", self.path, e, aside.name)
         where.rename(aside)
         self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
                               metasync=False)
+
+    def _salvage_damaged(self, where: Path) -> None:
+        """A damaged page in the index's trees (lmdb_check.tree_damage): the records still
+        readable are rewritten into a fresh index and the damaged one is kept aside; where
+        the main tree or the meta record is what is damaged, the whole index is (raises
+        MDB_CORRUPTED: set aside, the tier starts empty)."""
+        damage = tree_damage(where)
+        if damage is None:
+            return
+        got = salvage(where)
+        if got is None or not any(k == b"meta" for k, _ in got[0].get(META, [])):
+            raise TreeDamage(damage)
+        records, lost = got
+        fresh = where.with_name("index.lmdb.compact")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        new = lmdb.open(str(fresh), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+        try:
+            with new.begin(write=True) as txn:
+                for name in (META, b"blocks"):
+                    txn.cursor(db=new.open_db(name, txn=txn)).putmulti(records.get(name, []))
+            new.sync(True)
+        finally:
+            new.close()
+        old = where.with_name("index.lmdb.short")   # (killed between the renames: the damaged one returns)
+        shutil.rmtree(old, ignore_errors=True)
+        where.rename(old)
+        fresh.rename(where)
+        aside = _aside(where)
+        old.rename(aside)
+        log.warning("disk tier %s: index damaged (%s); rebuilt from its readable pages: kept %d records, lost "
+                    "those of %d damaged pages; the damaged index is in %s", self.path, damage,
+                    len(records.get(b"blocks", [])), len(lost), aside.name)
 
     def _index_error(self, e: lmdb.Error, doing: str, kind: type[KvtierError] = TransferError) -> KvtierError:
         """An LMDB failure as a kvtier error that says what to do (LMDB's own text names only
@@ -896,12 +925,15 @@ class DiskTier(Tier):
             self._scratch = None
 
 
-def _check_tree(index_dir: Path) -> None:
-    """Raise MDB_CORRUPTED (damage: the index is set aside) for a page of the index's trees
-    that LMDB would abort the process on (kvtier.tiers.lmdb_check.tree_damage)."""
-    damage = tree_damage(index_dir)
-    if damage is not None:
-        raise lmdb.CorruptedError(damage)
+def _aside(where: Path) -> Path:
+    """Where a damaged index is kept: index.lmdb.damaged-TIME (and .N when damaged twice
+    within a second: both are kept)."""
+    aside = where.with_name(f"index.lmdb.damaged-{int(time.time())}")
+    n = 1
+    while aside.exists():
+        aside = where.with_name(f"index.lmdb.damaged-{int(time.time())}.{n}")
+        n += 1
+    return aside
 
 
 def _runs_by_slot(slots: Sequence[SlotId], positions: Sequence[int]) -> list[tuple[int, list[int]]]:

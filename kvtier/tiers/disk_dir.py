@@ -16,7 +16,7 @@ import msgpack
 
 from kvtier.errors import ConfigError, KvtierError, TierSizeError
 from kvtier.tiers.index_checkpoint import readable, rollback_due
-from kvtier.tiers.lmdb_check import shortfall, tree_damage
+from kvtier.tiers.lmdb_check import check_tree, shortfall, tree_damage
 from kvtier.units import format_bytes
 
 ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers aligned to this
@@ -99,9 +99,7 @@ def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[
 
 def _read_index(path: Path, index: Path) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     """read_directory's reading, from `index` (the tier's, or a readable copy of it)."""
-    damage = tree_damage(index)          # before LMDB walks it: a damaged page aborted the process
-    if damage is not None:
-        raise lmdb.CorruptedError(damage)
+    check_tree(index)                    # before LMDB walks it: a damaged page aborted the process
     try:   # register as a reader, so a running writer does not reuse the pages being read
         env = lmdb.open(str(index), readonly=True, lock=True, max_dbs=4, subdir=True)
     except lmdb.Error:   # no write access to the lock file: read without it (a live writer may race)

@@ -27,6 +27,9 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from typing import Iterator
+
+import lmdb
 
 MAGIC = 0xBEEFC0DE
 _MAGIC_AT, _PSIZE_AT, _LAST_PG_AT = 16, 40, 136     # offsets in a meta page
@@ -105,76 +108,176 @@ _HEADER = struct.Struct("<QHHHH")  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upp
 _NO_PAGE = (1 << 64) - 1           # P_INVALID: an empty tree's root
 
 
+class TreeDamage(lmdb.CorruptedError):
+    """A damaged page found by tree_damage, before LMDB read it."""
+
+
+def check_tree(index_dir: Path) -> None:
+    """Raise TreeDamage (an MDB_CORRUPTED: damage) for a page of the index's trees that LMDB
+    would abort the process on: before anything opens it with LMDB."""
+    damage = tree_damage(index_dir)
+    if damage is not None:
+        raise TreeDamage(damage)
+
+
 def tree_damage(index_dir: Path, named: bool = True) -> str | None:
     """What is wrong with the pages of `index_dir`'s newest snapshot (the free list and the
     main tree, and with `named` every database the main tree names), or None. Reads the file
     only: no LMDB call. None too when there is no readable meta page (LMDB judges those)."""
-    try:
-        with open(index_dir / "data.mdb", "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):      # no file, or an empty one
+    with _mapped(index_dir) as buf:
+        snap = _snapshot(buf)
+        if snap is None:
+            return None
+        psize, pages, free, main = snap
+        for _pg, problem in _visit(buf, psize, pages, free, "the free list"):
+            if problem:
+                return problem
+        subs, problem = _databases(buf, psize, pages, main)
+        if problem or not named:
+            return problem
+        for name, db in subs:
+            for _pg, problem in _visit(buf, psize, pages, db, f"database {name!r}"):
+                if problem:
+                    return problem
+    return None
+
+
+def salvage(index_dir: Path) -> tuple[dict[bytes, list[tuple[bytes, bytes]]], list[str]] | None:
+    """The records of every named database that can still be read from `index_dir`'s newest
+    snapshot ({name: [(key, value), ...]}), and what was wrong with the pages whose records
+    are lost; None when the main tree, which names the databases, is itself damaged."""
+    with _mapped(index_dir) as buf:
+        snap = _snapshot(buf)
+        if snap is None:
+            return None
+        psize, pages, _free, main = snap
+        subs, problem = _databases(buf, psize, pages, main)
+        if problem:
+            return None
+        out: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        lost: list[str] = []
+        for name, db in subs:
+            records = out.setdefault(name, [])
+            for pg, problem in _visit(buf, psize, pages, db, f"database {name!r}"):
+                if problem:
+                    lost.append(problem)
+                    continue
+                for nflags, key, value, problem in _leaf_nodes(buf, psize, pg):
+                    if problem or nflags & (_F_BIGDATA | _F_SUBDATA):
+                        lost.append(f"database {name!r}: page {pg}: {problem or 'a record kvtier never writes'}")
+                    else:
+                        records.append((key, value))
+        return out, lost
+
+
+class _mapped:
+    """data.mdb mapped read-only (None when there is no file, or an empty one)."""
+
+    def __init__(self, index_dir: Path) -> None:
+        self.buf: mmap.mmap | None = None
+        try:
+            with open(index_dir / "data.mdb", "rb") as f:
+                self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            self.buf = None
+
+    def __enter__(self) -> mmap.mmap | None:
+        return self.buf
+
+    def __exit__(self, *exc: object) -> None:
+        if self.buf is not None:
+            self.buf.close()
+
+
+def _snapshot(buf: mmap.mmap | None) -> tuple[int, int, tuple, tuple] | None:
+    """(page size, pages in use, the free list's and the main tree's MDB_db) of the newest
+    meta page, or None where there is none to read."""
+    if buf is None:
         return None
-    try:
-        return _check(buf, named)
-    finally:
-        buf.close()
-
-
-def _check(buf: mmap.mmap, named: bool) -> str | None:
     first = meta_of(buf, 0)
     if first is None:
         return None
     psize = first[0]
     metas = [(m, at) for m, at in ((first, 0), (meta_of(buf, psize), psize)) if m is not None]
     (_, last_pg, _), at = max(metas, key=lambda m: m[0][2])
-    pages = min(last_pg + 1, len(buf) // psize)
     free, main = (_DB.unpack_from(buf, at + _DBS_AT + i * _DB.size) for i in range(2))
-    problem = _walk(buf, psize, pages, free[7], free[2], "the free list", None)
-    if problem is None:
-        subs: list[tuple[bytes, tuple]] = []
-        problem = _walk(buf, psize, pages, main[7], main[2], "the main tree", subs if named else None)
-        for name, db in subs:
-            problem = problem or _walk(buf, psize, pages, db[7], db[2], f"database {name!r}", None)
-    return problem
+    return psize, min(last_pg + 1, len(buf) // psize), free, main
 
 
-def _walk(buf: bytes, psize: int, pages: int, root: int, depth: int, what: str,
-          subs: list[tuple[bytes, tuple]] | None) -> str | None:
-    """The first damaged page of the tree under `root` of `depth` levels, or None; the
-    named databases of the main tree's leaves are added to `subs` when given."""
+def _databases(buf: mmap.mmap, psize: int, pages: int, main: tuple) -> tuple[list[tuple[bytes, tuple]], str | None]:
+    """The named databases the main tree lists ([(name, MDB_db)]), or what is wrong with it."""
+    subs = []
+    for pg, problem in _visit(buf, psize, pages, main, "the main tree"):
+        if problem:
+            return subs, problem
+        for nflags, key, value, problem in _leaf_nodes(buf, psize, pg):
+            if problem:
+                return subs, f"the main tree: page {pg}: {problem}"
+            if nflags & _F_SUBDATA:
+                if len(value) != _DB.size:
+                    return subs, f"the main tree: page {pg} holds a damaged record of database {key!r}"
+                subs.append((key, _DB.unpack(value)))
+    return subs, None
+
+
+def _visit(buf: mmap.mmap, psize: int, pages: int, db: tuple, what: str) -> Iterator[tuple[int, str | None]]:
+    """Each leaf page of the tree of MDB_db `db` as (page, None), and each damaged page as
+    (page, what is wrong): its subtree is skipped."""
+    root, depth = db[7], db[2]
     if root == _NO_PAGE:
-        return None
+        return
     level = [root]
     for d in range(depth, 0, -1):
         below: list[int] = []
         for pg in level:
-            if pg < 2 or pg >= pages:
-                return f"{what}: page {pg} is past the file's {pages} pages"
-            base = pg * psize
-            pgno, _pad, flags, lower, upper = _HEADER.unpack_from(buf, base)
-            want = _P_BRANCH if d > 1 else _P_LEAF
-            if pgno != pg or not flags & want:
-                return (f"{what}: page {pg} is not the {'branch' if d > 1 else 'leaf'} page its parent names "
-                        f"(it reads as page {pgno}, flags {flags:#x})")
-            if flags & _P_LEAF2:
-                continue                   # fixed-size keys, no nodes (kvtier writes none)
-            if not _HEADER.size <= lower <= upper <= psize or (lower - _HEADER.size) % 2:
-                return f"{what}: page {pg} has a damaged header (lower {lower}, upper {upper})"
-            if d == 1 and subs is None:
-                continue                   # a leaf's records: LMDB checks their bounds itself
-            for i in range((lower - _HEADER.size) // 2):
-                at = struct.unpack_from("<H", buf, base + _HEADER.size + 2 * i)[0]
-                if not upper <= at <= psize - _NODE.size:
-                    return f"{what}: page {pg} has a node outside it (at {at})"
-                lo, hi, nflags, ksize = _NODE.unpack_from(buf, base + at)
-                if at + _NODE.size + ksize > psize:
-                    return f"{what}: page {pg} has a key past its end"
-                if d > 1:
-                    below.append(lo | hi << 16 | nflags << 32)
-                elif subs is not None and nflags & _F_SUBDATA:
-                    key = bytes(buf[base + at + _NODE.size:base + at + _NODE.size + ksize])
-                    if lo | hi << 16 != _DB.size or at + _NODE.size + ksize + _DB.size > psize:
-                        return f"{what}: page {pg} holds a damaged record of database {key!r}"
-                    subs.append((key, _DB.unpack_from(buf, base + at + _NODE.size + ksize)))
+            problem = _page_problem(buf, psize, pages, pg, leaf=d == 1)
+            if problem is None and d > 1:
+                children = []
+                for i in range(_count(buf, psize, pg)):
+                    at = struct.unpack_from("<H", buf, pg * psize + _HEADER.size + 2 * i)[0]
+                    lo, hi, top, ksize = _NODE.unpack_from(buf, pg * psize + at)
+                    if at + _NODE.size + ksize > psize:
+                        problem = f"page {pg} has a key past its end"
+                        break
+                    children.append(lo | hi << 16 | top << 32)
+                below.extend(children if problem is None else [])
+            if problem is not None:
+                yield pg, f"{what}: {problem}"
+            elif d == 1:
+                yield pg, None
         level = below
+
+
+def _page_problem(buf: mmap.mmap, psize: int, pages: int, pg: int, leaf: bool) -> str | None:
+    if pg < 2 or pg >= pages:
+        return f"page {pg} is past the file's {pages} pages"
+    pgno, _pad, flags, lower, upper = _HEADER.unpack_from(buf, pg * psize)
+    if pgno != pg or not flags & (_P_LEAF if leaf else _P_BRANCH) or flags & _P_LEAF2:
+        return (f"page {pg} is not the {'leaf' if leaf else 'branch'} page its parent names "
+                f"(it reads as page {pgno}, flags {flags:#x})")
+    if not _HEADER.size <= lower <= upper <= psize or (lower - _HEADER.size) % 2:
+        return f"page {pg} has a damaged header (lower {lower}, upper {upper})"
+    for i in range(_count(buf, psize, pg)):
+        at = struct.unpack_from("<H", buf, pg * psize + _HEADER.size + 2 * i)[0]
+        if not upper <= at <= psize - _NODE.size:
+            return f"page {pg} has a node outside it (at {at})"
     return None
+
+
+def _count(buf: mmap.mmap, psize: int, pg: int) -> int:
+    return (struct.unpack_from("<H", buf, pg * psize + 12)[0] - _HEADER.size) // 2
+
+
+def _leaf_nodes(buf: mmap.mmap, psize: int, pg: int) -> Iterator[tuple[int, bytes, bytes, str | None]]:
+    """(flags, key, value, None) of each record of a checked leaf page; (0, b"", b"", what is
+    wrong) for one that does not fit in it."""
+    base = pg * psize
+    for i in range(_count(buf, psize, pg)):
+        at = struct.unpack_from("<H", buf, base + _HEADER.size + 2 * i)[0]
+        lo, hi, nflags, ksize = _NODE.unpack_from(buf, base + at)
+        size = 8 if nflags & _F_BIGDATA else lo | hi << 16      # (BIGDATA: an overflow page number)
+        k = base + at + _NODE.size
+        if at + _NODE.size + ksize + size > psize:
+            yield 0, b"", b"", "a record past the page's end"
+            continue
+        yield nflags, bytes(buf[k:k + ksize]), bytes(buf[k + ksize:k + ksize + size]), None
