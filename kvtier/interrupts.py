@@ -57,11 +57,12 @@ def deferred() -> Iterator[None]:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         got.append(signum)
 
+    sigs = [s for s in (getattr(signal, name, None) for name in ("SIGINT", *SIGNALS)) if s is not None]
     saved: dict[int, Any] = {}
-    for name in ("SIGINT", *SIGNALS):
-        sig = getattr(signal, name, None)
-        if sig is not None and signal.getsignal(sig) in (signal.default_int_handler, _raise):
-            saved[sig] = signal.signal(sig, hold)
+    with _blocked(sigs):           # one of them arriving midway left another bound to `hold`
+        for sig in sigs:
+            if signal.getsignal(sig) in (signal.default_int_handler, _raise):
+                saved[sig] = signal.signal(sig, hold)
     try:
         yield
     except BaseException as e:
@@ -69,7 +70,22 @@ def deferred() -> Iterator[None]:
             raise KeyboardInterrupt(signal.Signals(got[0]).name) from e
         raise
     finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+        with _blocked(sigs):       # (one arriving now is raised by its own handler, once all are back)
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
     if got:
         raise KeyboardInterrupt(signal.Signals(got[0]).name)
+
+
+@contextmanager
+def _blocked(sigs: list[int]) -> Iterator[None]:
+    """The signals `sigs` held by the OS within the block (where it can), delivered after."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None:
+        yield
+        return
+    before = mask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, before)

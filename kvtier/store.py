@@ -308,7 +308,8 @@ class Store:
             c.get_bytes += len(keys) * self.layout.block_bytes
         transfer = Transfer("get", len(keys), len(keys) * self.layout.block_bytes)
         promote = self.promote if promote is None else promote
-        return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, promote), blocking)
+        with self._uninterrupted():    # a promotion demotes evicted blocks, as a put does
+            return self._run(transfer, lambda: self._load(keys, rows, n_local, locs, transfer, promote), blocking)
 
     def _load(self, keys: Sequence[BlockKey], rows: Sequence[np.ndarray], n_local: int,
               locs: list[tuple[TierId, SlotId]], transfer: Transfer, promote: bool) -> None:
@@ -413,7 +414,7 @@ class Store:
     def _reserve(self, keys: Sequence[BlockKey], part: tuple[int, int] | None = None) -> Reservation:
         """Top-tier slots for a save's new blocks, evictions carried out. A put counts once:
         a put reserved in parts (tail part first) counts with the part that reaches its root."""
-        with self._uninterrupted(), self._lock:
+        with self._lock:
             self._check_open()
             res = self.index.reserve(keys, part=part)
             self._mover.apply(res)
@@ -467,6 +468,11 @@ class Store:
         if memory is None:
             raise ConfigError(f"write_in_place() needs a memory top tier; this store's is {self.tiers[0].name}: "
                               "use put()")
+        with self._uninterrupted():    # a Ctrl-C waits until it is committed or aborted
+            return self._write_in_place(keys, write, wait, memory)
+
+    def _write_in_place(self, keys: Sequence[BlockKey], write: Callable[[WriteSlots], None],
+                        wait: Callable[[], None] | None, memory: torch.Tensor) -> Transfer:
         n = len(keys)
         head = max(1, PIPELINE_HEAD_BYTES // self.layout.block_bytes)
         cuts: list[tuple[int, int] | None] = [None]
@@ -576,7 +582,9 @@ class Store:
             if (self.promote if promote is None else promote) and len(self.tiers) > 1:
                 up = [(i, r) for i, r in stored if i < n]
                 if up:
-                    self._mover.copy_into(0, [keys[i] for i, _ in up], [r for _, r in up], list(range(len(up))))
+                    with self._uninterrupted():    # it demotes evicted blocks, as a put does
+                        self._mover.copy_into(0, [keys[i] for i, _ in up], [r for _, r in up],
+                                              list(range(len(up))))
             yield HeldBlocks(n, groups, tiers[:n])
         finally:
             with self._lock:

@@ -409,6 +409,59 @@ def test_a_real_ctrl_c_during_a_demotion_waits_for_it(tmp_path, monkeypatch, whe
     store.close()
 
 
+def test_a_ctrl_c_in_a_save_written_in_place_leaves_nothing_reserved(tmp_path, monkeypatch):
+    """A SIGINT during write_in_place's reservation (the engine's save path) was raised as the
+    reservation returned, before the save kept it: its keys stayed reserved, so lookup never
+    found them and a retried put stored nothing ("present 4"). It now waits for the save."""
+    store = open_store(tmp_path / "kv", host=4, disk=64)
+    keys = chains(store, 1)[0]
+    rows = payload(keys, LAYOUT.block_bytes)
+    real = store.index.reserve
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    def write(w):
+        w.memory[w.slots] = rows[w.positions]
+
+    monkeypatch.setattr(store.index, "reserve", signalled)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_in_place(keys, write)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    n, out = read(store, keys)                  # the save was committed whole
+    assert n == 4 and torch.equal(out, rows)
+    store.close()
+
+
+@pytest.mark.parametrize("where", ["_start_write", "_commit"])
+def test_a_ctrl_c_during_a_promotion_keeps_the_blocks_it_demotes(tmp_path, monkeypatch, where):
+    """A get() promoting disk blocks into a full host tier demotes others to disk, as a put
+    does; a SIGINT there dropped the demoted blocks of a completed put (not deferred)."""
+    import kvtier.tiers.disk as disk
+
+    store = open_store(tmp_path / "kv", host=4, disk=64, promote=True)
+    first, second = chains(store, 2, blocks=4)
+    store.put(first, payload(first, LAYOUT.block_bytes))
+    store.put(second, payload(second, LAYOUT.block_bytes))   # `first` went down to disk
+    real = getattr(disk.DiskTier, where)
+
+    def signalled(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(disk.DiskTier, where, signalled)
+    out = torch.zeros(4, LAYOUT.block_bytes, dtype=torch.uint8)
+    with pytest.raises(KeyboardInterrupt):      # raised once the get is done
+        store.get(first, out)
+    monkeypatch.undo()
+    for keys in (first, second):                # `second`, demoted by the promotion, whole
+        n, out = read(store, keys)
+        assert n == 4 and torch.equal(out, payload(keys, LAYOUT.block_bytes))
+    store.close()
+
+
 def test_a_ctrl_c_as_a_put_starts_its_first_writes_leaves_nothing_reserved(tmp_path, monkeypatch):
     """A put made in parts (a disk top tier) interrupted while its first part's writes started
     kept that part's keys reserved: a retry found them present and stored nothing there."""
