@@ -33,7 +33,8 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
     import lmdb
 
     from kvtier.tiers.disk_dir import read_directory
-    from kvtier.tiers.lmdb_check import TreeDamage, salvage, shortfall
+    from kvtier.tiers.disk_dir import salvageable
+    from kvtier.tiers.lmdb_check import shortfall
 
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist: give the directory of a disk tier (the path given to "
@@ -61,12 +62,11 @@ def read_index(path: str) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
         short = shortfall(Path(index))
         cut = f"; data.mdb is {short[0]} bytes, its newest transaction uses {short[1]}: cut short" if short else ""
         what = f"the disk tier index {index} is damaged ({e}{cut})"
-        if isinstance(e, TreeDamage):
-            kept = salvage(Path(index))
-            if kept is not None and any(k == b"meta" for k, _ in kept[0].get(b"meta", [])):
-                raise KvtierError(f"{what}: opening a store on {path} rebuilds it from the "
-                                  f"{len(kept[0].get(b'blocks', []))} records still readable and moves the "
-                                  "damaged one aside (index.lmdb.damaged-TIME)") from None
+        kept = salvageable(Path(index)) if short is None else None   # (a short one: rebuilt once extended)
+        if kept is not None:
+            raise KvtierError(f"{what}: opening a store on {path} rebuilds it from the "
+                              f"{len(kept[0].get(b'blocks', []))} records still readable and moves the "
+                              "damaged one aside (index.lmdb.damaged-TIME)") from None
         if _store_recovers(index):
             raise KvtierError(f"{what}: opening a store on {path} moves it aside (index.lmdb.damaged-TIME) "
                               "and starts the tier empty") from None

@@ -525,6 +525,29 @@ def test_a_zeroed_page_in_the_index_is_damage_not_an_abort(tmp_path, which):
     assert r.returncode == 0 and f"{kept} good, 0 corrupt" in r.stdout, r.stdout
 
 
+def test_damage_lmdb_finds_while_reading_costs_only_the_records_it_hides(tmp_path, caplog, monkeypatch):
+    """Damage LMDB reports while the records are read (MDB_CORRUPTED), which the page check
+    before it missed (simulated: the check is turned off, the first leaf zeroed): the whole
+    index was set aside (400 blocks lost for one page). It is rebuilt from the records of
+    the readable pages."""
+    import kvtier.tiers.disk as disk
+
+    path = four_hundred_blocks(tmp_path)
+    data = path / "index.lmdb" / "data.mdb"
+    raw = data.read_bytes()
+    page = first_leaf(path, raw)
+    on_page = (struct.unpack_from("<H", raw, page * 4096 + 12)[0] - 16) // 2
+    with open(data, "r+b") as f:
+        f.seek(page * 4096)
+        f.write(bytes(4096))
+    monkeypatch.setattr(disk, "tree_damage", lambda *a, **k: None)
+    with caplog.at_level("WARNING", logger="kvtier.disk"):
+        store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8), kvtier.DiskTier(path)], kvtier.Namespace("m"))
+    assert store.stats().recovered_blocks == 400 - on_page
+    store.close()
+    assert "MDB_CORRUPTED" in caplog.text and f"rebuilt from its readable pages: kept {400 - on_page}" in caplog.text
+
+
 def test_a_record_with_a_damaged_size_is_dropped_without_damaging_the_index(tmp_path):
     """A flipped bit in a record's size (its node header in a leaf page): the record reads
     as undecodable and is dropped. Dropping it in place let LMDB trust the damaged size: the

@@ -40,8 +40,8 @@ from kvtier.submit import submit
 from kvtier.tiers import index_checkpoint
 from kvtier.tiers.base import Demand, PendingWrite, Tier
 from kvtier.tiers.disk_dir import (ALIGN, META, check_room, disk_slot_bytes, nearest_existing, present_blocks,
-                                   refuse_foreign, refuse_occupied, slab_held)
-from kvtier.tiers.lmdb_check import TreeDamage, check_tree, extend, salvage, tree_damage
+                                   refuse_foreign, refuse_occupied, salvageable, slab_held)
+from kvtier.tiers.lmdb_check import TreeDamage, check_tree, extend, tree_damage
 
 log = logging.getLogger("kvtier.disk")
 
@@ -185,7 +185,14 @@ class DiskTier(Tier):
                 if self._fd >= 0:
                     os.close(self._fd)
                     self._fd = -1
-                self._set_aside(self.path / "index.lmdb", e)
+                where = self.path / "index.lmdb"
+                self._env.close()
+                self._env = None
+                if self._rebuild(where, str(e)):
+                    self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
+                                          metasync=False)
+                else:
+                    self._set_aside(where, e)
                 self._open_dbs()
                 self._check_meta(slots, block_bytes)
                 self._open_slab(slots)
@@ -288,7 +295,11 @@ class DiskTier(Tier):
             shutil.rmtree(where.with_name("index.lmdb.compact"), ignore_errors=True)
             if self.read_only:
                 raise ConfigError(f"the disk tier index in {self.path} is damaged: {e}") from None
-            self._set_aside(where, e)
+            if (where / "data.mdb").is_file() and self._rebuild(where, str(e)):
+                self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
+                                      metasync=False)
+            else:
+                self._set_aside(where, e)
         except lmdb.Error as e:
             raise self._index_error(e, "open", TierSizeError if _full(e) else ConfigError) from None
 
@@ -310,16 +321,20 @@ class DiskTier(Tier):
                               metasync=False)
 
     def _salvage_damaged(self, where: Path) -> None:
-        """A damaged page in the index's trees (lmdb_check.tree_damage): the records still
-        readable are rewritten into a fresh index and the damaged one is kept aside; where
-        the main tree or the meta record is what is damaged, the whole index is (raises
-        MDB_CORRUPTED: set aside, the tier starts empty)."""
+        """A damaged page in the index's trees (lmdb_check.tree_damage), found before LMDB
+        reads it: rebuilt (_rebuild), or raised as MDB_CORRUPTED (set aside: the tier starts
+        empty) where the main tree or the meta record is what is damaged."""
         damage = tree_damage(where)
-        if damage is None:
-            return
-        got = salvage(where)
-        if got is None or not any(k == b"meta" for k, _ in got[0].get(META, [])):
+        if damage is not None and not self._rebuild(where, damage):
             raise TreeDamage(damage)
+
+    def _rebuild(self, where: Path, damage: str) -> bool:
+        """Rewrite the damaged index `where` (closed) from the records of its readable pages
+        (lmdb_check.salvage), keeping the damaged one aside; False where it cannot be (its
+        main tree or meta record lost)."""
+        got = salvageable(where)
+        if got is None:
+            return False
         records, lost = got
         fresh = where.with_name("index.lmdb.compact")
         shutil.rmtree(fresh, ignore_errors=True)
@@ -341,6 +356,7 @@ class DiskTier(Tier):
         log.warning("disk tier %s: index damaged (%s); rebuilt from its readable pages: kept %d records, lost "
                     "those of %d damaged pages; the damaged index is in %s", self.path, damage,
                     len(records.get(b"blocks", [])), len(lost), aside.name)
+        return True
 
     def _index_error(self, e: lmdb.Error, doing: str, kind: type[KvtierError] = TransferError) -> KvtierError:
         """An LMDB failure as a kvtier error that says what to do (LMDB's own text names only

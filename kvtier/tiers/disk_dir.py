@@ -16,7 +16,7 @@ import msgpack
 
 from kvtier.errors import ConfigError, KvtierError, TierSizeError
 from kvtier.tiers.index_checkpoint import readable, rollback_due
-from kvtier.tiers.lmdb_check import check_tree, shortfall, tree_damage
+from kvtier.tiers.lmdb_check import check_tree, salvage, shortfall, tree_damage
 from kvtier.units import format_bytes
 
 ALIGN = 4096                    # O_DIRECT needs offsets, lengths and buffers aligned to this
@@ -79,6 +79,21 @@ def _peek(where: Path) -> tuple[list[bytes], Any]:
         return [], None
     finally:
         env.close()
+
+
+def salvageable(index_dir: Path) -> tuple[dict[bytes, list[tuple[bytes, bytes]]], list[str]] | None:
+    """What a store would rebuild a damaged index from (lmdb_check.salvage: the records, and
+    what was wrong with the pages lost): None
+    where its main tree is damaged or its meta record is lost or does not decode (the
+    index is set aside whole then)."""
+    got = salvage(index_dir)
+    if got is None:
+        return None
+    meta = dict(got[0].get(META, [])).get(b"meta")
+    try:
+        return got if meta is not None and isinstance(msgpack.unpackb(meta), dict) else None
+    except Exception:
+        return None
 
 
 def read_directory(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[bytes, list]]]:
