@@ -58,34 +58,32 @@ def deferred() -> Iterator[None]:
         got.append(signum)
 
     sigs = [s for s in (getattr(signal, name, None) for name in ("SIGINT", *SIGNALS)) if s is not None]
-    saved: dict[int, Any] = {}
-    with _blocked(sigs):           # one of them arriving midway left another bound to `hold`
-        for sig in sigs:
-            if signal.getsignal(sig) in (signal.default_int_handler, _raise):
-                saved[sig] = signal.signal(sig, hold)
+    saved = {sig: h for sig in sigs if (h := signal.getsignal(sig)) in (signal.default_int_handler, _raise)}
     try:
+        _set_all({sig: hold for sig in saved})
         yield
     except BaseException as e:
         if got and not isinstance(e, KeyboardInterrupt):
             raise KeyboardInterrupt(signal.Signals(got[0]).name) from e
         raise
     finally:
-        with _blocked(sigs):       # (one arriving now is raised by its own handler, once all are back)
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+        _set_all(saved)
     if got:
         raise KeyboardInterrupt(signal.Signals(got[0]).name)
 
 
-@contextmanager
-def _blocked(sigs: list[int]) -> Iterator[None]:
-    """The signals `sigs` held by the OS within the block (where it can), delivered after."""
-    mask = getattr(signal, "pthread_sigmask", None)
-    if mask is None:
-        yield
-        return
-    before = mask(signal.SIG_BLOCK, sigs)
-    try:
-        yield
-    finally:
-        mask(signal.SIG_SETMASK, before)
+def _set_all(handlers: dict[int, Any]) -> None:
+    """Set every handler of `handlers`, even when a signal raises KeyboardInterrupt midway (one
+    arriving while deferred() swapped them left SIGTERM bound to a finished block's `hold`:
+    a later SIGTERM swallowed); that interrupt is raised once all are set."""
+    pending = list(handlers.items())
+    interrupt: BaseException | None = None
+    while pending:
+        try:
+            while pending:
+                signal.signal(*pending[0])
+                pending.pop(0)        # (raised between the two: that one is set again, no harm)
+        except KeyboardInterrupt as e:
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt

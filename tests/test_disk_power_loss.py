@@ -217,3 +217,58 @@ def test_a_checkpoint_for_another_file_is_never_applied(tmp_path, monkeypatch):
     assert not checkpoint.rollback_due(index)
     assert checkpoint.roll_back(index) is None
     assert len(read_directory(tmp_path / "kv")[1]) == 8 * 4
+
+
+# A process crashed after commits past its last checkpoint; the next one opens the tier,
+# its open writes the index (a new capacity recorded), and the power goes before the open
+# is done: the machine restarts with every page written.
+OPENER = r"""
+import os, sys
+import kvtier.tiers.disk as disk
+from tests.test_disk import open_store
+load = disk.DiskTier._load_records
+def load_and_die(self, slots):
+    load(self, slots)
+    print("ready", flush=True)
+    os._exit(0)
+disk.DiskTier._load_records = load_and_die
+open_store(sys.argv[1], host=8, disk=int(sys.argv[2]))
+"""
+
+
+def test_a_power_loss_after_an_open_that_wrote_keeps_the_index(tmp_path):
+    """The checkpoint an earlier process saved is not held by the next one: the open's own
+    writes (the new capacity, dropped records) reused its pages, and a power loss before the
+    open's own checkpoint rolled back onto them (the index read as another program's, and
+    the store refused it). The open takes a checkpoint before it writes."""
+    path, synced = tmp_path / "kv", tmp_path / "synced.mdb"
+    code = WRITER.replace("chains(store, 400)", "chains(store, 80)")
+    w = _run(code, str(path), str(synced))
+    assert w.returncode == 0, w.stderr[-2000:]
+    o = _run(OPENER, str(path), "1024")
+    assert o.returncode == 0 and "ready" in o.stdout, o.stderr[-2000:]
+    r = _run(CHECK.replace("chains(store, 400)", "chains(store, 80)").replace("disk=2048", "disk=1024"), str(path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    flushed, later = map(int, dict(line.split(" ", 1) for line in r.stdout.splitlines())["whole"].split())
+    assert flushed == 40 and later == 38     # and the later ones the same boot kept (2 were in host memory)
+
+
+def test_the_last_saved_checkpoint_is_the_one_loaded_and_a_short_write_is_an_error(tmp_path, monkeypatch):
+    """Two checkpoints of one txnid (a clean close, then the next boot's open) tied, and the
+    older boot's could win: a crash then rolled back commits the kernel had kept. And a
+    write cut short by a full disk returned normally, leaving the saved checkpoint naming a
+    snapshot no longer held."""
+    store = open_store(tmp_path / "kv", host=4, disk=64)
+    store.close()
+    index = tmp_path / "kv" / "index.lmdb"
+    cp = checkpoint.load(index)
+    for boot in ("boot one", "boot two", "boot three"):
+        checkpoint.save(index, dataclasses.replace(cp, boot=boot))
+        assert checkpoint.load(index).boot == boot
+    monkeypatch.setattr(checkpoint.os, "pwrite", lambda fd, data, at: len(data) // 2 or 0)
+    try:
+        checkpoint.save(index, dataclasses.replace(cp, boot="boot four"))
+    except OSError:
+        pass
+    else:
+        raise AssertionError("a short write was not an error")

@@ -186,21 +186,17 @@ class DiskTier(Tier):
                     os.close(self._fd)
                     self._fd = -1
                 where = self.path / "index.lmdb"
-                self._env.close()
-                self._env = None
+                self._close_env()
                 if self._rebuild(where, str(e)):
-                    self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
-                                          metasync=False)
+                    self._open_env(where)
                 else:
                     self._set_aside(where, e)
                 self._open_dbs()
                 self._check_meta(slots, block_bytes)
                 self._open_slab(slots)
                 self._load_records(slots)
-            if not self.read_only:
-                self._checkpoints = index_checkpoint.Checkpointer(self._env, self.path / "index.lmdb", self._fd,
-                                                                  self._meta_lock)
-                self._checkpoints.now()   # the checkpoint of an earlier process names pages now reusable
+            if self._checkpoints is not None:
+                self._checkpoints.now()   # the open's own writes
             chunk = max(self.slot_bytes, STAGING_BYTES // self.slot_bytes * self.slot_bytes)
             self._staging = [mmap.mmap(-1, chunk) for _ in range(self.io_threads)]
         except lmdb.Error as e:       # writing the index at open: a full disk, an I/O error
@@ -284,24 +280,37 @@ class DiskTier(Tier):
                 refuse_foreign(where)      # before anything of ours touches it (extend, compact)
                 grown = extend(where)
                 self._salvage_damaged(where)   # before LMDB walks it: a damaged page aborted the process
-                self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
-                                      metasync=False)
+                self._open_env(where)
                 if grown is not None:
                     self._compact(where, grown)
         except _CORRUPT as e:
-            if self._env is not None:
-                self._env.close()
-                self._env = None
+            self._close_env()
             shutil.rmtree(where.with_name("index.lmdb.compact"), ignore_errors=True)
             if self.read_only:
                 raise ConfigError(f"the disk tier index in {self.path} is damaged: {e}") from None
             if (where / "data.mdb").is_file() and self._rebuild(where, str(e)):
-                self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
-                                      metasync=False)
+                self._open_env(where)
             else:
                 self._set_aside(where, e)
         except lmdb.Error as e:
             raise self._index_error(e, "open", TierSizeError if _full(e) else ConfigError) from None
+
+    def _open_env(self, where: Path) -> None:
+        """Open the writable index `where` and take its checkpoint before anything writes to
+        it: the one an earlier process saved is not held here, and the open's own writes
+        (dropped records, the meta record) reused its pages (a power loss then rolled back
+        onto them: the store refused the index as another program's)."""
+        self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+        self._checkpoints = index_checkpoint.Checkpointer(self._env, where, lambda: self._fd, self._meta_lock)
+        self._checkpoints.now()
+
+    def _close_env(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()     # (waits for one under way, lets go of its snapshot)
+            self._checkpoints = None
+        if self._env is not None:
+            self._env.close()
+            self._env = None
 
     def _open_dbs(self) -> None:
         assert self._env is not None
@@ -311,14 +320,11 @@ class DiskTier(Tier):
     def _set_aside(self, where: Path, e: Exception | str) -> None:
         """A cache may forget: move the damaged index aside and start an empty one (the
         slab's bytes are never trusted without a record and its checksum)."""
-        if self._env is not None:
-            self._env.close()
-            self._env = None
+        self._close_env()
         aside = _aside(where)
         log.warning("disk tier %s: index damaged (%s); moved to %s, starting empty", self.path, e, aside.name)
         where.rename(aside)
-        self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False,
-                              metasync=False)
+        self._open_env(where)
 
     def _salvage_damaged(self, where: Path) -> None:
         """A damaged page in the index's trees (lmdb_check.tree_damage), found before LMDB
@@ -389,14 +395,19 @@ class DiskTier(Tier):
     def _swap_in(self, where: Path, fresh: Path) -> None:
         """Put the index rewritten in `fresh` in the place of `where` and open it (killed
         between the two renames: _open_index takes the old one back, whole)."""
-        self._env.close()
-        self._env = None
+        self._close_env()
+        fd = os.open(fresh / "data.mdb", os.O_RDONLY)   # (LMDB's copy writes with O_DIRECT, unsynced)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         old = where.with_name("index.lmdb.short")
         shutil.rmtree(old, ignore_errors=True)
         where.rename(old)
         fresh.rename(where)
+        index_checkpoint.sync_dir(self.path)   # the new one in place (power loss too) before the old one goes
         shutil.rmtree(old, ignore_errors=True)
-        self._env = lmdb.open(str(where), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+        self._open_env(where)
 
     def _rewrite_without(self, drop: set[bytes]) -> None:
         """Rewrite the index without the records `drop` (damaged among them), record by
@@ -923,12 +934,7 @@ class DiskTier(Tier):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._checkpoints is not None:
-            self._checkpoints.close()
-            self._checkpoints = None
-        if self._env is not None:
-            self._env.close()
-            self._env = None
+        self._close_env()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import lmdb
 import msgpack
@@ -70,6 +71,7 @@ class Checkpoint:
     pages: bytes
     boot: str
     inode: int
+    seq: int = 0                   # the order the checkpoints were saved in (save() sets it)
 
 
 def take(index_dir: Path, txnid: int) -> Checkpoint | None:
@@ -93,23 +95,26 @@ def save(index_dir: Path, cp: Checkpoint) -> None:
     """Write `cp` into the slot of index_dir/synced-meta not holding the newest checkpoint,
     synced. A write cut short leaves that slot failing its check, and the other one, whose
     snapshot the caller still holds until this returns, stands."""
-    body = msgpack.packb({"txnid": cp.txnid, "page_size": cp.page_size, "pages": cp.pages, "boot": cp.boot,
-                         "inode": cp.inode})
-    record = _HEAD.pack(len(body), _digest(body)) + body
-    if len(record) > _SLOT_BYTES:
-        raise ValueError(f"a checkpoint of {len(record)} bytes does not fit a slot")
     path = index_dir / SAVED
     created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        if created:                 # both slots' blocks taken now: a full disk fails here, not midway
+            _pwrite_all(fd, bytes(2 * _SLOT_BYTES), 0)
+            os.fsync(fd)
+            sync_dir(index_dir)
         slots = _read_slots(fd)
-        newest = max(range(2), key=lambda i: slots[i].txnid if slots[i] is not None else -1)
-        os.pwrite(fd, record, (1 - newest) * _SLOT_BYTES)
+        newest = max(range(2), key=lambda i: slots[i].seq if slots[i] is not None else -1)
+        seq = max((c.seq for c in slots if c is not None), default=0) + 1
+        body = msgpack.packb({"txnid": cp.txnid, "page_size": cp.page_size, "pages": cp.pages, "boot": cp.boot,
+                             "inode": cp.inode, "seq": seq})
+        record = _HEAD.pack(len(body), _digest(body)) + body
+        if len(record) > _SLOT_BYTES:
+            raise ValueError(f"a checkpoint of {len(record)} bytes does not fit a slot")
+        _pwrite_all(fd, record, (1 - newest) * _SLOT_BYTES)
         os.fdatasync(fd)
     finally:
         os.close(fd)
-    if created:
-        _sync_dir(index_dir)        # the file's name, once
 
 
 def forget(index_dir: Path) -> None:
@@ -118,7 +123,7 @@ def forget(index_dir: Path) -> None:
         os.unlink(index_dir / SAVED)
     except FileNotFoundError:
         return
-    _sync_dir(index_dir)
+    sync_dir(index_dir)
 
 
 def load(index_dir: Path) -> Checkpoint | None:
@@ -131,7 +136,7 @@ def load(index_dir: Path) -> Checkpoint | None:
         slots = [c for c in _read_slots(fd) if c is not None]
     finally:
         os.close(fd)
-    return max(slots, key=lambda c: c.txnid, default=None)
+    return max(slots, key=lambda c: c.seq, default=None)    # the last saved (a txnid may repeat)
 
 
 # synced-meta: two slots of _SLOT_BYTES (room for two 64 KiB pages, LMDB's largest), each
@@ -156,7 +161,7 @@ def _read_slots(fd: int) -> list[Checkpoint | None]:
                 try:
                     d = msgpack.unpackb(body)
                     cp = Checkpoint(int(d["txnid"]), int(d["page_size"]), bytes(d["pages"]), str(d["boot"]),
-                                    int(d["inode"]))
+                                    int(d["inode"]), int(d["seq"]))
                 except (ValueError, TypeError, KeyError, msgpack.UnpackException):
                     cp = None
                 if cp is not None and (len(cp.pages) != 2 * cp.page_size or meta_of(cp.pages, 0) is None):
@@ -221,13 +226,23 @@ def readable(index_dir: Path) -> Path | None:
 def _write_pages(data: Path, cp: Checkpoint) -> None:
     fd = os.open(data, os.O_RDWR)
     try:
-        os.pwrite(fd, cp.pages, 0)
+        _pwrite_all(fd, cp.pages, 0)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _sync_dir(path: Path) -> None:
+def _pwrite_all(fd: int, data: bytes, at: int) -> None:
+    """pwrite all of `data` (a full disk writes part of it, and says so only in the count)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        if n <= 0:
+            raise OSError(f"wrote {len(data) - len(view)} of {len(data)} bytes")
+        view, at = view[n:], at + n
+
+
+def sync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -240,12 +255,14 @@ class Checkpointer:
     tier counts its commits here (under its lock) and asks for one when `due()`: `soon()`
     starts it on a thread of its own, `now()` (open, flush) waits for it."""
 
-    def __init__(self, env: lmdb.Environment, index_dir: Path, slab_fd: int, lock: threading.Lock) -> None:
+    def __init__(self, env: lmdb.Environment, index_dir: Path, slab_fd: Callable[[], int],
+                 lock: threading.Lock) -> None:
         self._env, self._dir, self._slab_fd, self._lock = env, index_dir, slab_fd, lock
         self._name = str(index_dir.parent)          # the tier's directory, in warnings
         self._pin: lmdb.Transaction | None = None    # a read of the last checkpoint's snapshot
         self._busy = threading.Lock()      # one at a time: taken by its starter, released when done
         self._thread: ThreadPoolExecutor | None = None
+        self._kept: list[lmdb.Transaction] = []   # snapshots a checkpoint that could not be removed may name
         self._at = 0.0                     # time.monotonic() of the last one started
         self.commits = 0                   # since the last one started (the tier counts, under `lock`)
 
@@ -296,6 +313,9 @@ class Checkpointer:
             self._thread = None
         with self._lock:
             self._unpin()
+            for pin in self._kept:
+                pin.abort()
+            self._kept.clear()
 
     def _start(self) -> tuple[lmdb.Transaction, Checkpoint] | None:
         """Under the tier's lock (no commit in between): a read of the newest snapshot and its
@@ -318,19 +338,32 @@ class Checkpointer:
 
     def _finish(self, pin: lmdb.Transaction, cp: Checkpoint) -> None:
         try:
-            os.fdatasync(self._slab_fd)    # the blocks before the records that name them
+            fd = self._slab_fd()
+            if fd >= 0:
+                os.fdatasync(fd)           # the blocks before the records that name them
             self._env.sync(True)           # that snapshot's pages (and any later ones)
-            save(self._dir, cp)
         except BaseException:
             with self._lock:
+                pin.abort()                # the saved checkpoint, and the snapshot held, stand
+            raise
+        try:
+            save(self._dir, cp)
+        except BaseException:
+            # Either slot may read as the newest now: none may stand once its snapshot is let go.
+            try:
+                forget(self._dir)
+            except BaseException:
+                with self._lock:
+                    self._kept.append(pin)   # both snapshots stay held (for the process)
+                raise
+            with self._lock:
                 pin.abort()
-            forget(self._dir)              # (if this fails too, the older one stands with its pin)
-            with self._lock:               # no saved checkpoint outlives the snapshot it names
                 self._unpin()
             raise
         with self._lock:
-            self._unpin()
-            self._pin = pin
+            old, self._pin = self._pin, pin
+            if old is not None:
+                old.abort()
 
     def _finish_in_background(self, pin: lmdb.Transaction, cp: Checkpoint) -> None:
         try:

@@ -123,7 +123,32 @@ def check_tree(index_dir: Path) -> None:
 def tree_damage(index_dir: Path, named: bool = True) -> str | None:
     """What is wrong with the pages of `index_dir`'s newest snapshot (the free list and the
     main tree, and with `named` every database the main tree names), or None. Reads the file
-    only: no LMDB call. None too when there is no readable meta page (LMDB judges those)."""
+    only: no LMDB call. None too when there is no readable meta page (LMDB judges those).
+    A store writing the index meanwhile (inspect reads a live one) may reuse pages of the
+    snapshot being walked: damage found while the newest snapshot changed is looked for
+    again in the new one."""
+    for _ in range(5):
+        before = _newest_txnid(index_dir)
+        problem = _tree_damage(index_dir, named)
+        if problem is None or _newest_txnid(index_dir) == before:
+            return problem
+    return problem
+
+
+def _newest_txnid(index_dir: Path) -> int:
+    try:
+        with open(index_dir / "data.mdb", "rb") as f:
+            head = f.read(2 * 65536)
+    except OSError:
+        return -1
+    first = meta_of(head, 0)
+    if first is None:
+        return -1
+    second = meta_of(head, first[0])
+    return max(first[2], second[2] if second is not None else -1)
+
+
+def _tree_damage(index_dir: Path, named: bool) -> str | None:
     with _mapped(index_dir) as buf:
         snap = _snapshot(buf)
         if snap is None:
@@ -198,6 +223,8 @@ def _snapshot(buf: mmap.mmap | None) -> tuple[int, int, tuple, tuple] | None:
     if first is None:
         return None
     psize = first[0]
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        return None                        # (LMDB judges such a header itself)
     metas = [(m, at) for m, at in ((first, 0), (meta_of(buf, psize), psize)) if m is not None]
     (_, last_pg, _), at = max(metas, key=lambda m: m[0][2])
     free, main = (_DB.unpack_from(buf, at + _DBS_AT + i * _DB.size) for i in range(2))
