@@ -49,14 +49,10 @@ def shortfall(index_dir: Path) -> tuple[int, int] | None:
             size = os.fstat(f.fileno()).st_size
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
         return None
-    first = meta_of(head, 0)
-    if first is None:
+    found = newest_meta(head)
+    if found is None:
         return None
-    psize = first[0]
-    if psize < 512 or psize > 65536 or psize & (psize - 1):
-        return None
-    metas = [first] + [m for m in (meta_of(head, psize),) if m is not None]
-    _, last_pg, _txnid = max(metas, key=lambda m: m[2])
+    (psize, last_pg, _txnid), _ = found
     need = (last_pg + 1) * psize
     return (size, need) if size < need else None
 
@@ -81,6 +77,19 @@ def readable_copy(index_dir: Path) -> Path | None:
     shutil.copyfile(index_dir / "data.mdb", scratch / "data.mdb")
     os.truncate(scratch / "data.mdb", short[1])
     return scratch
+
+
+def newest_meta(head: bytes | mmap.mmap) -> tuple[tuple[int, int, int], int] | None:
+    """The newest meta page in the head of a data.mdb: ((page size, last page, txnid), its
+    offset), or None where there is none, or its page size is not one LMDB writes."""
+    first = meta_of(head, 0)
+    if first is None:
+        return None
+    psize = first[0]
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        return None
+    metas = [(m, at) for m, at in ((first, 0), (meta_of(head, psize), psize)) if m is not None]
+    return max(metas, key=lambda m: m[0][2])
 
 
 def meta_of(head: bytes | mmap.mmap, at: int) -> tuple[int, int, int] | None:
@@ -141,11 +150,8 @@ def _newest_txnid(index_dir: Path) -> int:
             head = f.read(2 * 65536)
     except OSError:
         return -1
-    first = meta_of(head, 0)
-    if first is None:
-        return -1
-    second = meta_of(head, first[0])
-    return max(first[2], second[2] if second is not None else -1)
+    found = newest_meta(head)
+    return found[0][2] if found is not None else -1
 
 
 def _tree_damage(index_dir: Path, named: bool) -> str | None:
@@ -217,16 +223,10 @@ class _mapped:
 def _snapshot(buf: mmap.mmap | None) -> tuple[int, int, tuple, tuple] | None:
     """(page size, pages in use, the free list's and the main tree's MDB_db) of the newest
     meta page, or None where there is none to read."""
-    if buf is None:
-        return None
-    first = meta_of(buf, 0)
-    if first is None:
-        return None
-    psize = first[0]
-    if psize < 512 or psize > 65536 or psize & (psize - 1):
+    found = newest_meta(buf) if buf is not None else None
+    if found is None:
         return None                        # (LMDB judges such a header itself)
-    metas = [(m, at) for m, at in ((first, 0), (meta_of(buf, psize), psize)) if m is not None]
-    (_, last_pg, _), at = max(metas, key=lambda m: m[0][2])
+    (psize, last_pg, _), at = found
     free, main = (_DB.unpack_from(buf, at + _DBS_AT + i * _DB.size) for i in range(2))
     return psize, min(last_pg + 1, len(buf) // psize), free, main
 
