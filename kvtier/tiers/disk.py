@@ -342,23 +342,9 @@ class DiskTier(Tier):
         if got is None:
             return False
         records, lost = got
-        fresh = where.with_name("index.lmdb.compact")
-        shutil.rmtree(fresh, ignore_errors=True)
-        fresh.mkdir()
-        new = lmdb.open(str(fresh), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
-        try:
-            with new.begin(write=True) as txn:
-                for name in (META, b"blocks"):
-                    txn.cursor(db=new.open_db(name, txn=txn)).putmulti(records.get(name, []))
-            new.sync(True)
-        finally:
-            new.close()
-        old = where.with_name("index.lmdb.short")   # (killed between the renames: the damaged one returns)
-        shutil.rmtree(old, ignore_errors=True)
-        where.rename(old)
-        fresh.rename(where)
+        fresh = self._write_fresh(where, {name: records.get(name, []) for name in (META, b"blocks")})
         aside = _aside(where)
-        old.rename(aside)
+        self._swap_in(where, fresh, keep_old=aside, reopen=False)
         log.warning("disk tier %s: index damaged (%s); rebuilt from its readable pages: kept %d records, lost "
                     "those of %d damaged pages; the damaged index is in %s", self.path, damage,
                     len(records.get(b"blocks", [])), len(lost), aside.name)
@@ -392,9 +378,10 @@ class DiskTier(Tier):
         log.info("disk tier %s: index was %d bytes, its newest transaction uses %d; rewritten compact",
                  self.path, *grown)
 
-    def _swap_in(self, where: Path, fresh: Path) -> None:
-        """Put the index rewritten in `fresh` in the place of `where` and open it (killed
-        between the two renames: _open_index takes the old one back, whole)."""
+    def _swap_in(self, where: Path, fresh: Path, keep_old: Path | None = None, reopen: bool = True) -> None:
+        """Put the index rewritten in `fresh` in the place of `where` (the old one removed, or
+        moved to `keep_old`) and open it (killed between the two renames: _open_index takes
+        the old one back, whole)."""
         self._close_env()
         fd = os.open(fresh / "data.mdb", os.O_RDONLY)   # (LMDB's copy writes with O_DIRECT, unsynced)
         try:
@@ -406,27 +393,38 @@ class DiskTier(Tier):
         where.rename(old)
         fresh.rename(where)
         index_checkpoint.sync_dir(self.path)   # the new one in place (power loss too) before the old one goes
-        shutil.rmtree(old, ignore_errors=True)
-        self._open_env(where)
+        if keep_old is not None:
+            old.rename(keep_old)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+        if reopen:
+            self._open_env(where)
+
+    def _write_fresh(self, where: Path, records: dict[bytes, Any]) -> Path:
+        """A new index beside `where` (index.lmdb.compact) holding `records` ({database: an
+        iterable of (key, value) pairs}), synced."""
+        fresh = where.with_name("index.lmdb.compact")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        new = lmdb.open(str(fresh), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
+        try:
+            with new.begin(write=True) as txn:
+                for name, pairs in records.items():
+                    txn.cursor(db=new.open_db(name, txn=txn)).putmulti(pairs)
+            new.sync(True)
+        finally:
+            new.close()
+        return fresh
 
     def _rewrite_without(self, drop: set[bytes]) -> None:
         """Rewrite the index without the records `drop` (damaged among them), record by
         record: deleting a damaged record in place let LMDB trust its damaged size, and the
         page it sat in was corrupted for good (every later open died with SIGBUS)."""
         where = self.path / "index.lmdb"
-        fresh = where.with_name("index.lmdb.compact")
-        shutil.rmtree(fresh, ignore_errors=True)
-        fresh.mkdir()
-        new = lmdb.open(str(fresh), map_size=1 << 36, max_dbs=4, subdir=True, sync=False, metasync=False)
-        try:
-            meta_db, blocks_db = new.open_db(META), new.open_db(b"blocks")
-            with self._env.begin() as old, new.begin(write=True) as txn:
-                txn.cursor(db=meta_db).putmulti((bytes(k), bytes(v)) for k, v in old.cursor(db=self._meta_db))
-                txn.cursor(db=blocks_db).putmulti((bytes(k), bytes(v)) for k, v in old.cursor(db=self._db)
-                                                  if bytes(k) not in drop)
-            new.sync(True)
-        finally:
-            new.close()
+        with self._env.begin() as old:
+            fresh = self._write_fresh(where, {
+                META: ((bytes(k), bytes(v)) for k, v in old.cursor(db=self._meta_db)),   # (streamed)
+                b"blocks": ((bytes(k), bytes(v)) for k, v in old.cursor(db=self._db) if bytes(k) not in drop)})
         self._swap_in(where, fresh)
         self._open_dbs()
 

@@ -83,9 +83,8 @@ def _peek(where: Path) -> tuple[list[bytes], Any]:
 
 def salvageable(index_dir: Path) -> tuple[dict[bytes, list[tuple[bytes, bytes]]], list[str]] | None:
     """What a store would rebuild a damaged index from (lmdb_check.salvage: the records, and
-    what was wrong with the pages lost): None
-    where its main tree is damaged or its meta record is lost or does not decode (the
-    index is set aside whole then)."""
+    what was wrong with the pages lost); None where its main tree is damaged or its meta
+    record is lost or does not decode (the index is set aside whole then)."""
     got = salvage(index_dir)
     if got is None:
         return None

@@ -36,7 +36,7 @@ from typing import Callable
 import lmdb
 import msgpack
 
-from kvtier.tiers.lmdb_check import meta_of, readable_copy
+from kvtier.tiers.lmdb_check import meta_of, newest_meta, readable_copy
 
 log = logging.getLogger("kvtier.disk")
 
@@ -80,12 +80,10 @@ def take(index_dir: Path, txnid: int) -> Checkpoint | None:
     with open(index_dir / "data.mdb", "rb") as f:
         head = f.read(2 * 65536)
         inode = os.fstat(f.fileno()).st_ino
-    first = meta_of(head, 0)
-    if first is None:
+    found = newest_meta(head)
+    if found is None:
         return None
-    psize = first[0]
-    second = meta_of(head, psize)
-    newest = max(first[2], second[2] if second is not None else -1)
+    (psize, _, newest), _ = found
     if newest != txnid or len(head) < 2 * psize:
         return None
     return Checkpoint(txnid, psize, head[:2 * psize], boot_id(), inode)
@@ -152,11 +150,11 @@ def _digest(body: bytes) -> int:
 def _read_slots(fd: int) -> list[Checkpoint | None]:
     out: list[Checkpoint | None] = []
     for i in range(2):
-        raw = os.pread(fd, _SLOT_BYTES, i * _SLOT_BYTES)
+        head = os.pread(fd, _HEAD.size, i * _SLOT_BYTES)
         cp = None
-        if len(raw) >= _HEAD.size:
-            n, digest = _HEAD.unpack_from(raw)
-            body = raw[_HEAD.size:_HEAD.size + n]
+        if len(head) == _HEAD.size:
+            n, digest = _HEAD.unpack(head)
+            body = os.pread(fd, min(n, _SLOT_BYTES - _HEAD.size), i * _SLOT_BYTES + _HEAD.size)
             if len(body) == n and _digest(body) == digest:
                 try:
                     d = msgpack.unpackb(body)
@@ -182,8 +180,8 @@ def _due(index_dir: Path) -> tuple[Checkpoint, int] | None:
             st = os.fstat(f.fileno())
     except OSError:
         return None
-    metas = [m for m in (meta_of(head, 0), meta_of(head, cp.page_size)) if m is not None]
-    newest = max((m[2] for m in metas), default=-1)
+    found = newest_meta(head)
+    newest = found[0][2] if found is not None else -1
     if newest <= cp.txnid or st.st_ino != cp.inode or st.st_size < 2 * cp.page_size:
         return None                 # nothing after the checkpoint (a clean close), or not its file
     return cp, newest
