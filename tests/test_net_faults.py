@@ -188,6 +188,28 @@ def test_the_remote_keeps_a_bounded_number_of_peers_and_closes_those_it_forgets(
     store.close()
 
 
+def test_a_closed_client_refuses_later_calls_without_connecting_or_blaming_the_peer():
+    """A remote tier closes the clients it forgets while another thread may still hold one:
+    a later call on it opened a connection (over UCX: took a hold on the UCX runtime) that
+    nobody would close. Now it is a miss that does not mark the peer down."""
+    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
+    keys = store.keys([5] * 32)
+    store.put(keys, payload(keys, LAYOUT.block_bytes))
+    with Node(store, "127.0.0.1:0", SECRET) as node:
+        remote = kvtier.Remote([node.address], SECRET, timeout=0.5)
+        remote.attach(store.keyer.seed, LAYOUT.block_bytes)
+        held = remote.client(node.address)
+        assert held.has(keys) == 4 and held._chan is not None
+        held.close()                                             # as an eviction by another thread does
+        with pytest.raises(PeerError) as e:
+            remote._call(node.address, lambda _: held.has(keys))
+        assert e.value.busy and "closed" in e.value.reason
+        assert held._chan is None                                # no connection opened
+        assert not remote.health(node.address).down              # not the peer's fault
+        remote.close()
+    store.close()
+
+
 # -- 4. the replay table and clocks ahead ------------------------------------------------------
 def _n(i: int) -> bytes:
     return i.to_bytes(16, "big")

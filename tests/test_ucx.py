@@ -225,3 +225,165 @@ def test_ucx_error_lines_for_a_dead_peer_stay_off_stdout():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "done\n", r.stdout
+
+
+# A fresh process with ucxx's context and worker left out (no real endpoints): fake endpoints
+# show the order of a channel's steps on the UCX loop, with windows widened by sleeps.
+CHANNEL_RACES = r"""
+import asyncio, json, sys, threading, time
+sys.path.insert(0, {repo!r})
+import kvtier.net.ucx as u
+
+async def nothing():
+    pass
+u._create_context = u._reset = nothing
+
+class Req:
+    completed, status = False, 0
+    async def wait(self):
+        await asyncio.sleep(3600)       # a reply that never comes
+
+class Ep:
+    aborted = False
+    def __init__(self, slow=0.0):
+        self.slow = slow
+    @property
+    def alive(self):                    # slow: _am_recv is between reading the endpoint and posting
+        time.sleep(self.slow)
+        return True
+    def am_probe(self):
+        return False
+    def am_recv(self):
+        return Req()
+    async def am_send(self, head):
+        pass
+    def abort(self, period=0):
+        self.aborted = True
+
+out = {{}}
+# 1. close() while the timed-out request is posting its receive (on the loop).
+ch = u.UcxChannel(("127.0.0.1", 1))
+ep = ch.ep = Ep(slow=0.3)
+try:
+    ch.request(b"h", None, time.monotonic() + 0.1, lambda p: 0)
+except TimeoutError:
+    pass
+ch.close()
+out["posted"] = dict(freed=ep.aborted, kept=any(k.ep is ep for k in u._QUARANTINED))
+
+# 2. close() from another thread while the channel connects: the endpoint made after it.
+made = []
+async def connect(addr, seconds):
+    await asyncio.sleep(0.3)
+    made.append(Ep())
+    return made[-1]
+u._connect = connect
+ch = u.UcxChannel(("127.0.0.1", 2))
+err = []
+def call():
+    try:
+        ch.request(b"h", None, time.monotonic() + 5, lambda p: 0)
+    except OSError as e:
+        err.append(str(e))
+t = threading.Thread(target=call)
+t.start()
+time.sleep(0.1)
+ch.close()
+t.join()
+out["connected"] = dict(freed=made[0].aborted, error=err, kept_ep=ch.ep is not None)
+
+# 3. a channel used after close() takes no hold on the runtime.
+holders = u._Runtime._holders
+try:
+    ch.request(b"h", None, time.monotonic() + 1, lambda p: 0)
+except OSError as e:
+    out["after_close"] = str(e)
+out["holders_added"] = u._Runtime._holders - holders
+print(json.dumps(out))
+"""
+
+
+def test_a_ucx_channel_closed_while_its_request_runs_frees_or_keeps_its_endpoint_rightly():
+    """Three races of a channel's close() with its request (a helper's review): close() read
+    whether a receive was posted on the caller's thread while the UCX loop posted it (the
+    endpoint was freed under a stale receive, the failure _quarantine prevents); a connect
+    finishing after close() left its endpoint open on a closed channel; a call after close()
+    took a hold on the UCX runtime that nobody gave back."""
+    r = subprocess.run([sys.executable, "-c", CHANNEL_RACES.format(repo=str(REPO))], capture_output=True, text=True,
+                       env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["posted"] == {"freed": False, "kept": True}
+    assert out["connected"]["freed"] and not out["connected"]["kept_ep"]
+    assert out["connected"]["error"] and "closed" in out["connected"]["error"][0]
+    assert "closed" in out["after_close"] and out["holders_added"] == 0
+
+
+# A fresh process: clients connected to a node that then stops answering; each one's request
+# times out (its endpoint kept), and the node later answers or dies.
+STALLED_NODE = r"""
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+import kvtier
+import kvtier.net.ucx as u
+from kvtier.net import PeerClient, PeerError
+from tests.test_node import LAYOUT, NS, SECRET
+
+pid, addr = {pid}, {addr!r}
+seed = kvtier.keys.Keyer(NS, LAYOUT).seed
+keys = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS).keys([1] * 32)
+fds = lambda: len(os.listdir("/proc/self/fd"))
+client = lambda t: PeerClient(addr, SECRET, seed, LAYOUT.block_bytes, t, transport="ucx")
+first = client(2.0)
+first.has(keys)
+out = dict(start=fds())
+clients = [client(0.3) for _ in range(4)]
+for c in clients:
+    c.has(keys)
+out["connected"] = fds()
+os.kill(pid, signal.SIGSTOP)
+time.sleep(0.3)
+for c in clients:
+    try:
+        c.has(keys)
+    except PeerError:
+        c.close()
+out["kept"] = len(u._QUARANTINED)
+fresh = client(0.3)
+try:
+    fresh.has(keys)
+except PeerError as e:
+    out["refused"] = e.reason
+fresh.close()
+os.kill(pid, signal.SIGCONT)
+time.sleep(1.0)                         # the node answers the four requests, late
+again = client(2.0)
+out["answered"] = again.has(keys)
+again.close()
+out["kept_after"] = len(u._QUARANTINED)
+deadline = time.monotonic() + 5         # UCX closes an aborted endpoint's sockets as it progresses
+while fds() > out["start"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+out["end"] = fds()
+first.close()
+print(json.dumps(out))
+"""
+
+
+def test_endpoints_kept_for_a_stalled_ucx_node_are_bounded_and_freed_when_it_answers(spawn):
+    """Each request to a node that stopped answering left its endpoint open for the process's
+    life (three descriptors each here): a peer that took connections and never answered
+    piled them up. Now no new connection goes to a node while one kept for it waits, and a
+    kept endpoint is freed once its late reply lands."""
+    proc, addr = spawn(seeds=[1])
+    try:
+        r = subprocess.run([sys.executable, "-c", STALLED_NODE.format(repo=str(REPO), pid=proc.pid, addr=addr)],
+                           capture_output=True, text=True, env=ENV, timeout=120)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["connected"] > out["start"] and out["kept"] == 4
+    assert "has not answered" in out["refused"]
+    assert out["answered"] == 4 and out["kept_after"] == 0
+    assert out["end"] <= out["start"], out

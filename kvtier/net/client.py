@@ -46,7 +46,7 @@ class PeerError(KvtierError):
     secret or namespace, a malformed frame), rather than not answering at all. `loaded`: for a
     GET, how many leading blocks had arrived verified before it failed (they are usable).
     `busy`: never sent, because this client's earlier request to the peer (one at a time)
-    was still running at the deadline: the peer is not at fault."""
+    was still running at the deadline, or the client was closed: the peer is not at fault."""
 
     def __init__(self, address: str, reason: str, refused: bool = False, loaded: int = 0,
                  busy: bool = False) -> None:
@@ -86,6 +86,7 @@ class PeerClient:
             from kvtier.net.ucx import Lease
             self._ucx = Lease()
         self._lock = threading.Lock()
+        self._closed = False
         # A request waits its turn behind this client's earlier one (pushes and fetches queue);
         # with wait_busy=False (lookups) it waits only until its own deadline, then is a
         # PeerError with busy=True (a miss that is not the peer's fault).
@@ -97,9 +98,12 @@ class PeerClient:
         return cls(address, secret, store.keyer.seed, store.layout.block_bytes, **kw)   # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Close the connection (a later call opens another); over UCX, let go of the UCX
-        runtime too: the last holder's close gives its threads and descriptors back."""
+        """Close the connection; over UCX, let go of the UCX runtime too: the last holder's
+        close gives its threads and descriptors back. Final: a later call is a PeerError
+        (`busy`: not the peer's fault), never a connection nobody would close (a client
+        closed by one thread, e.g. evicted from a remote tier, while another still holds it)."""
         with self._lock:
+            self._closed = True
             self._drop()
             if self._ucx is not None:
                 self._ucx.release()
@@ -119,9 +123,7 @@ class PeerClient:
     def _channel(self) -> Channel:
         if self._chan is None:
             if self.transport == "ucx":
-                from kvtier.net.ucx import Lease, UcxChannel
-                if self._ucx is None:
-                    self._ucx = Lease()
+                from kvtier.net.ucx import UcxChannel
                 self._chan = UcxChannel(self._addr)
             else:
                 self._chan = TcpChannel(self._addr, self._ssl)
@@ -174,6 +176,8 @@ class PeerClient:
             raise PeerError(self.address, "busy: this client's earlier request to the peer was still running "
                             "at the deadline", busy=True)
         try:
+            if self._closed:
+                raise PeerError(self.address, "this client was closed", busy=True)
             landed: list[Future[bool] | None] = []
             try:
                 reused = self._chan is not None

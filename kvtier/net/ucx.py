@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 
 import numpy as np
@@ -156,8 +157,10 @@ async def _reset() -> None:
 
 
 async def _am_recv(conn: Any) -> Any:
-    """The next active message on `conn.ep`; `conn.receiving` says whether one is awaited
-    (it stays True when the receive failed), for its close() to call _left_waiting()."""
+    """The next active message on `conn.ep`. The receive's ucxx request is kept in
+    `conn.pending` until the message lands, so close() knows whether one is left waiting
+    (ucxx's Endpoint.am_recv, made with the request in hand: an awaiting coroutine's
+    cancellation leaves it queued, and only its request tells when it was taken out)."""
     ep = conn.ep
     raw = getattr(ep, "_ep", ep)        # ucxx's low-level endpoint (None once aborted)
     if raw is None or (not raw.alive and not raw.am_probe()):
@@ -165,29 +168,65 @@ async def _am_recv(conn: Any) -> Any:
         # is queued (a message that did arrive before the close is still received).
         raise _endpoint_error(ep) or ConnectionResetError(
             errno.ECONNRESET, "Connection reset by peer (UCX: the endpoint closed)")
-    conn.receiving = True
-    msg = await _io(ep.am_recv(), ep)
-    conn.receiving = False
-    return msg
+    req = conn.pending = raw.am_recv()
+    await _io(req.wait(), ep)
+    conn.pending = None
+    return req.recv_buffer
 
 
-# Client endpoints closed while a reply was awaited, kept open for the process's life (see
-# _quarantine); their count bounds what that costs.
-_QUARANTINED: list[Any] = []
+def _waiting(req: Any) -> bool:
+    """Whether active-message receive `req` (None: none posted) may still sit in ucxx's
+    worker queue: it has not taken a message. One that failed (its endpoint closed or
+    failed) has not either, and stays queued (_left_waiting)."""
+    return req is not None and not (req.completed and req.status == 0)     # 0: UCS_OK
 
 
-def _quarantine(ep: Any) -> None:
-    """Keep `ep` (whose reply never came) from ever being closed or freed. ucxx queues an
-    active-message receive by the endpoint's UCP handle and a cancelled one stays queued;
-    once the endpoint is freed UCX hands that handle to the next endpoint, whose first reply
-    the stale receive then takes and drops: that endpoint's request times out, leaves a stale
-    receive of its own, and so on. Measured: after one request to a frozen node timed out,
-    every later request of the process, to healthy nodes too, timed out. A peer that
-    answers late answers into the stale receive; a dead one leaves a failed endpoint."""
-    _QUARANTINED.append(ep)
-    if len(_QUARANTINED) in (1, 10, 100, 1000) or len(_QUARANTINED) % 10_000 == 0:
+@dataclass
+class _Kept:
+    """A client endpoint closed while its reply was awaited, kept open (see _quarantine)."""
+    ep: Any
+    req: Any                    # its receive, still queued when it was kept
+    addr: tuple[str, int]       # the node it was connected to
+    since: float                # time.monotonic() when it was kept
+
+    def live(self) -> bool:
+        """Whether it still holds the connection's descriptors: its node lives and has not
+        answered (a node that died closed them; one that answered frees it: _sweep)."""
+        raw = getattr(self.ep, "_ep", self.ep)
+        return raw is not None and raw.alive and _waiting(self.req)
+
+
+# Client endpoints closed while a reply was awaited (see _quarantine), until their reply
+# lands. Touched on the UCX loop only.
+_QUARANTINED: list[_Kept] = []
+
+
+def _quarantine(ep: Any, req: Any, addr: tuple[str, int]) -> None:
+    """Keep `ep` (whose reply, awaited by receive `req`, has not come) from being closed or
+    freed while that receive is queued. ucxx queues an active-message receive by the
+    endpoint's UCP handle and a cancelled one stays queued; once the endpoint is freed UCX
+    hands that handle to the next endpoint, whose first reply the stale receive then takes and
+    drops: that endpoint's request times out, leaves a stale receive of its own, and so on.
+    Measured: after one request to a frozen node timed out, every later request of the
+    process, to healthy nodes too, timed out. A node that answers late answers into the stale
+    receive, and the endpoint is freed then (_sweep); one that died leaves a failed endpoint
+    (its descriptors closed by UCX) that stays. A node that never answers is not connected
+    to again while its endpoint waits (_connect), so a peer cannot pile up kept endpoints
+    (each holds three descriptors while its peer lives, over TCP here)."""
+    _QUARANTINED.append(_Kept(ep, req, addr, time.monotonic()))
+    n = len(_QUARANTINED)
+    if n in (1, 10, 100, 1000) or n % 10_000 == 0:
         log.info("%d UCX endpoint(s) kept open after a peer failed mid-request (ucxx cannot cancel an "
-                 "active-message receive; freeing the endpoint would lose a later reply)", len(_QUARANTINED))
+                 "active-message receive; freeing the endpoint would lose a later reply)", n)
+
+
+def _sweep() -> None:
+    """Free the kept endpoints whose late reply has landed (their receive is out of ucxx's
+    queue, so nothing stale is left to take another endpoint's reply)."""
+    done = [k for k in _QUARANTINED if not _waiting(k.req)]
+    for k in done:
+        _QUARANTINED.remove(k)
+        _abort(k.ep)
 
 
 def _left_waiting() -> None:
@@ -303,7 +342,7 @@ class UcxServerConn:
 
     def __init__(self, ep: Any) -> None:
         self.ep = ep
-        self.receiving = False      # an active-message receive is posted (see _am_recv)
+        self.pending: Any = None    # the active-message receive posted (see _am_recv)
 
     async def recv_head(self, deadline: float | None, check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         # A head is one message: its deadline (if any) bounds all of it.
@@ -333,7 +372,7 @@ class UcxServerConn:
         pass        # messages, not a byte stream: nothing unread makes close() a reset
 
     def close(self) -> None:
-        if self.receiving:
+        if _waiting(self.pending):
             _left_waiting()
         _abort(self.ep)
 
@@ -393,16 +432,21 @@ class UcxServer:
 # -- calling side -----------------------------------------------------------------------
 class UcxChannel:
     """The calling side over one UCX endpoint, connected on first use (holding the UCX
-    runtime from then until closed)."""
+    runtime from then until closed). Its endpoint is touched on the UCX loop only: close()
+    runs there too, so it sees whether a request's receive is posted, and a connect that
+    finishes after close() frees its endpoint. Closed is final."""
 
     def __init__(self, addr: tuple[str, int]) -> None:
         self.addr = addr
         self.ep: Any = None
-        self.receiving = False      # an active-message receive is posted (see _am_recv)
+        self.pending: Any = None    # the active-message receive posted (see _am_recv)
+        self.closed = False
         self._lease: Lease | None = None
 
     def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
                 check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
+        if self.closed:
+            raise _closed_error()
         if self._lease is None:
             self._lease = Lease()
         return _run(self._request(head, rows, deadline, check), deadline)
@@ -410,7 +454,11 @@ class UcxChannel:
     async def _request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
                        check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
         if self.ep is None:
-            self.ep = await _io(_connect(self.addr, max(1e-3, deadline - time.monotonic())))
+            ep = await _io(_connect(self.addr, max(1e-3, deadline - time.monotonic())))
+            if self.closed:         # closed while it connected: nobody else would free it
+                _abort(ep)
+                raise _closed_error()
+            self.ep = ep
         ep = self.ep
         await _io(ep.am_send(head), ep)
         if rows is not None:
@@ -424,6 +472,8 @@ class UcxChannel:
         # Speed: every receive is posted at once, straight into the destination rows;
         # each row is handed to verification as it lands.
         ep = self.ep
+        if ep is None:
+            raise _closed_error()
 
         async def one(i: int) -> None:
             await _io(ep.recv(rows[i]), ep)
@@ -431,26 +481,32 @@ class UcxChannel:
         await asyncio.gather(*(one(i) for i in range(len(rows))))
 
     def close(self) -> None:
-        if self.ep is not None:
-            ep, self.ep = self.ep, None
-            if self.receiving:      # its reply never came: never free this endpoint (_left_waiting)
-                _left_waiting()
-                _quarantine(ep)
-                self._release()
-                return
-
-            async def stop() -> None:
-                _abort(ep)
-            try:
-                _run(stop(), time.monotonic() + 5)
-            except TimeoutError:
-                pass
-        self._release()
-
-    def _release(self) -> None:
-        if self._lease is not None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._lease is None:     # never used: no endpoint, no runtime held
+            return
+        try:
+            _run(self._stop(), time.monotonic() + 5)
+        except TimeoutError:
+            pass
+        finally:
             self._lease.release()
             self._lease = None
+
+    async def _stop(self) -> None:
+        ep, self.ep = self.ep, None
+        if ep is None:
+            return
+        if _waiting(self.pending):      # its reply never came: never free this endpoint (_left_waiting)
+            _left_waiting()
+            _quarantine(ep, self.pending, self.addr)
+        else:
+            _abort(ep)
+
+
+def _closed_error() -> OSError:
+    return ConnectionAbortedError(errno.ECONNABORTED, "Connection aborted (UCX: the channel was closed)")
 
 
 async def _connect(addr: tuple[str, int], seconds: float) -> Any:
@@ -458,7 +514,14 @@ async def _connect(addr: tuple[str, int], seconds: float) -> Any:
     it, but failing as soon as UCX reports the connection failed. ucxx's own waited out its
     whole `connect_timeout` whenever the refusal came as it posted its handshake receive (2 to
     6 of 8 connects to a dead port, here): every call to a dead node cost its deadline.
-    ucxx's connect itself where its internals are not the ones this was written against."""
+    ucxx's connect itself where its internals are not the ones this was written against.
+    Refused while an endpoint kept for a request to that node still waits (_quarantine)."""
+    _sweep()
+    for k in _QUARANTINED:
+        if k.addr == addr and k.live():
+            raise ConnectionRefusedError(
+                errno.ECONNREFUSED, f"Connection refused (UCX: not connecting again: the node has not answered "
+                f"a request made {time.monotonic() - k.since:.0f} s ago, whose connection is kept until it does)")
     parts = _ucxx_internals()
     if parts is None:
         return await require_ucxx().create_endpoint(addr[0], addr[1], connect_timeout=seconds)
