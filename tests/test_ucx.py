@@ -299,16 +299,38 @@ try:
 except OSError as e:
     out["after_close"] = str(e)
 out["holders_added"] = u._Runtime._holders - holders
+
+# 4. close() from another thread while request() takes its hold on the runtime.
+RealLease = u.Lease
+class SlowLease(RealLease):
+    def __init__(self):
+        time.sleep(0.3)
+        super().__init__()
+u.Lease = SlowLease
+ch = u.UcxChannel(("127.0.0.1", 4))
+def call():
+    try:
+        ch.request(b"h", None, time.monotonic() + 5, lambda p: 0)
+    except OSError:
+        pass
+holders = u._Runtime._holders
+t = threading.Thread(target=call)
+t.start()
+time.sleep(0.1)
+ch.close()
+t.join()
+out["racing_lease_added"] = u._Runtime._holders - holders
 print(json.dumps(out))
 """
 
 
 def test_a_ucx_channel_closed_while_its_request_runs_frees_or_keeps_its_endpoint_rightly():
-    """Three races of a channel's close() with its request (a helper's review): close() read
+    """Four races of a channel's close() with its request (helpers' reviews): close() read
     whether a receive was posted on the caller's thread while the UCX loop posted it (the
     endpoint was freed under a stale receive, the failure _quarantine prevents); a connect
     finishing after close() left its endpoint open on a closed channel; a call after close()
-    took a hold on the UCX runtime that nobody gave back."""
+    took a hold on the UCX runtime that nobody gave back, and so did one whose close() came
+    from another thread as it took that hold."""
     r = subprocess.run([sys.executable, "-c", CHANNEL_RACES.format(repo=str(REPO))], capture_output=True, text=True,
                        env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -317,6 +339,7 @@ def test_a_ucx_channel_closed_while_its_request_runs_frees_or_keeps_its_endpoint
     assert out["connected"]["freed"] and not out["connected"]["kept_ep"]
     assert out["connected"]["error"] and "closed" in out["connected"]["error"][0]
     assert "closed" in out["after_close"] and out["holders_added"] == 0
+    assert out["racing_lease_added"] == 0
 
 
 # A fresh process: clients connected to a node that then stops answering; each one's request
@@ -387,3 +410,25 @@ def test_endpoints_kept_for_a_stalled_ucx_node_are_bounded_and_freed_when_it_ans
     assert "has not answered" in out["refused"]
     assert out["answered"] == 4 and out["kept_after"] == 0
     assert out["end"] <= out["start"], out
+
+
+def test_a_ucx_node_that_closed_an_idle_connection_still_answers_new_clients(children):
+    """A node closing a connection whose receive for the next request was queued (its idle
+    timeout) freed the endpoint under that receive: UCX gave the handle to the next
+    connection, whose first request the stale receive took, so the node answered no client
+    again (a helper's review; every fresh client's call was reset)."""
+    code = NODE.format(repo=str(REPO), blocks=64, seeds=[1], tokens=32, secret=SECRET, transport="ucx").replace(
+        "transport='ucx')", "transport='ucx', request_timeout=0.5, limits=kvtier.net.NodeLimits(idle_timeout=0.5))")
+    assert "idle_timeout" in code
+    _, addr = children(code, env=ENV)
+    seed = kvtier.keys.Keyer(NS, LAYOUT).seed
+    keys = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS).keys([1] * 32)
+    idle = PeerClient(addr, SECRET, seed, LAYOUT.block_bytes, 2.0, transport="ucx")
+    assert idle.has(keys) == 4
+    time.sleep(1.5)                                  # the node closes it as idle
+    for _ in range(3):
+        fresh = PeerClient(addr, SECRET, seed, LAYOUT.block_bytes, 2.0, transport="ucx")
+        assert fresh.has(keys) == 4
+        fresh.close()
+    assert idle.has(keys) == 4                       # its request freed the kept endpoint: reset, then retried
+    idle.close()

@@ -183,50 +183,64 @@ def _waiting(req: Any) -> bool:
 
 @dataclass
 class _Kept:
-    """A client endpoint closed while its reply was awaited, kept open (see _quarantine)."""
+    """An endpoint closed while a receive on it waited, kept open (see _quarantine)."""
     ep: Any
-    req: Any                    # its receive, still queued when it was kept
-    addr: tuple[str, int]       # the node it was connected to
-    since: float                # time.monotonic() when it was kept
+    req: Any                            # its receive, still queued when it was kept
+    addr: tuple[str, int] | None        # the node it was connected to (None: a node's own)
+    since: float                        # time.monotonic() when it was kept
 
     def live(self) -> bool:
-        """Whether it still holds the connection's descriptors: its node lives and has not
-        answered (a node that died closed them; one that answered frees it: _sweep)."""
+        """Whether it still holds the connection's descriptors: its peer lives and has not
+        sent the awaited message (a peer that died closed them; then ucxx never frees its
+        handle, so nothing reuses it)."""
         raw = getattr(self.ep, "_ep", self.ep)
         return raw is not None and raw.alive and _waiting(self.req)
 
 
-# Client endpoints closed while a reply was awaited (see _quarantine), until their reply
-# lands. Touched on the UCX loop only.
+# Endpoints closed while a receive on them waited (see _quarantine), until their message
+# lands or their peer dies. Touched on the UCX loop only.
 _QUARANTINED: list[_Kept] = []
+SWEEP_SECONDS = 0.05        # how soon a kept endpoint is freed after its message lands
+_sweeper: asyncio.Task[None] | None = None
 
 
-def _quarantine(ep: Any, req: Any, addr: tuple[str, int]) -> None:
-    """Keep `ep` (whose reply, awaited by receive `req`, has not come) from being closed or
-    freed while that receive is queued. ucxx queues an active-message receive by the
-    endpoint's UCP handle and a cancelled one stays queued; once the endpoint is freed UCX
-    hands that handle to the next endpoint, whose first reply the stale receive then takes and
-    drops: that endpoint's request times out, leaves a stale receive of its own, and so on.
-    Measured: after one request to a frozen node timed out, every later request of the
-    process, to healthy nodes too, timed out. A node that answers late answers into the stale
-    receive, and the endpoint is freed then (_sweep); one that died leaves a failed endpoint
-    (its descriptors closed by UCX) that stays. A node that never answers is not connected
-    to again while its endpoint waits (_connect), so a peer cannot pile up kept endpoints
-    (each holds three descriptors while its peer lives, over TCP here)."""
+def _quarantine(ep: Any, req: Any, addr: tuple[str, int] | None) -> None:
+    """Keep `ep` open while its receive `req` is queued (on the UCX loop). ucxx queues an
+    active-message receive by the endpoint's UCP handle and a cancelled one stays queued;
+    once the endpoint is freed UCX hands that handle to the next endpoint, whose first
+    message the stale receive then takes and drops. Measured: after one request to a frozen
+    node timed out, every later request of the process, to healthy nodes too, timed out;
+    and a node that closed an idle connection took every later client's first request, so
+    it answered none. The endpoint is freed once its message lands (_sweep: a peer that
+    answers late, a client that sends its next request); one whose peer died stays failed
+    (UCX closed its descriptors). A calling side does not connect to a node while an
+    endpoint kept for it waits (_connect), so a peer cannot pile them up (each holds three
+    descriptors while its peer lives, over TCP here)."""
+    global _sweeper
     _QUARANTINED.append(_Kept(ep, req, addr, time.monotonic()))
     n = len(_QUARANTINED)
     if n in (1, 10, 100, 1000) or n % 10_000 == 0:
-        log.info("%d UCX endpoint(s) kept open after a peer failed mid-request (ucxx cannot cancel an "
-                 "active-message receive; freeing the endpoint would lose a later reply)", n)
+        log.info("%d UCX endpoint(s) kept open after a receive on them was left waiting (ucxx cannot cancel "
+                 "an active-message receive; freeing the endpoint would lose another's message)", n)
+    if _sweeper is None or _sweeper.done():
+        _sweeper = asyncio.get_running_loop().create_task(_sweep_while_kept())
+
+
+async def _sweep_while_kept() -> None:
+    """Sweep now and again while endpoints are kept."""
+    while _QUARANTINED:
+        await asyncio.sleep(SWEEP_SECONDS)
+        _sweep()
 
 
 def _sweep() -> None:
-    """Free the kept endpoints whose late reply has landed (their receive is out of ucxx's
-    queue, so nothing stale is left to take another endpoint's reply)."""
-    done = [k for k in _QUARANTINED if not _waiting(k.req)]
-    for k in done:
+    """Free the kept endpoints whose message has landed (their receive is out of ucxx's
+    queue: nothing stale is left to take another endpoint's message), and forget those whose
+    peer died (ucxx never frees a failed endpoint's handle)."""
+    for k in [k for k in _QUARANTINED if not k.live()]:
         _QUARANTINED.remove(k)
-        _abort(k.ep)
+        if not _waiting(k.req):
+            _abort(k.ep)
 
 
 def _left_waiting() -> None:
@@ -372,8 +386,15 @@ class UcxServerConn:
         pass        # messages, not a byte stream: nothing unread makes close() a reset
 
     def close(self) -> None:
+        # Closed with its receive for the next request queued (the idle timeout, a first
+        # request's deadline, the connection gate): kept until that request comes or its peer
+        # goes, never freed under it (_quarantine).
         if _waiting(self.pending):
             _left_waiting()
+            raw = getattr(self.ep, "_ep", self.ep)
+            if raw is not None and raw.alive:
+                _quarantine(self.ep, self.pending, None)
+                return
         _abort(self.ep)
 
 
@@ -442,13 +463,15 @@ class UcxChannel:
         self.pending: Any = None    # the active-message receive posted (see _am_recv)
         self.closed = False
         self._lease: Lease | None = None
+        self._state = threading.Lock()     # closed and _lease, set by callers' threads
 
     def request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
                 check: Callable[[bytes], int]) -> tuple[bytes, bytes, bytes]:
-        if self.closed:
-            raise _closed_error()
-        if self._lease is None:
-            self._lease = Lease()
+        with self._state:
+            if self.closed:
+                raise _closed_error()
+            if self._lease is None:
+                self._lease = Lease()
         return _run(self._request(head, rows, deadline, check), deadline)
 
     async def _request(self, head: bytes, rows: Sequence[np.ndarray] | None, deadline: float,
@@ -481,18 +504,20 @@ class UcxChannel:
         await asyncio.gather(*(one(i) for i in range(len(rows))))
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._lease is None:     # never used: no endpoint, no runtime held
+        with self._state:
+            if self.closed:
+                return
+            self.closed = True
+            lease, self._lease = self._lease, None
+        if lease is None:           # never used: no endpoint, no runtime held
             return
         try:
-            _run(self._stop(), time.monotonic() + 5)
+            _run(self._stop(), time.monotonic() + STOP_SECONDS)
         except TimeoutError:
-            pass
-        finally:
-            self._lease.release()
-            self._lease = None
+            # The loop is stuck: _stop runs when it moves on, maybe keeping the endpoint, and
+            # the runtime must still be there then.
+            _Runtime.keep("closing a UCX channel timed out (the UCX loop did not answer)")
+        lease.release()
 
     async def _stop(self) -> None:
         ep, self.ep = self.ep, None
@@ -516,7 +541,6 @@ async def _connect(addr: tuple[str, int], seconds: float) -> Any:
     6 of 8 connects to a dead port, here): every call to a dead node cost its deadline.
     ucxx's connect itself where its internals are not the ones this was written against.
     Refused while an endpoint kept for a request to that node still waits (_quarantine)."""
-    _sweep()
     for k in _QUARANTINED:
         if k.addr == addr and k.live():
             raise ConnectionRefusedError(
