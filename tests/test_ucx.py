@@ -320,6 +320,16 @@ time.sleep(0.1)
 ch.close()
 t.join()
 out["racing_lease_added"] = u._Runtime._holders - holders
+
+# 5. a node's kept endpoints (peers that connect and never send) stay bounded.
+u.MAX_KEPT_BY_NODE = 2
+eps = [Ep() for _ in range(5)]
+async def keep_all():
+    for e in eps:
+        u._quarantine(e, Req(), None)
+u._run(keep_all(), time.monotonic() + 5)
+out["node_kept"] = sum(k.addr is None for k in u._QUARANTINED)
+out["node_freed"] = [e.aborted for e in eps]
 print(json.dumps(out))
 """
 
@@ -330,7 +340,7 @@ def test_a_ucx_channel_closed_while_its_request_runs_frees_or_keeps_its_endpoint
     endpoint was freed under a stale receive, the failure _quarantine prevents); a connect
     finishing after close() left its endpoint open on a closed channel; a call after close()
     took a hold on the UCX runtime that nobody gave back, and so did one whose close() came
-    from another thread as it took that hold."""
+    from another thread as it took that hold. And a node's kept endpoints stay bounded."""
     r = subprocess.run([sys.executable, "-c", CHANNEL_RACES.format(repo=str(REPO))], capture_output=True, text=True,
                        env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -340,6 +350,7 @@ def test_a_ucx_channel_closed_while_its_request_runs_frees_or_keeps_its_endpoint
     assert out["connected"]["error"] and "closed" in out["connected"]["error"][0]
     assert "closed" in out["after_close"] and out["holders_added"] == 0
     assert out["racing_lease_added"] == 0
+    assert out["node_kept"] == 2 and out["node_freed"] == [True, True, True, False, False]
 
 
 # A fresh process: clients connected to a node that then stops answering; each one's request

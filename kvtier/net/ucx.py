@@ -201,6 +201,7 @@ class _Kept:
 # lands or their peer dies. Touched on the UCX loop only.
 _QUARANTINED: list[_Kept] = []
 SWEEP_SECONDS = 0.05        # how soon a kept endpoint is freed after its message lands
+MAX_KEPT_BY_NODE = 256      # a node's kept endpoints with a live peer (three descriptors each here)
 _sweeper: asyncio.Task[None] | None = None
 
 
@@ -218,6 +219,17 @@ def _quarantine(ep: Any, req: Any, addr: tuple[str, int] | None) -> None:
     descriptors while its peer lives, over TCP here)."""
     global _sweeper
     _QUARANTINED.append(_Kept(ep, req, addr, time.monotonic()))
+    if addr is None:
+        # A node's: a peer that connects and never sends could pile them up past the node's
+        # connection limit. Past the bound the oldest is freed: its receive may then take one
+        # later connection's first request (that call fails; the node keeps that connection
+        # in turn, so it does not cascade).
+        serving = [k for k in _QUARANTINED if k.addr is None]
+        if len(serving) > MAX_KEPT_BY_NODE:
+            _QUARANTINED.remove(serving[0])
+            _abort(serving[0].ep)
+            log.warning("more than %d UCX connections closed while their next request was awaited are still "
+                        "open: freed the oldest (one later request may go unanswered)", MAX_KEPT_BY_NODE)
     n = len(_QUARANTINED)
     if n in (1, 10, 100, 1000) or n % 10_000 == 0:
         log.info("%d UCX endpoint(s) kept open after a receive on them was left waiting (ucxx cannot cancel "
