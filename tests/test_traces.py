@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import subprocess
+import threading
 
 import pytest
 
@@ -457,3 +460,27 @@ def test_names_of_one_runs_traces_are_distinct(tmp_path):
     (tmp_path / "link.jsonl").symlink_to(t)
     same = [str(t), str(tmp_path / "." / "t.jsonl"), str(tmp_path / "link.jsonl")]
     assert distinct_inputs([*same, "missing.jsonl", "missing.jsonl"]) == [str(t), "missing.jsonl"]
+
+
+def test_the_generator_writes_into_a_pipe_and_through_a_link_never_replacing_them(tmp_path):
+    """The trace went to a temporary file renamed onto the path, whatever the path was: a
+    device (as root, `... /dev/null` replaced the machine's /dev/null with a file), a named
+    pipe (replaced; its reader got nothing) or a symbolic link (replaced by a file, its
+    target left as it was)."""
+    target = tmp_path / "target.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    n = write_trace(str(link), SMALL, "tokens")
+    assert link.is_symlink() and len(read_trace(str(target), block_tokens=64)) == n
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    assert write_trace(str(pipe), SMALL, "tokens") == n
+    reader.join(30)
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert got and got[0] == target.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "pipe", "target.jsonl"]   # no temporary left

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import sys
 from dataclasses import dataclass, fields
 from typing import Iterator, TextIO
@@ -192,10 +193,16 @@ def write_trace(path: str, cfg: AgenticConfig = AgenticConfig(), fmt: str = "tok
 
     The trace goes to a temporary file beside `path`, renamed onto it only when complete:
     an error or an interrupt leaves no partial file, which would replay as a shorter trace.
-    A folder that cannot be written fails before the trace is generated."""
+    A folder that cannot be written fails before the trace is generated. A symbolic link's
+    target is written, and a path that is not a regular file (/dev/null, a named pipe) is
+    written straight into: a rename would replace the device or pipe with a file."""
     _check_format(fmt)
+    path = os.path.realpath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        with open(path, "w", encoding="utf-8") as f:
+            return write_jsonl(f, cfg, fmt)
     fd, tmp = _create_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
