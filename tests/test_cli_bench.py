@@ -34,7 +34,10 @@ USAGE_ERRORS = [
     (["bench", "tiers", "--tier", "disk", "--path", "/nonexistent/kvtier-test"],
      ["--path", "does not exist", "existing directory"]),
     (["bench", "tiers", "--io-threads", "8"], ["--io-threads", "--tier disk"]),
+    (["bench", "tiers", "--tier", "disk", "--path", "/proc"], ["--path /proc", "not on a disk"]),   # was ENOENT
+    (["bench", "engine", "--tiers", "disk", "--disk", "/proc"], ["--disk /proc", "not on a disk"]),
     # bench adapter
+    (["bench", "adapter", "--disk", "/proc"], ["--disk /proc", "not on a disk"]),
     (["bench", "adapter", "--disk", "/nonexistent/kvtier-test"], ["--disk", "does not exist"]),
     (["bench", "adapter", "--requests", "100000000"], ["--requests", "memory available"]),
     (["bench", "adapter", "--layers", "100000", "--requests", "1000"], ["--layers", "memory available"]),

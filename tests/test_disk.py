@@ -253,6 +253,29 @@ def test_bad_paths_and_sizes(tmp_path):
         kvtier.DiskTier(tmp_path / "d", blocks=8, io_threads=100_000)   # was ENOMEM at build, lock kept
 
 
+def test_a_read_only_filesystem_is_named_not_called_too_small(tmp_path, monkeypatch):
+    """A small read-only filesystem was "not enough free space ... 10 MiB is free", the cause
+    (nothing can be written there) shown only for a tier small enough to fit."""
+    import os as os_mod
+    from kvtier.tiers import disk_dir
+    real = os_mod.statvfs
+
+    class ReadOnly:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            return getattr(self._st, name)
+
+        f_flag = os_mod.ST_RDONLY
+        f_bavail = 10
+
+    monkeypatch.setattr(disk_dir.os, "statvfs", lambda p: ReadOnly(real(p)))
+    with pytest.raises(ConfigError, match="is on a read-only filesystem; give a directory you can write"):
+        kvtier.Store(LAYOUT, [kvtier.DiskTier(tmp_path / "kv", capacity="1GiB")], NS)
+    assert not (tmp_path / "kv").exists()
+
+
 def test_a_folder_holding_other_files_is_refused_and_left_alone(tmp_path):
     """`--disk /etc` created a 16 GiB slab and an index among /etc's files, and a folder's
     own slab.bin was resized and reused: a directory holding anything but a tier is refused."""

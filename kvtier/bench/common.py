@@ -185,9 +185,10 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def existing_dir(option: str, path: str | None) -> Path | None:
-    """`path` as a Path if it is an existing directory (None stays None), else a ConfigError
-    that names the option."""
+    """`path` as a Path if it is an existing directory the benchmark can write its scratch
+    files in (None stays None), else a ConfigError that names the option."""
     from kvtier.errors import ConfigError
+    from kvtier.tiers.disk_dir import unwritable
 
     if path is None:
         return None
@@ -195,6 +196,9 @@ def existing_dir(option: str, path: str | None) -> Path | None:
     if not p.is_dir():
         what = "is not a directory" if p.exists() else "does not exist"
         raise ConfigError(f"{option} {path}: {what}: give an existing directory")
+    why = unwritable(p)
+    if why:
+        raise ConfigError(f"{option} {path}: {why}: give a directory you can write on a disk")
     return p
 
 

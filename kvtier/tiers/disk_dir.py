@@ -170,6 +170,19 @@ def slab_held(path: Path) -> int:
     return slab.stat().st_blocks * 512 if slab.is_file() else 0
 
 
+def unwritable(where: Path) -> str | None:
+    """Why files cannot be made in existing directory `where`, or None: it is on a virtual
+    filesystem (/proc), a read-only one, or not writable by this user."""
+    st = os.statvfs(where)
+    if st.f_blocks == 0:              # /proc, /sys: a filesystem with no room for files at all
+        return f"{where} is not on a disk (a virtual filesystem such as /proc)"
+    if st.f_flag & os.ST_RDONLY:
+        return f"{where} is on a read-only filesystem"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{where} is not writable by this user"
+    return None
+
+
 def check_room(path: Path, size: int, held: int | None = None) -> int:
     """Refuse a `size`-byte disk tier at `path` (which may not exist yet) that its filesystem
     has no room for; returns the bytes free there. A slab already there counts with the
@@ -177,11 +190,11 @@ def check_room(path: Path, size: int, held: int | None = None) -> int:
     `kvtier vllm-check` before vLLM starts."""
     where = nearest_existing(path)
     need = size - (slab_held(path) if held is None else held)   # bytes not allocated yet
+    why = unwritable(where) if need > 0 else None     # (a tier already there may be reopened read-only)
+    if why:     # before its free space: a small read-only filesystem is not "too small"
+        raise ConfigError(f"cannot create a disk tier in {path}: {why}; give a directory you can write on a disk")
     st = os.statvfs(where)
     free = st.f_bavail * st.f_frsize
-    if st.f_blocks == 0:              # /proc, /sys: a filesystem with no room for files at all
-        raise ConfigError(f"cannot create a disk tier in {path}: {where} is not on a disk (a "
-                          "virtual filesystem such as /proc); give a directory on a disk")
     if need > free:
         raise TierSizeError(f"not enough free space in {path} for a {format_bytes(size)} disk tier: "
                             f"{format_bytes(free)} is free. Free some space or give the tier less capacity")
