@@ -426,6 +426,17 @@ def test_bench_serve_replays_sessions_completely():
     assert row["mode"] == "affinity" and 0 <= row["hit_ratio"] <= 1 and row["ttft_p50_ms"] > 0
 
 
+def test_bench_serve_says_why_its_requests_failed():
+    """Requests past the server's context (its default cache of 6 MiB) were each lost, and
+    the run exited 1 with a table of 0/4/0 and no word of why (the reason was in --json only)."""
+    r = run_kvtier("bench", "serve", "--modes", "none", "--sessions", "2", "--max-requests", "2",
+                   "--clients", "2", "--max-tokens", "3000", timeout=300)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert "kvtier bench serve: none: 2 of 2 requests failed" in r.stderr, r.stderr
+    assert "maximum context length" in r.stderr
+
+
 def test_bench_serve_routes_two_servers_by_request_or_through_the_router():
     """The affinity effect needs requests spread over servers with and without affinity:
     --route request sends each request to the next server, router goes through `kvtier

@@ -321,6 +321,12 @@ def run(args: argparse.Namespace) -> int:
                           f"(kv {args.kv_cache >> 20} MiB, host {args.host_cache >> 20} MiB)",
          table_columns(args.servers), left=1)
     bad = [r for r in rows if r["lost"] or r["duplicates"] or r["server_exit"] != 0]
+    for r in bad:       # why the run failed, where the table (its counts only) does not say
+        what = f"{r['mode']}" + (f", route {r['route']}" if r["route"] else "")
+        why = [f"{r['lost']} of {r['requests']} requests failed" + (f" ({r['errors'][0]})" if r["errors"] else "")
+               if r["lost"] else "", f"{r['duplicates']} answered twice" if r["duplicates"] else "",
+               f"a server exited with {r['server_exit']}" if r["server_exit"] != 0 else ""]
+        print(f"kvtier bench serve: {what}: " + "; ".join(w for w in why if w), file=sys.stderr)
     return 1 if bad else 0
 
 
