@@ -578,6 +578,19 @@ def test_stop_token_ids_are_taken_once_each_and_at_most_a_bound(plain):
     assert f"at most {MAX_STOP_TOKEN_IDS:,}" in err["message"]
 
 
+def test_a_stop_token_id_past_the_vocabulary_is_refused_before_the_engine():
+    """It reached the engine, which refused it: the client got its 400, but /metrics counted
+    an engine failure (finished_reason="error") for each such request."""
+    svc = _service()
+    client = TestClient(build_app(svc), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stop_token_ids": [3, 512]})
+    err = _error(r, 400, "stop_token_ids", "invalid_value")
+    assert "[0, 512)" in err["message"] and "got 512" in err["message"]
+    assert svc.engine.subs == []
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stop_token_ids": [511]})
+    assert r.status_code == 200 and len(svc.engine.subs) == 1
+
+
 @pytest.mark.parametrize("field,value", [("stop_token_ids", [7] * 100_000 + [-1]), ("stop_token_ids", [None] * 100_000),
                                          ("temperature", [1] * 100_000), ("top_k", "k" * 100_000),
                                          ("model", "m" * 100_000)], ids=["stop-negative", "stop-null", "temperature",
