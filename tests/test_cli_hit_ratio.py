@@ -449,3 +449,16 @@ def test_trace_help_points_to_the_format_docs():
     text = " ".join(run_kvtier("bench", "hit-ratio", "--help").stdout.split())
     assert "docs/traces.md" in text and "'-' reads standard input" in text
     assert (Path(__file__).resolve().parents[1] / "docs" / "traces.md").is_file()
+
+
+def test_the_legend_explains_only_what_the_table_shows(tmp_path):
+    """With one online policy the table has no `*`, no belady row and no `of bound` column,
+    yet the legend explained all three."""
+    p = _mooncake(tmp_path / "t.jsonl")
+    r = run_kvtier("bench", "hit-ratio", str(p), "--policy", "lru", "--capacity", "10%")
+    assert r.returncode == 0, r.stderr
+    legend = r.stdout[r.stdout.index("How to read the table:"):]
+    assert "of bound" not in r.stdout and "belady" not in legend and "  *  " not in legend
+    r = run_kvtier("bench", "hit-ratio", str(p), "--policy", "lru,arc,belady", "--capacity", "10%")
+    legend = r.stdout[r.stdout.index("How to read the table:"):]
+    assert r.returncode == 0 and "of bound" in legend and "belady" in legend and "  *  " in legend

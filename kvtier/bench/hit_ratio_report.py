@@ -26,11 +26,13 @@ How to read the table:
               request's leading run of cached blocks (a prefix cache cannot use a block after a
               miss); higher is better
   token hit   the same share counted in prompt tokens: the prefill work the cache saves
-  *           the best online policy at that capacity (ties at the 4 decimals shown all marked)
+{best}{bound}--json prints every row's figures (evictions and of_bound too) as one JSON object per row."""
+LEGEND_BEST = "  *           the best online policy at that capacity (ties at the 4 decimals shown all marked)\n"
+LEGEND_BOUND = """\
   belady      the offline bound (Belady's MIN evicts the block needed furthest in the future):
               no real cache can do better
   of bound    prefix hit / belady's prefix hit at the same capacity
---json prints every row's figures (evictions and of_bound too) as one JSON object per row."""
+"""
 
 
 @dataclass(slots=True)
@@ -161,4 +163,9 @@ def print_report(runs: Sequence[tuple[Trace, Sequence[Row]]], block_bytes: int |
         for line in notes(tr, mine):
             print(line)
         print()
-    print(LEGEND.format(bytes="  bytes       blocks x the bytes of one block of --layout\n" if block_bytes else ""))
+    # Only the lines for what the tables show: no `*` without two online policies to rank,
+    # no belady or `of bound` without the offline bound among the policies.
+    rows = [row for _, mine in runs for row in mine]
+    print(LEGEND.format(bytes="  bytes       blocks x the bytes of one block of --layout\n" if block_bytes else "",
+                        best=LEGEND_BEST if any(_best(mine) for _, mine in runs) else "",
+                        bound=LEGEND_BOUND if any(r.result.offline for r in rows) else ""))
