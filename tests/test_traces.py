@@ -38,6 +38,8 @@ def test_mooncake_read_and_partial_tail(tmp_path):
     ({"input_length": -1, "hash_ids": []}, "non-negative"),
     ({"input_length": 600, "hash_ids": [0, -1]}, r"hash_ids\[1\] is -1: block ids are integers in \[0, 2\*\*63\)"),
     ({"input_length": 600, "hash_ids": [10**26, 2]}, r"hash_ids\[0\] is 100000000000000000000000000"),
+    ({"input_length": 10}, "'hash_ids' is missing: a Mooncake record needs it$"),     # was "must be a list"
+    ({"tokens": [1, 2, 3]}, "'hash_ids' is missing.*a token-level record: a trace is one format throughout"),
 ])
 def test_mooncake_malformed_line_is_named(tmp_path, bad, msg):
     good = {"timestamp": 0, "input_length": 10, "hash_ids": [0]}

@@ -35,6 +35,10 @@ def parse_mooncake_line(obj: Any, path: str, line: int, block_tokens: int = MOON
     if not isinstance(obj, dict):
         raise TraceError(path, line, f"expected a JSON object, got {type(obj).__name__}")
     ids = obj.get("hash_ids")
+    if ids is None and "hash_ids" not in obj:
+        other = " (a token-level record: a trace is one format throughout, as its first line sets)" \
+            if "tokens" in obj else ""
+        raise TraceError(path, line, f"field 'hash_ids' is missing: a Mooncake record needs it{other}")
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
         raise TraceError(path, line, "field 'hash_ids' must be a list of integer block ids")
     bad = next((i for i, h in enumerate(ids) if not 0 <= h < 1 << 63), None)
