@@ -46,11 +46,22 @@ def fake_kv(keys: list[bytes], block_bytes: int):
 SYSTEM_TOKENS, TURN_BYTES = 1200, 400 * 40
 
 
+# The demo is a few minutes' illustration: about 6 requests a second here (160 sessions x 5
+# turns took 133 s), so past this bound a run would take hours (100,000 sessions: a day).
+MAX_REQUESTS = 10_000
+
+
 def _check_memory(sessions: int, turns: int) -> None:
-    """Refuse, before building them, conversations this machine's memory cannot hold."""
+    """Refuse, before building them, conversations this machine's memory cannot hold, or too
+    many requests for a demonstration."""
     from kvtier.errors import ConfigError
     from kvtier.tiers.memory import memory_available
     from kvtier.units import format_bytes
+
+    if sessions * turns > MAX_REQUESTS:
+        raise ConfigError(f"--sessions {sessions:,} x --turns {turns:,} is {sessions * turns:,} requests; the demo "
+                          f"takes at most {MAX_REQUESTS:,} (about 6 a second here): give fewer, or replay a long "
+                          "trace with `kvtier bench hit-ratio`")
 
     need = sessions * (SYSTEM_TOKENS * 8 + turns * TURN_BYTES)
     avail, _ = memory_available()

@@ -47,6 +47,8 @@ def test_errors_are_one_line_with_a_hint():
     assert_one_line_error(r, 2, "--layout", "kimi-k2")
     r = kvtier("demo", "--capacity", "-5GiB")           # a value, not an unknown option
     assert_one_line_error(r, 2, "--capacity", "'-5GiB' is not a size > 0 bytes")
+    r = kvtier("demo", "--sessions", "100000")          # was taken: about a day's run
+    assert_one_line_error(r, 2, "--sessions 100,000 x --turns 5", "at most 10,000")
     r = kvtier()                                        # no command: the help, then the error line
     assert_one_line_error(r, 2, "give a command")
     assert "bench" in r.stderr and not r.stdout
