@@ -2,6 +2,7 @@
 on the engine's thread, a dropped connection, or a node that refuses everyone."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -167,14 +168,24 @@ def test_a_malformed_holder_address_is_a_miss_logged_once(holder, caplog):
     store.close()
 
 
-def test_the_remote_keeps_a_bounded_number_of_peers_and_closes_those_it_forgets(monkeypatch):
-    monkeypatch.setattr(remote_mod, "MAX_PEERS", 2)
+@contextlib.contextmanager
+def _node_and_remote():
+    """A node serving a store that holds one 4-block prompt, and a remote tier listing it:
+    (keys, node, remote), all closed after."""
     store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
     keys = store.keys([5] * 32)
     store.put(keys, payload(keys, LAYOUT.block_bytes))
     with Node(store, "127.0.0.1:0", SECRET) as node:
         remote = kvtier.Remote([node.address], SECRET, timeout=0.5)
         remote.attach(store.keyer.seed, LAYOUT.block_bytes)
+        yield keys, node, remote
+        remote.close()
+    store.close()
+
+
+def test_the_remote_keeps_a_bounded_number_of_peers_and_closes_those_it_forgets(monkeypatch):
+    monkeypatch.setattr(remote_mod, "MAX_PEERS", 2)
+    with _node_and_remote() as (keys, node, remote):
         assert remote._ask(node.address, keys) == 4
         first = remote.client(node.address, lookup=True)
         assert first._chan is not None                           # a kept connection
@@ -184,20 +195,13 @@ def test_the_remote_keeps_a_bounded_number_of_peers_and_closes_those_it_forgets(
         assert len(remote._health) <= 2
         assert first._chan is None                               # the forgotten client was closed
         assert remote._ask(node.address, keys) == 4              # and a peer forgotten is found again
-        remote.close()
-    store.close()
 
 
 def test_a_closed_client_refuses_later_calls_without_connecting_or_blaming_the_peer():
     """A remote tier closes the clients it forgets while another thread may still hold one:
     a later call on it opened a connection (over UCX: took a hold on the UCX runtime) that
     nobody would close. Now it is a miss that does not mark the peer down."""
-    store = kvtier.Store(LAYOUT, [kvtier.HostTier(blocks=8)], NS)
-    keys = store.keys([5] * 32)
-    store.put(keys, payload(keys, LAYOUT.block_bytes))
-    with Node(store, "127.0.0.1:0", SECRET) as node:
-        remote = kvtier.Remote([node.address], SECRET, timeout=0.5)
-        remote.attach(store.keyer.seed, LAYOUT.block_bytes)
+    with _node_and_remote() as (keys, node, remote):
         held = remote.client(node.address)
         assert held.has(keys) == 4 and held._chan is not None
         held.close()                                             # as an eviction by another thread does
@@ -206,8 +210,6 @@ def test_a_closed_client_refuses_later_calls_without_connecting_or_blaming_the_p
         assert e.value.busy and "closed" in e.value.reason
         assert held._chan is None                                # no connection opened
         assert not remote.health(node.address).down              # not the peer's fault
-        remote.close()
-    store.close()
 
 
 # -- 4. the replay table and clocks ahead ------------------------------------------------------
