@@ -58,17 +58,16 @@ def _check_memory(sessions: int, turns: int) -> None:
     from kvtier.tiers.memory import memory_available
     from kvtier.units import format_bytes
 
-    if sessions * turns > MAX_REQUESTS:
-        raise ConfigError(f"--sessions {sessions:,} x --turns {turns:,} is {sessions * turns:,} requests; the demo "
-                          f"takes at most {MAX_REQUESTS:,} (about 6 a second here): give fewer, or replay a long "
-                          "trace with `kvtier bench hit-ratio`")
-
     need = sessions * (SYSTEM_TOKENS * 8 + turns * TURN_BYTES)
     avail, _ = memory_available()
     if avail is not None and need > avail / 2:
         raise ConfigError(f"{sessions:,} sessions x {turns:,} turns keep about {format_bytes(need)} of conversation "
                           f"in memory, more than half of the {format_bytes(avail)} available: give fewer --sessions "
                           "or --turns")
+    if sessions * turns > MAX_REQUESTS:
+        raise ConfigError(f"--sessions {sessions:,} x --turns {turns:,} is {sessions * turns:,} requests; the demo "
+                          f"takes at most {MAX_REQUESTS:,} (about 6 a second here): give fewer, or replay a long "
+                          "trace with `kvtier bench hit-ratio`")
 
 
 def run(args: argparse.Namespace) -> int:
