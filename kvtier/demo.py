@@ -51,7 +51,7 @@ SYSTEM_TOKENS, TURN_BYTES = 1200, 400 * 40
 MAX_REQUESTS = 10_000
 
 
-def _check_memory(sessions: int, turns: int) -> None:
+def _check_size(sessions: int, turns: int) -> None:
     """Refuse, before building them, conversations this machine's memory cannot hold, or too
     many requests for a demonstration."""
     from kvtier.errors import ConfigError
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity {format_bytes(args.capacity)} is smaller than one block of {args.layout} "
                           f"at --block-tokens {args.block_tokens} ({format_bytes(layout.block_bytes)}): give at "
                           "least that much (the default 1GiB runs the default sessions and turns)")
-    _check_memory(args.sessions, args.turns)
+    _check_size(args.sessions, args.turns)
     quiet_threads()
     show = not args.json
 

@@ -228,10 +228,7 @@ class LLM:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab}) for this model")
-        past = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if past is not None:
-            raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab}) for this model (one past it could "
-                              f"never be generated), got {past}")
+        params.check_vocab(vocab)
         limit = self.config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -99,6 +99,14 @@ class SamplingParams:
         if k is not None and (not _is_int(k) or k < 0):
             raise ConfigError(f"num_speculative_tokens must be None (the engine's) or an int >= 0 (0 = off), got {k!r}")
 
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse stop ids a model with `vocab` tokens could never generate (the engine checks
+        at submission; a server before it, so the refusal is not an engine failure)."""
+        past = next((t for t in self.stop_token_ids if t >= vocab), None)
+        if past is not None:
+            raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab}) for this model (one past it could "
+                              f"never be generated), got {past}")
+
     @property
     def greedy(self) -> bool:
         """Temperatures below SAMPLING_EPS are greedy too: dividing float32 logits by them

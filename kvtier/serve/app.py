@@ -183,15 +183,12 @@ class Service:
             raise P.bad(f"this model's maximum context length is {limit} tokens{why}; the request asks for "
                         f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt, {max(max_tokens, 1)} to "
                         f"generate): {fix}", param, "context_length_exceeded")
-        vocab = self.llm.config.vocab_size
-        past = next((t for t in req.stop_token_ids if t >= vocab), None)
-        if past is not None:    # here, not in the engine: a 400 is not an engine failure in /metrics
-            raise P.bad(f"stop_token_ids must be token ids in [0, {vocab}) for this model (one past it could "
-                        f"never be generated), got {past}", "stop_token_ids")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+            params.check_vocab(self.llm.config.vocab_size)   # here: a 400 is not an engine failure in /metrics
+            return params
         except ConfigError as e:
             raise P.bad(str(e), P.sampling_param(str(e))) from None
 
